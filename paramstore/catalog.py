@@ -1,0 +1,139 @@
+"""The catalog: which models and versions exist, and publishing a new version.
+
+Manifests are replicated to every location (``models/<name>/v000001.json``).
+Publishing claims version N by an exclusive create on the *arbiter* (the first
+location): local ``os.link``, S3 ``If-None-Match: *``. Losing the race moves to
+N+1, so two concurrent imports of one name make two versions, never a torn one.
+After the claim the manifest is copied to the other locations; a reader takes
+the first copy that passes its hash/HMAC check, so a partial copy-out is harmless
+(``repair`` completes it).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from .config import validate_name
+from .errors import ConflictRetry, IntegrityError, LocationUnavailable, NotFound
+from .locations import Location
+from .manifest import Manifest, manifest_path, parse_manifest_path
+
+MAX_CLAIMS = 64
+
+
+class Catalog:
+    def __init__(self, locations: list[Location], key: bytes | None, pool: ThreadPoolExecutor):
+        self.locations = locations
+        self.key = key
+        self.pool = pool
+
+    def _listing(self, prefix: str = "models") -> dict[tuple[str, int], list[Location]]:
+        found: dict[tuple[str, int], list[Location]] = {}
+
+        def ls(loc: Location):
+            try:
+                return loc, loc.list(prefix)
+            except OSError:
+                return loc, []
+
+        for loc, rels in self.pool.map(ls, self.locations):
+            for rel in rels:
+                parsed = parse_manifest_path(rel)
+                if parsed:
+                    found.setdefault(parsed, []).append(loc)
+        return found
+
+    def models(self) -> dict[str, list[int]]:
+        """name -> sorted versions."""
+        out: dict[str, list[int]] = {}
+        for name, version in self._listing():
+            out.setdefault(name, []).append(version)
+        return {n: sorted(v) for n, v in sorted(out.items())}
+
+    def versions(self, name: str) -> list[int]:
+        validate_name(name)
+        return sorted(v for (n, v) in self._listing(f"models/{name}") if n == name)
+
+    def load(self, name: str, version: int | None = None) -> Manifest:
+        """A verified manifest: the pinned version, or the latest."""
+        versions = self.versions(name)
+        if not versions:
+            raise NotFound(f"model {name!r} not found in the store")
+        if version is None:
+            version = versions[-1]
+        elif version not in versions:
+            raise NotFound(f"model {name}@v{version} not found (versions: {', '.join(f'v{v}' for v in versions)})")
+        return self.read(name, version)
+
+    def read(self, name: str, version: int) -> Manifest:
+        rel = manifest_path(name, version)
+        errors = []
+        for loc in self.locations:
+            try:
+                raw = loc.get(rel)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                errors.append(f"{loc.url}: {e}")
+                continue
+            try:
+                m = Manifest.from_json(raw, self.key, where=f"{name}@v{version} on {loc.url}")
+            except IntegrityError as e:
+                errors.append(str(e))
+                continue
+            if m.name != name or m.version != version:
+                errors.append(f"{loc.url}: manifest names {m.ref}, expected {name}@v{version}")
+                continue
+            return m
+        if errors:
+            raise IntegrityError(f"no valid copy of {name}@v{version}: " + "; ".join(errors))
+        raise NotFound(f"model {name}@v{version} not found")
+
+    def publish(self, manifest: Manifest) -> Manifest:
+        """Assign the next free version and write the manifest last; returns it with its version."""
+        arbiter = self.locations[0]
+        version = max(self.versions(manifest.name), default=0) + 1
+        for _ in range(MAX_CLAIMS):
+            manifest.version = version
+            raw = manifest.to_json(self.key)
+            try:
+                claimed = arbiter.put_exclusive(manifest_path(manifest.name, version), raw)
+            except OSError as e:
+                raise LocationUnavailable(f"cannot publish on {arbiter.url}: {e}") from None
+            if claimed:
+                rel = manifest_path(manifest.name, version)
+                list(self.pool.map(lambda loc: _try_put(loc, rel, raw), self.locations[1:]))
+                return manifest
+            version += 1
+        raise ConflictRetry(f"could not claim a version of {manifest.name} after {MAX_CLAIMS} tries")
+
+    def replicate(self, manifest: Manifest) -> int:
+        """Copy a manifest to every location that lacks it; returns copies written."""
+        rel = manifest_path(manifest.name, manifest.version)
+        raw = manifest.to_json(self.key)
+        missing = [loc for loc in self.locations if loc.size(rel) is None]
+        return sum(self.pool.map(lambda loc: _try_put(loc, rel, raw), missing))
+
+    def delete(self, name: str, version: int) -> None:
+        rel = manifest_path(name, version)
+        # arbiter last: the version number stays claimed until every copy is gone
+        for loc in self.locations[1:] + self.locations[:1]:
+            loc.remove(rel)
+
+    def all_manifests(self) -> list[Manifest]:
+        out = []
+        for name, versions in self.models().items():
+            for v in versions:
+                try:
+                    out.append(self.read(name, v))
+                except (IntegrityError, NotFound):
+                    continue
+        return out
+
+
+def _try_put(loc: Location, rel: str, raw: bytes) -> bool:
+    try:
+        loc.put(rel, raw)
+        return True
+    except OSError:
+        return False

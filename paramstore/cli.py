@@ -1,0 +1,280 @@
+"""`paramstore`: the admin CLI of the parameter store.
+
+    paramstore [--store URL ...] [--config FILE] [--hmac-key-file F] COMMAND ...
+    import SRC --name NAME [--dtype int8|bf16|fp32] [--k 8 --m 3] [--shard-mb 128]
+    ls | show REF | verify REF [--deep] | repair REF | rm REF | gc [--grace S] | warm REF | stats
+
+Every listing takes --json. Exit 0 on success; on error one line on stderr and
+exit 2 (bad input, not found, integrity) or 1 (anything unexpected); never a
+traceback unless PDSERVE_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tomllib
+
+from .config import DEFAULT_ROOT, StoreConfig
+from .errors import StoreError
+
+EXIT_USAGE, EXIT_FAIL, EXIT_UNHEALTHY = 2, 1, 3
+
+
+def _store_config(args, k: int | None = None, m: int | None = None) -> StoreConfig:
+    """--store/--config/env -> StoreConfig; the local default when nothing is given."""
+    file_cfg: dict = {}
+    path = args.config or os.environ.get("PARAMSTORE_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                file_cfg = tomllib.load(f).get("store", {})
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise SystemExit(_fail(f"cannot read config {path}: {e}"))
+    key = None
+    key_file = args.hmac_key_file or file_cfg.get("hmac_key_file")
+    if key_file:
+        try:
+            key = open(key_file, "rb").read().strip()
+        except OSError as e:
+            raise SystemExit(_fail(f"cannot read HMAC key file {key_file}: {e}"))
+    k = k if k is not None else int(file_cfg.get("k", 8))
+    m = m if m is not None else int(file_cfg.get("m", 3))
+    kw = dict(k=k, m=m, hmac_key=key, storage_options=file_cfg.get("storage_options", {}))
+    if "shard_mb" in file_cfg:
+        kw["shard_bytes"] = int(float(file_cfg["shard_mb"]) * 2**20)
+    locations = args.store or file_cfg.get("locations")
+    if locations:
+        return StoreConfig(locations=list(locations), **kw)
+    return StoreConfig.local_default(file_cfg.get("root", DEFAULT_ROOT), **kw)
+
+
+def _fail(msg: str) -> int:
+    print(f"paramstore: error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _bar(total: int, desc: str, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="it", file=sys.stderr, disable=quiet or None, leave=False)
+
+
+def cmd_import(store, args) -> int:
+    from .sources import open_source
+
+    source = open_source(args.src)  # validate before anything is written
+    bar = _bar(len(source.tensor_names), f"import {args.name}", args.quiet)
+    res = store.import_model(source, args.name, args.dtype, progress=lambda d, t: bar.update(d - bar.n))
+    bar.close()
+    m = res.manifest
+    out = {"model": m.ref, "dtype": m.dtype, "shards": len(m.shards), "model_bytes": m.model_bytes,
+           "stored_bytes": m.stored_bytes, "codec": f"zfec k={m.k} m={m.m}", "seconds": round(res.seconds, 3),
+           "quant_error": res.quant_error}  # fmt: skip
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"imported {m.ref}: {len(m.shards)} shards, {_human(m.model_bytes)} model, "
+          f"{_human(m.stored_bytes)} stored (zfec {m.k}+{m.m}), {res.seconds:.2f} s")  # fmt: skip
+    q = res.quant_error
+    if q:
+        print(f"int8 quantization: {q['tensors']} tensors, relative RMS error {q['rel_rmse']:.4%}, "
+              f"max abs error {q['max_abs_err']:.3g}, worst {q['worst_tensor']} ({q['worst_rel_rmse']:.4%})")  # fmt: skip
+    return 0
+
+
+def cmd_ls(store, args) -> int:
+    rows = []
+    for name, versions in store.models().items():
+        m = store.manifest(f"{name}@v{versions[-1]}")
+        rows.append({"name": name, "versions": [f"v{v}" for v in versions], "latest": m.ref, "dtype": m.dtype,
+                     "model_bytes": m.model_bytes, "shards": len(m.shards)})  # fmt: skip
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    elif not rows:
+        print("(no models)")
+    else:
+        print(f"{'NAME':24} {'LATEST':10} {'DTYPE':6} {'SIZE':>10} {'SHARDS':>6}  VERSIONS")
+        for r in rows:
+            print(f"{r['name']:24} {r['latest'].split('@')[1]:10} {r['dtype']:6} {_human(r['model_bytes']):>10} "
+                  f"{r['shards']:>6}  {','.join(r['versions'])}")  # fmt: skip
+    return 0
+
+
+def cmd_show(store, args) -> int:
+    m = store.manifest(args.ref)
+    health = {h.shard: h for h in store.verify(args.ref)}
+    shards = [{"shard": s.name, "kind": s.kind, "layers": s.layers, "tensors": len(s.tensors), "bytes": s.size,
+               "fragment_bytes": s.fragment_size, "digest": f"{m.digest}:{s.digest}",
+               "placement": [m.locations[f.location] for f in s.fragments],
+               "health": health[s.name].status, "bad": health[s.name].bad} for s in m.shards]  # fmt: skip
+    cfg = m.config
+    info = {"model": m.ref, "created": m.created, "dtype": m.dtype, "quant": m.quant, "codec": f"zfec k={m.k} m={m.m}",
+            "digest": m.digest, "model_bytes": m.model_bytes, "stored_bytes": m.stored_bytes,
+            "config": cfg, "source": m.source, "locations": m.locations, "shards": shards}  # fmt: skip
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"{m.ref}  {cfg.get('architectures', ['?'])[0]}  layers={cfg.get('num_hidden_layers')} "
+          f"hidden={cfg.get('hidden_size')} heads={cfg.get('num_attention_heads')}/{cfg.get('num_key_value_heads')} "
+          f"vocab={cfg.get('vocab_size')}")  # fmt: skip
+    print(f"dtype {m.dtype}{' (' + m.quant['scheme'] + ')' if m.quant else ''}; codec zfec k={m.k} m={m.m}; "
+          f"{_human(m.model_bytes)} model, {_human(m.stored_bytes)} stored on {len(m.locations)} locations")  # fmt: skip
+    print(f"{'SHARD':14} {'LAYERS':12} {'SIZE':>10} {'FRAG':>10}  HEALTH")
+    for s in shards:
+        layers = ",".join(map(str, s["layers"])) if s["layers"] else "-"
+        layers = layers if len(layers) <= 12 else layers[:11] + "…"
+        print(f"{s['shard']:14} {layers:12} {_human(s['bytes']):>10} {_human(s['fragment_bytes']):>10}  {s['health']}")
+    return 0
+
+
+def _print_health(report, args) -> int:
+    rows = [h.as_dict() for h in report]
+    counts = {st: sum(r["status"] == st for r in rows) for st in ("ok", "degraded", "unrecoverable")}
+    if args.json:
+        print(json.dumps({"summary": counts, "shards": rows}, indent=1))
+    else:
+        for r in rows:
+            if r["status"] != "ok" or r.get("repaired"):
+                where = "; ".join(f"f{b['fragment']}@{b['location']}: {b['reason']}" for b in r["bad"])
+                extra = f" (rebuilt {r['repaired']})" if r.get("repaired") else ""
+                print(f"{r['shard']}: {r['status']}{extra}: {where}")
+        print(f"{counts['ok']} ok, {counts['degraded']} degraded, {counts['unrecoverable']} unrecoverable")
+    return EXIT_UNHEALTHY if counts["unrecoverable"] else 0
+
+
+def cmd_verify(store, args) -> int:
+    m = store.manifest(args.ref)
+    bar = _bar(len(m.shards), f"verify {m.ref}", args.quiet)
+    report = store.verify(args.ref, deep=args.deep, progress=lambda: bar.update(1))
+    bar.close()
+    rc = _print_health(report, args)
+    return rc or (EXIT_UNHEALTHY if any(h.status != "ok" for h in report) else 0)
+
+
+def cmd_repair(store, args) -> int:
+    m = store.manifest(args.ref)
+    bar = _bar(len(m.shards), f"repair {m.ref}", args.quiet)
+    report = store.repair(args.ref, progress=lambda: bar.update(1))
+    bar.close()
+    return _print_health(report, args)
+
+
+def cmd_rm(store, args) -> int:
+    removed = store.remove(args.ref)
+    print(json.dumps({"removed": removed}) if args.json else f"removed {', '.join(removed)} (fragments go at gc)")
+    return 0
+
+
+def cmd_gc(store, args) -> int:
+    out = store.gc(grace_s=args.grace)
+    print(json.dumps(out) if args.json else
+          f"removed {out['removed']} orphan objects ({_human(out['bytes_freed'])}); kept {out['kept_young']} younger than {args.grace:g} s")  # fmt: skip
+    return 0
+
+
+def cmd_warm(store, args) -> int:
+    from .cache import CacheConfig, NodeCache
+
+    cache = NodeCache(CacheConfig(dir=args.cache_dir, disk_bytes=int(args.disk_gb * 2**30), memory_bytes=0))
+    m = store.manifest(args.ref)
+    bar = _bar(len(m.shards), f"warm {m.ref}", args.quiet)
+    out = store.warm(args.ref, cache, progress=lambda: bar.update(1))
+    bar.close()
+    out["cache_dir"] = args.cache_dir
+    print(json.dumps(out) if args.json else
+          f"warmed {out['model']} into {args.cache_dir}: {out['shards']} shards, {out['already_cached']} already cached, {out['seconds']:.2f} s")  # fmt: skip
+    return 0
+
+
+def cmd_stats(store, args) -> int:
+    out = store.stats()
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{out['models']} models, {out['versions']} versions")
+    for loc in out["locations"]:
+        state = f"{loc['fragments']} fragments, {_human(loc['bytes'])}" if loc["ok"] else f"DOWN: {loc['error']}"
+        print(f"  {loc['url']}: {state}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paramstore", description="Admin CLI of the pdserve parameter store")
+    p.add_argument("--store", action="append", metavar="URL", help="a location URL (repeat for each); default: "
+                   f"k+m local directories under {DEFAULT_ROOT}")  # fmt: skip
+    p.add_argument("--config", metavar="FILE", help="TOML file with a [store] table (or $PARAMSTORE_CONFIG)")
+    p.add_argument("--hmac-key-file", metavar="FILE", help="sign manifests on write and require signatures on read")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add(name, fn, help_, json_=True):
+        sp = sub.add_parser(name, help=help_)
+        sp.set_defaults(fn=fn)
+        if json_:
+            sp.add_argument("--json", action="store_true", help="machine-readable output")
+        return sp
+
+    sp = add("import", cmd_import, "import an HF folder or a GGUF file as a new version")
+    sp.add_argument("src")
+    sp.add_argument("--name", required=True)
+    sp.add_argument("--dtype", default="int8", choices=["int8", "bf16", "fp32"])
+    sp.add_argument("--k", type=int, default=None, help="data fragments per shard (default 8)")
+    sp.add_argument("--m", type=int, default=None, help="parity fragments per shard (default 3)")
+    sp.add_argument("--shard-mb", type=float, default=None, help="target shard size in MiB (default 128)")
+    add("ls", cmd_ls, "list models and versions")
+    for name, fn, help_ in (("show", cmd_show, "config, shards, placement and health of a model"),
+                            ("repair", cmd_repair, "rebuild lost or corrupt fragments"),
+                            ("rm", cmd_rm, "delete NAME@vN (or every version of NAME)")):  # fmt: skip
+        add(name, fn, help_).add_argument("ref", metavar="NAME[@vN]")
+    sp = add("verify", cmd_verify, "check fragments (--deep: read, hash and decode every shard)")
+    sp.add_argument("ref", metavar="NAME[@vN]")
+    sp.add_argument("--deep", action="store_true")
+    sp = add("gc", cmd_gc, "delete fragments no manifest references")
+    sp.add_argument("--grace", type=float, default=3600.0, help="keep orphans younger than this (s)")
+    sp = add("warm", cmd_warm, "pre-stage a model into a node-local cache")
+    sp.add_argument("ref", metavar="NAME[@vN]")
+    sp.add_argument("--cache-dir", default="./.pdserve/cache")
+    sp.add_argument("--disk-gb", type=float, default=16.0)
+    add("stats", cmd_stats, "fragments and bytes per location")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "import":
+            cfg = _store_config(args, args.k, args.m)
+            if args.shard_mb is not None:
+                cfg.shard_bytes = int(args.shard_mb * 2**20)
+                cfg.__post_init__()
+        else:
+            cfg = _store_config(args)
+        from .store import ParamStore
+
+        with ParamStore(cfg) as store:
+            return args.fn(store, args)
+    except StoreError as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        print("paramstore: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one line, never a traceback (unless debugging)
+        if os.environ.get("PDSERVE_DEBUG"):
+            raise
+        print(f"paramstore: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAIL
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""Import: checkpoint -> INT8 (or bf16/fp32) -> layer-aligned shards -> erasure-coded fragments -> manifest.
+
+Lifecycle of one import:
+ 1. validate everything that can be checked before writing (name, codec, locations, source headers);
+ 2. stream tensors in load order (embed, blocks, head), convert to the storage dtype, cut shards;
+ 3. per shard: pack to safetensors, digest it, pad, zfec-encode, hash every fragment with xxh3,
+    write fragment i to its location (placement rotates per shard by digest) — fragments are
+    content-addressed, so they are invisible until a manifest names them;
+ 4. check every fragment landed (size), then publish the manifest last by exclusive create
+    (``Catalog.publish``). A crash before step 4 leaves only orphans, which ``gc`` removes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from . import metrics
+from .codec import ErasureCodec
+from .config import StoreConfig, validate_name
+from .errors import InvalidRequest, LocationUnavailable
+from .integrity import fragment_hash, shard_digest
+from .locations import Location
+from .manifest import FragmentRef, Manifest, ShardInfo
+from .quant import SCALE_SUFFIX, SCHEME, QuantErrorSummary, quantize_int8, should_quantize
+from .shards import ShardPlan, cut_shards, pack, pack_files
+from .sources import ModelSource, layer_of
+
+DTYPES = {"int8": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def placement(digest: str, n: int, num_locations: int) -> list[int]:
+    """Location index of each of the n fragments: a rotation chosen by the digest (hash order)."""
+    offset = int(digest[:8], 16) % num_locations
+    return [(offset + i) % num_locations for i in range(n)]
+
+
+def load_order(names: list[str]) -> list[str]:
+    """Embedding first, blocks in numeric order, then final norm and head."""
+
+    def key(n: str):
+        layer = layer_of(n)
+        if layer is not None:
+            return (1, layer, n)
+        return (0, 0, n) if "embed_tokens" in n else (2, 0, n)
+
+    return sorted(names, key=key)
+
+
+class ShardWriter:
+    """Encodes shards and writes their fragments to the store's locations."""
+
+    def __init__(self, config: StoreConfig, locations: list[Location], pool: ThreadPoolExecutor):
+        self.config = config
+        self.locations = locations
+        self.codec = ErasureCodec(config.k, config.m)
+        self.pool = pool
+        self.written: list[tuple[Location, str]] = []
+
+    def write(self, index: int, kind: str, layers: list[int], tensors: list[str], blob: bytes) -> ShardInfo:
+        cfg = self.config
+        digest = shard_digest(cfg.digest, blob)
+        frag = self.codec.fragment_size(len(blob))
+        buf = bytearray(self.codec.padded_size(len(blob)))
+        buf[: len(blob)] = blob
+        fragments = self.codec.encode(memoryview(buf), frag)
+        places = placement(digest, cfg.n, len(self.locations))
+        info = ShardInfo(index, kind, digest, len(blob), frag, list(layers), list(tensors))
+        futures = []
+        for i, (blk, loc_idx) in enumerate(zip(fragments, places)):
+            info.fragments.append(FragmentRef(i, loc_idx, fragment_hash(blk)))
+            loc = self.locations[loc_idx]
+            rel = info.fragment_path(cfg.k, cfg.n, i)
+            futures.append(self.pool.submit(self._put, loc, rel, blk))
+        for f in futures:
+            f.result()
+        return info
+
+    def _put(self, loc: Location, rel: str, blk) -> None:
+        try:
+            loc.put(rel, blk)
+        except OSError as e:
+            raise LocationUnavailable(f"write to {loc.url} failed: {e}") from None
+        self.written.append((loc, rel))
+        metrics.BYTES_WRITTEN.labels(loc.url).inc(len(blk))
+
+    def check_landed(self, shards: list[ShardInfo]) -> None:
+        """Every fragment exists with the right size (a concurrent gc must not have taken it)."""
+        for s in shards:
+            for fr in s.fragments:
+                rel = s.fragment_path(self.config.k, self.config.n, fr.index)
+                if self.locations[fr.location].size(rel) != s.fragment_size:
+                    raise LocationUnavailable(f"fragment {rel} missing on {self.locations[fr.location].url} before publish")
+
+
+def convert(name: str, t: torch.Tensor, dtype: str, summary: QuantErrorSummary) -> dict[str, torch.Tensor]:
+    """One source tensor -> the stored tensor(s): int8 + scale for 2-D weights, else cast."""
+    if dtype == "int8" and should_quantize(name, t):
+        q, scale = quantize_int8(t)
+        summary.add(name, t, q, scale)
+        return {name: q, name + SCALE_SUFFIX: scale}
+    if t.is_floating_point():
+        target = DTYPES[dtype]
+        if target is None:  # int8 import: norms and vectors keep their dtype (fp32 from GGUF)
+            return {name: t.contiguous()}
+        return {name: t.to(target).contiguous()}
+    return {name: t.contiguous()}
+
+
+def build_manifest(
+    config: StoreConfig,
+    locations: list[Location],
+    pool: ThreadPoolExecutor,
+    source: ModelSource,
+    name: str,
+    dtype: str = "int8",
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Manifest, QuantErrorSummary, ShardWriter]:
+    """Steps 2-3 of the lifecycle: write every shard; return the (unpublished) manifest."""
+    validate_name(name)
+    if dtype not in DTYPES:
+        raise InvalidRequest(f"invalid dtype {dtype!r}: int8, bf16 or fp32")
+    writer = ShardWriter(config, locations, pool)
+    summary = QuantErrorSummary()
+    names = load_order(source.tensor_names)
+    total = len(names)
+    done = 0
+
+    def converted():
+        nonlocal done
+        for n in names:
+            yield from convert(n, source.load_tensor(n), dtype, summary).items()
+            done += 1
+            if progress:
+                progress(done, total)
+
+    meta = {"dtype": dtype, "scheme": SCHEME if dtype == "int8" else "none"}
+    shards: list[ShardInfo] = []
+    bundle = pack_files(source.files)
+    shards.append(writer.write(0, "bundle", [], [f"file/{n}" for n in source.files], bundle))
+    for plan in cut_shards(converted(), config.shard_bytes):
+        shards.append(_write_plan(writer, len(shards), plan, meta))
+    manifest = Manifest(
+        name=name,
+        version=0,  # assigned at publish
+        created=time.time(),
+        dtype=dtype,
+        quant={"scheme": SCHEME, "scale_suffix": SCALE_SUFFIX, "scale_dtype": "float32"} if dtype == "int8" else None,
+        config=source.config,
+        k=config.k,
+        m=config.m,
+        digest=config.digest,
+        locations=[loc.url for loc in locations],
+        shards=shards,
+        source={"format": source.source_format, "quant_error": summary.as_dict() if dtype == "int8" else None},
+    )
+    return manifest, summary, writer
+
+
+def _write_plan(writer: ShardWriter, index: int, plan: ShardPlan, meta: dict[str, str]) -> ShardInfo:
+    blob = pack(plan, meta)
+    return writer.write(index, plan.kind, plan.layers, list(plan.tensors), blob)

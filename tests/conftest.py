@@ -1,0 +1,106 @@
+"""Shared fixtures: tiny random Llama checkpoints (HF layout) and store configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+
+def tiny_llama_config(layers: int = 4, hidden: int = 64, ffn: int = 128, heads: int = 4, kv_heads: int = 2,
+                      vocab: int = 256, tied: bool = False) -> dict:  # fmt: skip
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+
+
+def tiny_llama_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    t = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": 1 + w(h)}
+    if not cfg["tie_word_embeddings"]:
+        t["lm_head.weight"] = w(v, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t |= {
+            p + "self_attn.q_proj.weight": w(q, h),
+            p + "self_attn.k_proj.weight": w(kv, h),
+            p + "self_attn.v_proj.weight": w(kv, h),
+            p + "self_attn.o_proj.weight": w(h, q),
+            p + "mlp.gate_proj.weight": w(f, h),
+            p + "mlp.up_proj.weight": w(f, h),
+            p + "mlp.down_proj.weight": w(h, f),
+            p + "input_layernorm.weight": 1 + w(h),
+            p + "post_attention_layernorm.weight": 1 + w(h),
+        }
+    return t
+
+
+def write_hf_folder(path, cfg: dict, tensors: dict[str, torch.Tensor], files: int = 2) -> str:
+    """An HF checkpoint folder: config.json, sharded safetensors, a tokenizer_config.json."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    names = sorted(tensors)
+    per = -(-len(names) // files)
+    for i in range(files):
+        chunk = {n: tensors[n].contiguous() for n in names[i * per : (i + 1) * per]}
+        if chunk:
+            save_file(chunk, os.path.join(path, f"model-{i + 1:05d}-of-{files:05d}.safetensors"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}, f)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """(folder, config, tensors) of a tiny random Llama in HF layout."""
+    cfg = tiny_llama_config()
+    tensors = tiny_llama_tensors(cfg)
+    folder = write_hf_folder(tmp_path_factory.mktemp("tiny-llama"), cfg, tensors)
+    return folder, cfg, tensors
+
+
+@pytest.fixture
+def memory_store_config():
+    """A StoreConfig over 6 fresh memory:// locations with k=4, m=2 and small shards."""
+    from paramstore import StoreConfig
+
+    root = uuid.uuid4().hex[:8]
+    return StoreConfig(locations=[f"memory://{root}/loc{i}" for i in range(6)], k=4, m=2, shard_bytes=64 * 1024)
+
+
+@pytest.fixture
+def local_store_config(tmp_path):
+    from paramstore import StoreConfig
+
+    return StoreConfig.local_default(str(tmp_path / "store"), k=4, m=2, shard_bytes=64 * 1024)
