@@ -57,11 +57,6 @@ class StoreConfig:
         self.locations = [normalize_url(u) for u in self.locations]
         if len(set(self.locations)) != len(self.locations):
             raise InvalidRequest("store locations must be distinct")
-        if len(self.locations) < self.k + self.m:
-            raise InvalidRequest(
-                f"k+m={self.k + self.m} fragments need at least {self.k + self.m} distinct locations, "
-                f"got {len(self.locations)}"
-            )
         if self.shard_bytes < 4096:
             raise InvalidRequest(f"invalid shard size {self.shard_bytes}: at least 4096 bytes")
         if self.digest not in ("blake3", "sha256"):
@@ -70,6 +65,13 @@ class StoreConfig:
     @property
     def n(self) -> int:
         return self.k + self.m
+
+    def check_writable(self) -> None:
+        """Imports need k+m distinct locations (reads of existing models do not)."""
+        if len(self.locations) < self.n:
+            raise InvalidRequest(
+                f"k+m={self.n} fragments need at least {self.n} distinct locations, got {len(self.locations)}"
+            )
 
     @classmethod
     def local_default(cls, root: str = DEFAULT_ROOT, k: int = 8, m: int = 3, **kw) -> "StoreConfig":

@@ -219,6 +219,53 @@ class FsspecLocation(Location):
             pass
 
 
+class AlluxioLocation(FsspecLocation):
+    """alluxiofs turns every failure into a bare ``Exception("fallback to ufs is failed")``.
+
+    We ask ``exists`` first so absence stays a FileNotFoundError, and re-raise
+    anything else as OSError so callers keep their retry-vs-give-up semantics.
+    """
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001 - alluxiofs raises bare Exception
+            raise OSError(f"alluxio: {e}") from None
+
+    def _exists(self, rel: str) -> bool:
+        return bool(self._call(self.fs.exists, self._p(rel)))
+
+    def put(self, rel, data):
+        self._call(super().put, rel, data)
+
+    def put_exclusive(self, rel, data):
+        with self._create_lock:  # no conditional put through alluxiofs: exclusive within one process
+            if self._exists(rel):
+                return False
+            self.put(rel, data)
+            return True
+
+    def get(self, rel):
+        if not self._exists(rel):
+            raise FileNotFoundError(rel)
+        return self._call(super().get, rel)
+
+    def size(self, rel):
+        return self._call(super().size, rel) if self._exists(rel) else None
+
+    def mtime(self, rel):
+        return self._call(super().mtime, rel) if self._exists(rel) else None
+
+    def list(self, prefix):
+        return self._call(super().list, prefix) if self._exists(prefix) else []
+
+    def remove(self, rel):
+        if self._exists(rel):
+            self._call(super().remove, rel)
+
+
 def _open_s3(url: str, options: dict) -> Location:
     import s3fs
 
@@ -247,7 +294,7 @@ def _open_alluxio(url: str, options: dict) -> Location:
     ufs = scheme.split("+", 1)[1] if "+" in scheme else "file"
     opts = dict(options)
     test_options = {"skip_alluxio": True} if opts.pop("skip_alluxio", False) else {}
-    target_options = opts.pop("target_options", {})
+    target_options = opts.pop("target_options", {"auto_mkdir": True} if ufs == "file" else {})
     fs = AlluxioFileSystem(
         target_protocol=ufs,
         target_options=target_options,
@@ -257,7 +304,7 @@ def _open_alluxio(url: str, options: dict) -> Location:
         **opts,
     )
     root = ("/" + rest.lstrip("/")) if ufs == "file" else f"{ufs}://{rest}"
-    return FsspecLocation(url, fs, root)
+    return AlluxioLocation(url, fs, root)
 
 
 _BACKENDS: dict[str, Callable[[str, dict], Location]] = {

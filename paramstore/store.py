@@ -61,6 +61,7 @@ class ParamStore:
         """Import a checkpoint as a new version of `name` (see writer's lifecycle)."""
         t0 = time.perf_counter()
         parse_ref(name)  # validates before anything is read or written
+        self.config.check_writable()
         if "@" in name:
             raise InvalidRequest(f"import takes a model name, not a version: {name!r}")
         if dtype not in _writer.DTYPES:
