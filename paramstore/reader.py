@@ -93,8 +93,8 @@ class ModelReader:
         if self.cache is not None:
             state = {}
 
-            def fetch():
-                r = self._fetch(shard, out)
+            def fetch():  # the cache keeps this buffer: never a reused `out`
+                r = self._fetch(shard, None)
                 state["read"] = r
                 return r.buffer
 
