@@ -334,3 +334,68 @@ def test_truncated_real_gguf(tmp_path, keep):
     with pytest.raises(InvalidRequest, match="truncated") as e:
         open_gguf(tmp_path / "cut.gguf")
     assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def real_store(tmp_path_factory, ours):
+    """SmolLM2 imported from the real GGUF into a local 8+3 store, as fp32 and as int8."""
+    from paramstore import ParamStore, StoreConfig
+
+    cfg = StoreConfig.local_default(str(tmp_path_factory.mktemp("real-store")), shard_bytes=32 * 2**20)
+    store = ParamStore(cfg)
+    fp32 = store.import_model(REAL, "smollm2-fp32", dtype="fp32")
+    int8 = store.import_model(REAL, "smollm2", dtype="int8")
+    yield store, fp32, int8
+    store.close()
+
+
+def _perplexity(model, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1]
+    return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
+
+
+@pytest.mark.slow
+@needs_real
+def test_store_round_trip_logits_equal_transformers(real_store, ours, theirs):
+    """GGUF -> store (fp32, 8+3 erasure-coded) -> read back -> same logits as transformers' GGUF loader."""
+    store, fp32, _ = real_store
+    m = fp32.manifest
+    assert [s.kind for s in m.shards][:2] == ["bundle", "embed"] and m.shards[-1].kind == "head"
+    with store.reader(m) as r:
+        tensors = r.state_dict()
+        bundle = r.bundle()
+    assert set(bundle) >= {"tokenizer.json", "tokenizer_config.json"}
+    model = _our_model(m.config, tensors)
+    tok = Tokenizer.from_str(bundle["tokenizer.json"].decode())
+    ids = torch.tensor([tok.encode(TEXTS[5] + " The Eiffel Tower is in Paris, France.").ids])
+    with torch.no_grad():
+        diff = (model(ids).logits - theirs[0](ids).logits).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+@pytest.mark.slow
+@needs_real
+def test_int8_store_model_stays_close(real_store, ours, theirs):
+    """INT8 per-row weights from the store: perplexity within 5% of fp32, greedy top-1 mostly equal."""
+    from paramstore import dequantize_int8
+
+    store, _, int8 = real_store
+    m = int8.manifest
+    assert m.dtype == "int8" and int8.quant_error["rel_rmse"] < 0.02
+    assert m.model_bytes < 0.3 * 4 * sum(t.numel() for t in theirs[0].state_dict().values() if t is not None) / 1.0
+    with store.reader(m) as r:
+        raw = r.state_dict()
+    deq = {n: dequantize_int8(t, raw[n + "_scale"]) if t.dtype == torch.int8 else t
+           for n, t in raw.items() if not n.endswith("_scale")}  # fmt: skip
+    model = _our_model(m.config, deq)
+    tok = Tokenizer.from_str(ours.files["tokenizer.json"].decode())
+    text = ("Paris is the capital and most populous city of France. With an estimated population of two "
+            "million residents, it is the centre of the Ile-de-France region and one of the largest cities in Europe.")  # fmt: skip
+    ids = torch.tensor([tok.encode(text).ids])
+    ppl_fp32, ppl_int8 = _perplexity(theirs[0], ids), _perplexity(model, ids)
+    print(f"perplexity fp32 {ppl_fp32:.3f} int8 {ppl_int8:.3f}")
+    assert ppl_int8 <= ppl_fp32 * 1.05
+    with torch.no_grad():
+        agree = (model(ids).logits.argmax(-1) == theirs[0](ids).logits.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
