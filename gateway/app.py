@@ -1,0 +1,237 @@
+"""The gateway's HTTP surface: OpenAI-compatible /v1 API, health, metrics and admin routes."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from compute.tokenizer import TemplateError
+
+from .admission import Overloaded
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .relay import Unavailable
+from .service import REQUESTS, REQUEST_SECONDS, BadRequest, Gateway
+
+
+def _err(status: int, message: str, type_: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:
+    REQUESTS.labels(str(status)).inc()
+    return JSONResponse(error_body(message, type_, param, status), status_code=status, headers=headers)
+
+
+def _authorized(request: Request, keys) -> bool:
+    auth = request.headers.get("authorization", "")
+    token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    ok = False
+    for k in keys:  # constant time per key, and every key is compared
+        ok |= hmac.compare_digest(token.encode(), k.encode())
+    return ok
+
+
+def create_app(gw: Gateway) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        await gw.start()
+        yield
+        await gw.stop()
+
+    app = FastAPI(title="pdserve gateway", lifespan=lifespan)
+    cfg = gw.config
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        path = request.url.path
+        if path.startswith("/v1/") and cfg.api_keys and not _authorized(request, cfg.api_keys):
+            return _err(401, "missing or invalid API key", "authentication_error")
+        if path.startswith("/admin/"):
+            keys = [cfg.admin_key] if cfg.admin_key else []
+            if not (cfg.open and not cfg.admin_key) and not _authorized(request, keys):
+                return _err(401, "missing or invalid admin key", "authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            msg, loc = "request body is not valid JSON", None
+        return _err(400, f"{loc + ': ' if loc else ''}{msg}", param=loc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return _err(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        from .router import pick
+
+        ok = pick(gw.registry.views()) is not None
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/load")
+    async def load():
+        return {"queue_depth": gw.admission.waiting, "running": gw.admission.running,
+                "queue_wait_p99_s": gw.admission.wait_p99()}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "pdserve"}]}
+
+    def _model_ok(name: str) -> JSONResponse | None:
+        if name != cfg.model:
+            return _err(404, f"model {name!r} does not exist; this gateway serves {cfg.model!r}", "not_found_error", "model")
+        return None
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        if (bad := _model_ok(req.model)) is not None:
+            return bad
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            prompt = gw.chat_prompt(messages)
+            max_tokens = gw.check_len(prompt, req.limit())
+        except (BadRequest, TemplateError, ValueError) as e:
+            return _err(400, str(e), param=getattr(e, "param", None))
+        return await _respond(req, prompt, max_tokens, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        if (bad := _model_ok(req.model)) is not None:
+            return bad
+        try:
+            prompt = req.prompt if isinstance(req.prompt, list) else gw.bundle.encode(req.prompt)
+            max_tokens = gw.check_len(prompt, req.limit() or 16)
+        except BadRequest as e:
+            return _err(400, str(e), param=e.param)
+        return await _respond(req, prompt, max_tokens, chat=False)
+
+    async def _respond(req, prompt: list[int], max_tokens: int, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        params, stops = gw.node_params(req), req.stop_list()
+        timing: dict = {}
+        t0 = time.monotonic()
+        gen = gw.generate(prompt, max_tokens, params, stops, timing)
+        try:  # admission happens before the first delta: surface 429/503 as plain HTTP errors
+            first = await gen.__anext__()
+        except Overloaded as e:
+            await gen.aclose()
+            return _err(429, str(e), "rate_limit_error", headers={"Retry-After": str(int(e.retry_after))})
+        except Unavailable as e:
+            await gen.aclose()
+            return _err(503, str(e), "server_error")
+        except StopAsyncIteration:
+            return _err(503, "no output from the nodes", "server_error")
+        if req.stream:
+            return StreamingResponse(_sse(gen, first, rid, created, req, len(prompt), chat, t0),
+                                     media_type="text/event-stream")  # fmt: skip
+        text, n, reason = first.text, len(first.token_ids), first.finish_reason
+        try:
+            async for d in gen:
+                text, n, reason = text + d.text, n + len(d.token_ids), d.finish_reason or reason
+        except Unavailable as e:
+            return _err(503, str(e), "server_error")
+        finally:
+            await gen.aclose()
+        REQUESTS.labels("200").inc()
+        REQUEST_SECONDS.observe(time.monotonic() - t0)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}  # fmt: skip
+            return {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model,
+                    "choices": [choice], "usage": usage}  # fmt: skip
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model,
+                "choices": [choice], "usage": usage}  # fmt: skip
+
+    async def _sse(gen, first, rid, created, req, n_prompt, chat, t0):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text=None, reason=None, role=False, usage=None, choices=True):
+            if chat:
+                delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
+                ch = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                ch = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            body = {"id": rid, "object": obj, "created": created, "model": cfg.model,
+                    "choices": [ch] if choices else []}  # fmt: skip
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        n = 0
+        status = "200"
+        try:
+            if chat:
+                yield chunk(role=True)
+            d = first
+            while True:
+                n += len(d.token_ids)
+                if d.text or d.finish_reason:
+                    yield chunk(d.text, d.finish_reason)
+                if d.finish_reason:
+                    break
+                d = await gen.__anext__()
+            if req.include_usage:
+                yield chunk(usage={"prompt_tokens": n_prompt, "completion_tokens": n,
+                                   "total_tokens": n_prompt + n}, choices=False)  # fmt: skip
+        except Unavailable as e:
+            status = "503"
+            yield f"data: {json.dumps(error_body(str(e), 'server_error', code=503))}\n\n"
+        except StopAsyncIteration:
+            pass
+        finally:
+            await gen.aclose()  # a client that went away lands here too: nodes get their abort
+            REQUESTS.labels(status).inc()
+            REQUEST_SECONDS.observe(time.monotonic() - t0)
+        yield "data: [DONE]\n\n"
+
+    # --- admin ---------------------------------------------------------------------------
+    @app.get("/admin/nodes")
+    async def list_nodes():
+        return {"nodes": [n.as_dict() for n in gw.registry.nodes.values()]}
+
+    @app.post("/admin/nodes")
+    async def add_node(body: dict):
+        url, role = body.get("url"), body.get("role")
+        if not isinstance(url, str) or role not in ("prefill", "decode", "both"):
+            return _err(400, "body needs url (string) and role (prefill|decode|both)")
+        gw.registry.add(url, role, source=str(body.get("source", "admin")))
+        await gw.registry.poll_once()
+        return {"added": url}
+
+    @app.delete("/admin/nodes")
+    async def remove_node(url: str):
+        return {"removed": gw.registry.remove(url)}
+
+    @app.get("/admin/status")
+    async def status():
+        return {"model": cfg.model, "nodes": [n.as_dict() for n in gw.registry.nodes.values()],
+                "queue_depth": gw.admission.waiting, "running": gw.admission.running,
+                "autoscaler": gw.autoscaler_status}  # fmt: skip
+
+    @app.post("/admin/autoscaler")
+    async def autoscaler_report(body: dict):
+        gw.autoscaler_status = body
+        return {"ok": True}
+
+    return app

@@ -1,0 +1,69 @@
+"""Configuration of the gateway (one slotted dataclass, validated)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    """How the gateway listens, admits, routes and retries."""
+
+    host: str = "127.0.0.1"  # bind address; forced to 127.0.0.1 when no API key is configured
+    port: int = 8000
+    model: str = "smollm2"  # served model: a paramstore reference NAME[@vN]
+    store: list[str] = field(default_factory=list)  # store locations (empty: the local default)
+    api_keys: tuple[str, ...] = ()  # Bearer keys for /v1/*; empty = open, loopback only
+    admin_key: str | None = None  # Bearer key for /admin/*
+    internal_token: str | None = None  # sent to nodes; nodes reject requests without it
+    nodes: list[tuple[str, str]] = field(default_factory=list)  # static (role, url) pairs
+    max_running: int = 64  # requests in flight to nodes at once
+    max_queue: int = 256  # requests waiting for admission; beyond: 429 at once
+    queue_timeout_s: float = 30.0  # longest wait for admission (or for a node to exist); then 429/503
+    retry_attempts: int = 3  # extra attempts after a node failure (prefill or decode)
+    backoff_base_s: float = 0.05  # exponential backoff base, with full jitter
+    backoff_max_s: float = 1.0
+    health_interval_s: float = 0.5  # node /load polling period
+    health_failures: int = 2  # consecutive failures before a node is evicted
+    node_timeout_s: float = 60.0  # longest silence from a node mid-request
+    max_model_len: int | None = None  # context limit (default: the model's)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536 and self.port != 0:
+            raise ValueError(f"invalid port {self.port}")
+        for name in ("max_running", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.retry_attempts < 0 or self.queue_timeout_s <= 0 or self.node_timeout_s <= 0:
+            raise ValueError("retry_attempts >= 0, queue_timeout_s > 0, node_timeout_s > 0")
+        for role, _ in self.nodes:
+            if role not in ("prefill", "decode", "both"):
+                raise ValueError(f"invalid node role {role!r}")
+        if not self.api_keys and self.host not in ("127.0.0.1", "localhost", "::1"):
+            self.host = "127.0.0.1"  # no key: never listen beyond loopback
+
+    @property
+    def open(self) -> bool:
+        return not self.api_keys
+
+
+def keys_from_env(env: dict | None = None) -> dict:
+    """PDSERVE_API_KEYS (comma-separated), PDSERVE_ADMIN_KEY, PDSERVE_INTERNAL_TOKEN, or *_FILE variants."""
+    env = os.environ if env is None else env
+
+    def read(name: str) -> str | None:
+        if env.get(name):
+            return env[name].strip()
+        path = env.get(name + "_FILE")
+        if path:
+            with open(path) as f:
+                return f.read().strip()
+        return None
+
+    api = read("PDSERVE_API_KEYS")
+    return {
+        "api_keys": tuple(k.strip() for k in api.split(",") if k.strip()) if api else (),
+        "admin_key": read("PDSERVE_ADMIN_KEY"),
+        "internal_token": read("PDSERVE_INTERNAL_TOKEN"),
+    }

@@ -1,0 +1,143 @@
+"""The life of one request inside the gateway, with failover. No accepted request is lost.
+
+ 1. admitted (``Admission.slot``), tokenized by the API layer;
+ 2. routed: ``router.pick`` over ready nodes minus those this request failed on; with
+    no node at all, wait for one to become ready (activation) until the deadline;
+ 3. split route: POST /internal/prefill -> first token + KV handle; POST /internal/decode
+    with the handle streams the rest. ``both`` route: POST /internal/generate;
+ 4. a node failing (connection error, timeout, 5xx, stream cut) -> exponential backoff with
+    full jitter, then back to 2 with prompt := prompt + tokens already streamed and
+    max_tokens reduced: the client's stream continues without repeating or skipping tokens;
+ 5. only when ``retry_attempts`` retries all fail does the caller get ``Unavailable``;
+ 6. whatever the exit (finish, client gone, error), the nodes still holding the request
+    get an abort, so their KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter
+
+from .nodes import NodeClient, NodeFailed
+from .registry import NodeRegistry
+from .router import Route, pick
+
+log = logging.getLogger("pdserve.gateway")
+RETRIES = Counter("pdserve_gateway_retries_total", "Node failures retried on another node", ["phase"])
+
+
+class Unavailable(Exception):
+    """No node could serve the request within its attempts/deadline (HTTP 503)."""
+
+
+@dataclass(slots=True)
+class GenRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: dict = field(default_factory=dict)  # temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
+    deadline: float = 0.0  # monotonic; for waiting on capacity
+    produced: list[int] = field(default_factory=list)
+    attempts: int = 0
+    route: Route | None = None  # the route of the last attempt
+
+
+class Relay:
+    def __init__(self, registry: NodeRegistry, client: NodeClient, retry_attempts: int,
+                 backoff_base_s: float, backoff_max_s: float, activate=None):  # fmt: skip
+        self.registry, self.client = registry, client
+        self.retry_attempts, self.base, self.cap = retry_attempts, backoff_base_s, backoff_max_s
+        self.activate = activate  # optional callable: ask the autoscaler for a node (scale from zero)
+
+    async def _route(self, req: GenRequest, exclude: set[str]) -> Route:
+        while True:
+            route = pick(self.registry.views(), exclude)
+            if route is None and exclude:  # every node failed once: allow them again rather than give up
+                route = pick(self.registry.views())
+            if route is not None:
+                return route
+            left = req.deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable("no ready node to serve the request")
+            if self.activate is not None:
+                self.activate()
+            await self.registry.wait_changed(min(left, 0.25))
+
+    def _body(self, req: GenRequest, node_rid: str) -> dict:
+        params = dict(req.params, max_tokens=req.max_tokens - len(req.produced), sample_offset=len(req.produced))
+        return {"request_id": node_rid, "prompt_token_ids": req.prompt_ids + req.produced, "params": params}
+
+    async def run(self, req: GenRequest) -> AsyncIterator[tuple[list[int], str | None]]:
+        """Yields (new token ids, finish_reason or None) until a finish reason."""
+        exclude: set[str] = set()
+        while True:
+            route = await self._route(req, exclude)
+            req.route = route
+            node_rid = f"{req.request_id}.{req.attempts}"
+            holding: list[str] = []
+            finished = False
+            try:
+                async for toks, reason in self._attempt(req, route, node_rid, holding):
+                    req.produced.extend(toks)
+                    if reason:
+                        finished = True
+                    yield toks, reason
+                    if reason:
+                        return
+                raise NodeFailed(route.nodes()[-1], "stream ended early")
+            except NodeFailed as e:
+                exclude.add(e.url)
+                self.registry.suspect(e.url)
+                req.attempts += 1
+                RETRIES.labels("decode" if req.produced else "prefill").inc()
+                log.warning("request %s: %s; attempt %d/%d", req.request_id, e, req.attempts, self.retry_attempts)
+                if req.attempts > self.retry_attempts:
+                    raise Unavailable(f"request failed after {req.attempts} attempts: {e}") from None
+                await asyncio.sleep(random.uniform(0, min(self.cap, self.base * 2 ** (req.attempts - 1))))
+            finally:
+                if not finished:
+                    for url in holding:
+                        await _shielded(self.client.abort(url, node_rid))
+
+    async def _attempt(self, req: GenRequest, route: Route, rid: str, holding: list[str]):
+        if not route.split:
+            holding.append(route.both)
+            async for msg in self.client.stream(route.both, "generate", self._body(req, rid)):
+                yield _unpack(route.both, msg)
+            return
+        holding.append(route.prefill)
+        body = self._body(req, rid)
+        first = await self.client.prefill(route.prefill, body)
+        toks, reason = _unpack(route.prefill, first)
+        if reason or not first.get("kv"):
+            holding.clear()
+            yield toks, reason or "stop"
+            return
+        yield toks, None
+        holding.append(route.decode)
+        dbody = {**body, "first_token_id": toks[-1], "kv": first["kv"],
+                 "params": {**body["params"], "max_tokens": body["params"]["max_tokens"] - len(toks),
+                            "sample_offset": body["params"]["sample_offset"] + len(toks)}}  # fmt: skip
+        async for msg in self.client.stream(route.decode, "decode", dbody):
+            holding[:] = [route.decode]  # the decode side confirmed the KV: prefill has freed it
+            yield _unpack(route.decode, msg)
+
+
+def _unpack(url: str, msg: dict) -> tuple[list[int], str | None]:
+    reason = msg.get("finish_reason")
+    if reason in ("error", "abort"):  # the gateway never asked for it: the node failed or is leaving
+        raise NodeFailed(url, msg.get("error") or f"request ended by the node ({reason})")
+    return list(msg.get("token_ids") or []), reason
+
+
+async def _shielded(coro) -> None:
+    try:
+        await asyncio.shield(coro)
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - best effort on the way out
+        pass

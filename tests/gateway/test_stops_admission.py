@@ -1,0 +1,81 @@
+"""Stop strings over streamed text, and admission control's bounds and deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.admission import Admission, Overloaded
+from gateway.stops import StopMatcher
+
+
+def run_stream(stops, pieces):
+    m = StopMatcher(stops)
+    out, hit = [], False
+    for p in pieces:
+        text, hit = m.feed(p)
+        out.append(text)
+        if hit:
+            break
+    if not hit:
+        out.append(m.flush())
+    return "".join(out), hit, out
+
+
+@pytest.mark.parametrize(
+    "stops,pieces,want,hit",
+    [
+        (["\n\n"], ["Hello", " world", "\n", "\nmore"], "Hello world", True),
+        (["END"], ["abc E", "N", "D tail"], "abc ", True),
+        (["END"], ["abc E", "N", "x"], "abc ENx", False),
+        (["ab", "xyz"], ["...x", "y", "z!"], "...", True),
+        ([], ["a", "b"], "ab", False),
+        (["stop"], ["nostop"], "no", True),
+    ],
+)
+def test_stop_strings(stops, pieces, want, hit):
+    text, got_hit, _ = run_stream(stops, pieces)
+    assert (text, got_hit) == (want, hit)
+
+
+def test_partial_stop_prefix_is_held_back_not_lost():
+    _, _, out = run_stream(["END"], ["abc E", "N", "x"])
+    assert out[0] == "abc " and out[-1] == ""  # "E", "EN" held, released with "x"
+    assert "".join(out) == "abc ENx"
+
+
+def test_admission_bounds_queue_and_deadline():
+    async def main():
+        adm = Admission(max_running=1, max_queue=1, timeout_s=0.2)
+        entered = asyncio.Event()
+        release = asyncio.Event()
+
+        async def holder():
+            async with adm.slot():
+                entered.set()
+                await release.wait()
+
+        h = asyncio.create_task(holder())
+        await entered.wait()
+        waiter = asyncio.create_task(_try(adm))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded, match="queue full"):  # one running, one waiting: the third is refused
+            async with adm.slot():
+                pass
+        assert isinstance(await waiter, Overloaded)  # the waiter hit its deadline
+        release.set()
+        await h
+        async with adm.slot() as waited:
+            assert waited < 0.1 and adm.running == 1
+        assert adm.running == 0 and adm.waiting == 0
+
+    asyncio.run(main())
+
+
+async def _try(adm):
+    try:
+        async with adm.slot():
+            return None
+    except Overloaded as e:
+        return e
