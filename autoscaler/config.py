@@ -1,0 +1,106 @@
+"""AutoscalerConfig: every knob of the scaling policy and its control loop, in one place.
+
+Loaded at the boundary (the CLI reads the `[autoscaler]` table of the ConfigMap's
+pdserve.toml and calls `AutoscalerConfig.from_mapping`); nothing below reads the
+environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = ("prefill", "decode")  # the roles the autoscaler sizes, each independently
+
+
+@dataclass(slots=True)
+class AutoscalerConfig:
+    """Targets, bounds, windows and stabilisation of the per-role policy (see policy.py)."""
+
+    # --- control loop ---
+    tick_s: float = 1.0  # seconds between observe → decide → act ticks
+
+    # --- per-replica targets: the core formula is load / target (Ray Serve's shape) ---
+    target_queued_prompt_tokens_per_replica: int = 8192  # prefill: queued prompt tokens one replica should carry
+    target_running_streams_per_replica: int = 32  # decode: running + queued streams one replica should carry
+    target_kv_utilisation: float = 0.7  # decode: KV block use per replica (0..1); the alert fires at 0.8
+    target_queue_wait_p99_s: float = 2.0  # both: while the p99 queue wait is above this, no scale-down; 0 disables
+
+    # --- bounds per role (min 0 = scale to zero allowed, woken by activation) ---
+    prefill_min_replicas: int = 1  # never fewer prefill replicas than this
+    prefill_max_replicas: int = 8  # never more prefill replicas than this
+    decode_min_replicas: int = 1  # never fewer decode replicas than this
+    decode_max_replicas: int = 8  # never more decode replicas than this
+
+    # --- windows (Knative KPA) ---
+    stable_window_s: float = 60.0  # load is averaged over this window for normal decisions
+    panic_window_s: float = 6.0  # short window that detects bursts; must be < stable_window_s
+    panic_threshold: float = 2.0  # enter panic when panic-window load >= this x ready capacity
+
+    # --- scale-down stabilisation ---
+    scale_down_delay_s: float = 30.0  # cooldown: no scale-down until this long after the last change
+    max_scale_down_fraction: float = 0.5  # at most this fraction of current replicas removed per decision
+    max_scale_down_step: int = 4  # at most this many replicas removed per decision; 0 = no step limit
+
+    # --- activation (scale from zero) ---
+    coactivate_roles: bool = True  # a request woken from zero needs both roles: activating one wakes the other
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"invalid autoscaler config: {what}")
+
+        need(self.tick_s > 0, f"tick_s={self.tick_s} must be > 0")
+        need(self.target_queued_prompt_tokens_per_replica > 0, "target_queued_prompt_tokens_per_replica must be > 0")
+        need(self.target_running_streams_per_replica > 0, "target_running_streams_per_replica must be > 0")
+        need(0 < self.target_kv_utilisation <= 1, f"target_kv_utilisation={self.target_kv_utilisation} not in (0, 1]")
+        need(self.target_queue_wait_p99_s >= 0, "target_queue_wait_p99_s must be >= 0 (0 disables)")
+        for role in ROLES:
+            lo, hi = self.bounds(role)
+            need(isinstance(lo, int) and lo >= 0, f"{role}_min_replicas={lo} must be an int >= 0")
+            need(isinstance(hi, int) and hi >= 1, f"{role}_max_replicas={hi} must be an int >= 1")
+            need(lo <= hi, f"{role}_min_replicas={lo} > {role}_max_replicas={hi}")
+        need(self.panic_window_s > 0, "panic_window_s must be > 0")
+        need(self.panic_window_s < self.stable_window_s, "panic_window_s must be < stable_window_s")
+        need(self.panic_threshold > 1, f"panic_threshold={self.panic_threshold} must be > 1")
+        need(self.scale_down_delay_s >= 0, "scale_down_delay_s must be >= 0")
+        need(0 < self.max_scale_down_fraction <= 1, "max_scale_down_fraction must be in (0, 1]")
+        need(isinstance(self.max_scale_down_step, int) and self.max_scale_down_step >= 0,
+             "max_scale_down_step must be an int >= 0")  # fmt: skip
+
+    def bounds(self, role: str) -> tuple[int, int]:
+        """(min, max) replicas of `role`."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+        return getattr(self, f"{role}_min_replicas"), getattr(self, f"{role}_max_replicas")
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> AutoscalerConfig:
+        """From a TOML table or string map (ConfigMap, flags): known keys only, coerced to each field's type."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(m) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown autoscaler config keys: {', '.join(unknown)}")
+        defaults, kw = cls(), {}
+        for key, value in m.items():
+            kw[key] = _coerce(key, value, type(getattr(defaults, key)))
+        return cls(**kw)
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    """`value` (a TOML value or a string) as `kind` (bool, int or float), or ValueError naming the key."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.strip().lower() in ("1", "true", "yes", "on")
+    elif not isinstance(value, bool):
+        try:
+            number = float(value)
+            if kind is float or number.is_integer():
+                return kind(number)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"autoscaler config {key}={value!r}: expected {kind.__name__}")

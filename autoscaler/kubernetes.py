@@ -1,0 +1,177 @@
+"""KubernetesActuator: sizes the prefill and decode Deployments through their scale subresource.
+
+The API calls it makes — exactly these, which the RBAC Role in deploy/base grants and
+tests/autoscaler/test_kubernetes_contract.py serves:
+  GET   /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale          replicas()
+  PATCH /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale          scale()
+        Content-Type: application/merge-patch+json, body {"spec": {"replicas": N}}
+  GET   /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices
+        ?labelSelector=kubernetes.io/service-name={service}              current()
+
+Scale-down drains through the pods themselves: Kubernetes sends SIGTERM after the
+preStop hook (POST /drain on the node), within terminationGracePeriodSeconds.
+
+Each call is retried in place a few times on 5xx / 409 / 429 / connection errors with
+exponential backoff, then surfaces as TemporaryActuatorError (the loop backs off);
+401 / 403 / 404 / 422 are PermanentActuatorError (fix RBAC or the manifests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+from .actuator import Actuator, NodeInfo, PermanentActuatorError, TemporaryActuatorError
+from .backoff import Backoff, retry
+
+T = TypeVar("T")
+
+SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+MERGE_PATCH = "application/merge-patch+json"
+_RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
+
+
+@dataclass(slots=True)
+class KubernetesConfig:
+    """Which objects the actuator drives, and how hard it retries."""
+
+    namespace: str | None = None  # None: the pod's own namespace (service account), else "default"
+    deployments: dict[str, str] = field(
+        default_factory=lambda: {"prefill": "pdserve-prefill", "decode": "pdserve-decode"}
+    )  # role -> Deployment
+    services: dict[str, str] = field(
+        default_factory=lambda: {"prefill": "pdserve-prefill", "decode": "pdserve-decode"}
+    )  # role -> Service
+    port_name: str = "http"  # EndpointSlice port that serves the node's HTTP API (first port if absent)
+    scheme: str = "http"  # node URL scheme
+    attempts: int = 4  # tries per API call before the loop backs off
+    backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.2, factor=2.0, max_s=5.0))  # between tries
+    request_timeout_s: float = 10.0  # per HTTP request
+    field_manager: str = "pdserve-autoscaler"  # recorded as the owner of spec.replicas
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts={self.attempts} must be >= 1")
+        if set(self.deployments) != set(self.services):
+            raise ValueError("deployments and services must name the same roles")
+
+
+def load_api_client(kubeconfig: str | None = None, context: str | None = None) -> k8s.ApiClient:
+    """In-cluster config when running in a pod, else the kubeconfig (KUBECONFIG / ~/.kube/config)."""
+    try:
+        k8s_config.load_incluster_config()
+        return k8s.ApiClient()
+    except k8s_config.ConfigException:
+        return k8s_config.new_client_from_config(config_file=kubeconfig, context=context)
+
+
+class KubernetesActuator(Actuator):
+    def __init__(self, config: KubernetesConfig | None = None, *, api_client: k8s.ApiClient | None = None,
+                 configuration: k8s.Configuration | None = None, kubeconfig: str | None = None,
+                 context: str | None = None, sleep: Callable[[float], None] = time.sleep, **kw: Any):  # fmt: skip
+        self.config = config or KubernetesConfig(**kw)
+        if api_client is None:
+            api_client = k8s.ApiClient(configuration) if configuration else load_api_client(kubeconfig, context)
+        self.api_client = api_client
+        self.apps = k8s.AppsV1Api(api_client)
+        self.discovery = k8s.DiscoveryV1Api(api_client)
+        self.namespace = self.config.namespace or _own_namespace()
+        self._sleep = sleep
+
+    # --- the contract ---
+
+    def replicas(self, role: str) -> int:
+        name = self._deployment(role)
+        scale = self._call(f"read scale of deployment {name}", lambda: self.apps.read_namespaced_deployment_scale(
+            name, self.namespace, _request_timeout=self.config.request_timeout_s))  # fmt: skip
+        return int((scale.spec and scale.spec.replicas) or 0)
+
+    def scale(self, role: str, replicas: int) -> None:
+        if replicas < 0:
+            raise ValueError(f"replicas={replicas} must be >= 0")
+        name = self._deployment(role)
+        body = {"spec": {"replicas": int(replicas)}}
+        self._call(f"scale deployment {name} to {replicas}", lambda: self.apps.patch_namespaced_deployment_scale(
+            name, self.namespace, body, field_manager=self.config.field_manager, _content_type=MERGE_PATCH,
+            _request_timeout=self.config.request_timeout_s))  # fmt: skip
+
+    def current(self) -> dict[str, list[NodeInfo]]:
+        return {role: self._nodes(role, svc) for role, svc in self.config.services.items()}
+
+    def endpoints(self) -> list[tuple[str, str, bool]]:
+        """(role, url, ready) for every node endpoint — what the gateway's node registry takes."""
+        return [(n.role, n.url, n.ready) for nodes in self.current().values() for n in nodes]
+
+    def close(self) -> None:
+        self.api_client.close()
+
+    # --- helpers ---
+
+    def _deployment(self, role: str) -> str:
+        try:
+            return self.config.deployments[role]
+        except KeyError:
+            raise PermanentActuatorError(f"no Deployment configured for role {role!r}") from None
+
+    def _nodes(self, role: str, service: str) -> list[NodeInfo]:
+        slices = self._call(f"list endpointslices of service {service}", lambda: (
+            self.discovery.list_namespaced_endpoint_slice(self.namespace,
+                label_selector=f"kubernetes.io/service-name={service}",
+                _request_timeout=self.config.request_timeout_s)))  # fmt: skip
+        seen: dict[str, NodeInfo] = {}
+        for sl in slices.items or []:
+            port = _port(sl.ports or [], self.config.port_name)
+            if port is None:
+                continue
+            for ep in sl.endpoints or []:
+                if not ep.addresses:
+                    continue
+                host = ep.addresses[0]
+                host = f"[{host}]" if ":" in host else host  # IPv6
+                cond = ep.conditions
+                terminating = bool(cond and cond.terminating)
+                ready = (cond is None or cond.ready is None or bool(cond.ready)) and not terminating  # nil = ready
+                url = f"{self.config.scheme}://{host}:{port}"
+                state = "draining" if terminating else ("ready" if ready else "loading")
+                name = ep.target_ref.name if ep.target_ref and ep.target_ref.name else ""
+                seen[url] = NodeInfo(role=role, url=url, ready=ready, name=name, state=state)
+        return sorted(seen.values(), key=lambda n: n.url)
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return retry(fn, attempts=self.config.attempts, backoff=self.config.backoff, retryable=_retryable,
+                         sleep=self._sleep)  # fmt: skip
+        except ApiException as e:
+            msg = f"{what}: HTTP {e.status} {e.reason or ''}".strip()
+            if e.status in _RETRY_STATUS:
+                raise TemporaryActuatorError(f"{msg} (after {self.config.attempts} tries)") from e
+            raise PermanentActuatorError(f"{msg} (check RBAC and manifests)") from e
+        except Exception as e:  # connection refused, timeouts, TLS
+            raise TemporaryActuatorError(f"{what}: {type(e).__name__}: {e}") from e
+
+
+def _retryable(e: BaseException) -> bool:
+    if isinstance(e, ApiException):
+        return e.status in _RETRY_STATUS
+    return isinstance(e, (OSError, TimeoutError)) or type(e).__module__.startswith("urllib3")
+
+
+def _port(ports: list, name: str) -> int | None:
+    for p in ports:
+        if p.name == name and p.port:
+            return int(p.port)
+    return int(ports[0].port) if ports and ports[0].port else None
+
+
+def _own_namespace() -> str:
+    try:
+        with open(SA_NAMESPACE_FILE) as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"

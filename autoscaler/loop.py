@@ -1,0 +1,177 @@
+"""ControlLoop: every tick, observe → decide → act; the policy stays a pure function.
+
+One tick:
+ 1. observe   `observe()` returns {role: RoleLoad} with the gateway's queue signals; the
+              loop overlays the replica counts from the actuator (replicas asked for,
+              ready, starting), which is the truth about what runs.
+ 2. decide    policy.decide(ctx, state) → Decision, state'.
+ 3. act       for each role whose desired count differs: prepare() (pre-stage shards)
+              before a scale-up, then scale().
+ 4. record    `last` (a TickReport: decision, what was asked, error) for `pdserve status`;
+              `publish(report, nodes)` lets the caller feed the gateway's node registry.
+
+Failures never leave the loop: an observe or actuator error backs the actuator off
+(Throttler: exponential, or the error's own delay), is logged, counted and shown in
+`last`; a failure during `prepare` is logged and the scale-up goes ahead.
+
+Concurrency: `run()` runs in the calling thread (`start()` gives it a daemon thread);
+`stop()` sets a threading.Event that also cuts the wait between ticks short. `last` is
+replaced by one assignment per tick, so other threads read it without a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+from .actuator import Actuator, NodeInfo, TemporaryActuatorError
+from .backoff import Backoff, Throttler
+from .config import AutoscalerConfig
+from .policy import Decision, PolicyContext, PolicyState, RoleLoad, decide
+
+log = logging.getLogger("pdserve.autoscaler")
+
+Observe = Callable[[], Mapping[str, RoleLoad]]
+Publish = Callable[["TickReport", Mapping[str, list[NodeInfo]]], None]
+
+
+@dataclass(slots=True, frozen=True)
+class TickReport:
+    """What one tick saw and did."""
+
+    t: float  # loop clock
+    decision: Decision | None  # None when the tick failed or was skipped while backing off
+    asked: Mapping[str, int] = field(default_factory=dict)  # role -> replicas asked of the actuator this tick
+    error: str = ""  # this tick's failure, "" if none
+    failures: int = 0  # consecutive failed ticks
+    note: str = ""  # e.g. "backing off: 3s left"
+
+    def to_dict(self) -> dict:
+        return {"t": self.t, "decision": self.decision.to_dict() if self.decision else None, "asked": dict(self.asked),
+                "error": self.error, "failures": self.failures, "note": self.note}  # fmt: skip
+
+
+class ControlLoop:
+    def __init__(self, config: AutoscalerConfig, observe: Observe, actuator: Actuator, *,
+                 clock: Callable[[], float] = time.monotonic, backoff: Backoff | None = None,
+                 publish: Publish | None = None):  # fmt: skip
+        self.config = config
+        self.observe = observe
+        self.actuator = actuator
+        self.clock = clock
+        self.publish = publish
+        self.throttler = Throttler(backoff or Backoff(base_s=config.tick_s, max_s=max(30.0, config.tick_s)))
+        self.state = PolicyState()
+        self.last: TickReport | None = None  # the latest tick
+        self.last_decision: Decision | None = None  # the latest tick that decided
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- one tick ---
+
+    def tick(self) -> TickReport:
+        now = self.clock()
+        t = self.throttler
+        if not t.ready(now):
+            report = TickReport(t=now, decision=None, error=t.last_error, failures=t.failures,
+                                note=f"backing off: {t.until - now:.1f}s left")  # fmt: skip
+            self.last = report
+            return report
+        asked: dict[str, int] = {}
+        try:
+            nodes = self.actuator.current()
+            loads = self._loads(self.observe(), nodes, now)
+            decision, self.state = decide(PolicyContext(self.config, loads, now), self.state)
+            self.last_decision = decision
+            for role, d in decision.roles.items():
+                if d.replicas == d.current:
+                    continue
+                if d.replicas > d.current:
+                    self._prepare(role, d.replicas)
+                self.actuator.scale(role, d.replicas)
+                asked[role] = d.replicas
+                log.info("autoscaler: %s %d -> %d: %s", role, d.current, d.replicas, d.reason)
+        except Exception as e:  # noqa: BLE001 — a failed tick never ends the loop
+            delay = e.delay if isinstance(e, TemporaryActuatorError) else None
+            wait = t.failure(now, e, delay)
+            level = logging.ERROR if t.repeated else logging.WARNING
+            log.log(
+                level, "autoscaler: tick failed (%d in a row), next try in %.1fs: %s", t.failures, wait, t.last_error
+            )
+            report = TickReport(t=now, decision=None, asked=asked, error=t.last_error, failures=t.failures,
+                                note="repeated failures" if t.repeated else "")  # fmt: skip
+            self.last = report
+            return report
+        t.success()
+        report = TickReport(t=now, decision=decision, asked=asked)
+        self.last = report
+        self._publish(report, nodes)
+        return report
+
+    def _loads(self, observed: Mapping[str, RoleLoad], nodes: Mapping[str, list[NodeInfo]],
+               now: float) -> dict[str, RoleLoad]:  # fmt: skip
+        """The observed queue signals, with replica counts from the actuator."""
+        out = {}
+        for role, load in observed.items():
+            replicas = self.actuator.replicas(role)
+            ready = sum(1 for n in nodes.get(role, []) if n.ready)
+            out[role] = replace(load, replicas=replicas, ready=min(ready, replicas),
+                                starting=max(0, replicas - ready), t=load.t or now)  # fmt: skip
+        return out
+
+    def _prepare(self, role: str, replicas: int) -> None:
+        try:
+            self.actuator.prepare(role, replicas)
+        except Exception as e:  # noqa: BLE001 — a cold start is slower, not wrong
+            log.warning("autoscaler: prepare %s x%d failed, scaling anyway: %s", role, replicas, e)
+
+    def _publish(self, report: TickReport, nodes: Mapping[str, list[NodeInfo]]) -> None:
+        if self.publish is None:
+            return
+        try:
+            self.publish(report, nodes)
+        except Exception as e:  # noqa: BLE001 — the registry catches up next tick
+            log.warning("autoscaler: publish failed: %s", e)
+
+    # --- running ---
+
+    def run(self, max_ticks: int | None = None, wait: Callable[[float], bool] | None = None) -> int:
+        """Tick every config.tick_s until stop() (or max_ticks); returns the ticks run.
+
+        `wait(seconds) -> stopped` defaults to the stop event's wait; tests pass one that
+        advances a fake clock.
+        """
+        wait = wait or self._stop.wait
+        ticks = 0
+        while not self._stop.is_set() and (max_ticks is None or ticks < max_ticks):
+            started = self.clock()
+            self.tick()
+            ticks += 1
+            if max_ticks is not None and ticks >= max_ticks:
+                break
+            if wait(max(0.0, self.config.tick_s - (self.clock() - started))):
+                break
+        return ticks
+
+    def start(self) -> ControlLoop:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("control loop already running")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name="pdserve-autoscaler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def status(self) -> dict:
+        """For `pdserve status`: the last decision (and why), the last tick's error and the failure count."""
+        return {"last_decision": self.last_decision.to_dict() if self.last_decision else None,
+                "last_tick": self.last.to_dict() if self.last else None,
+                "failures": self.throttler.failures, "last_error": self.throttler.last_error}  # fmt: skip

@@ -1,0 +1,123 @@
+"""One forward step's input: a flat batch of tokens from many sequences.
+
+Like nano-vllm, tokens of every sequence in the step are concatenated
+(``input_ids: [T]``), whatever each sequence is doing: a whole prompt, one chunk
+of a long prompt (chunked prefill), or one decode token. Per sequence ``i``:
+
+- ``query_lens[i]``: tokens it brings to this step (rows ``starts[i]:starts[i]+q``),
+- ``context_lens[i]``: tokens in its KV after this step (cached + new),
+- ``block_tables[i]``: its KV blocks, in position order.
+
+``positions`` and ``slot_mapping`` say where each token sits; ``logits_rows``
+which rows get logits (by default the last token of each sequence). Everything
+attention needs per layer is derived once here, on the CPU, from plain lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """A sequence bringing more than one token: attends causally over its context."""
+
+    start: int  # first row in the flat batch
+    end: int  # one past its last row
+    blocks: torch.Tensor  # [nb] long: its block table
+    context_len: int  # keys to attend over
+    mask: torch.Tensor | None  # [q, context_len] bool (True = attend); None = plain causal from 0
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Sequences bringing exactly one token: attended together, padded to the longest context."""
+
+    rows: torch.Tensor  # [B] long: their rows in the flat batch
+    tables: torch.Tensor  # [B, max_nb] long: block tables, padded with block 0
+    mask: torch.Tensor  # [B, 1, 1, max_nb * block_size] bool: key is inside the context
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Flat token batch plus the per-sequence bookkeeping of the paged KV cache."""
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: KV slot of each token
+    query_lens: list[int]  # per sequence
+    context_lens: list[int]  # per sequence
+    block_tables: list[list[int]]  # per sequence
+    block_size: int
+    logits_rows: torch.Tensor  # [N] long: rows whose logits are computed
+    prefills: list[PrefillSeq] = field(default_factory=list)  # derived
+    decodes: DecodeGroup | None = None  # derived
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: list[list[int]],
+        start_positions: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        all_logits: bool = False,
+    ) -> ForwardBatch:
+        """Sequence ``i`` brings ``token_ids[i]`` at positions ``start_positions[i]...``."""
+        assert len(token_ids) == len(start_positions) == len(block_tables)
+        ids, pos, slots, qlens, ctxs, last = [], [], [], [], [], []
+        for toks, start, table in zip(token_ids, start_positions, block_tables):
+            assert toks, "a sequence must bring at least one token"
+            end = start + len(toks)
+            assert len(table) * block_size >= end, "block table too short for the context"
+            ids.extend(toks)
+            pos.extend(range(start, end))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            qlens.append(len(toks))
+            ctxs.append(end)
+            last.append(len(ids) - 1)
+        rows = list(range(len(ids))) if all_logits else last
+        batch = cls(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(pos, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            query_lens=qlens,
+            context_lens=ctxs,
+            block_tables=[list(t) for t in block_tables],
+            block_size=block_size,
+            logits_rows=torch.tensor(rows, dtype=torch.long),
+        )
+        batch.plan()
+        return batch
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def plan(self) -> None:
+        """Derive the attention plan (``prefills``, ``decodes``) from the per-sequence lists."""
+        self.prefills, dec_rows, dec_tables, dec_ctx = [], [], [], []
+        start = 0
+        for q, ctx, table in zip(self.query_lens, self.context_lens, self.block_tables):
+            nb = -(-ctx // self.block_size)  # blocks holding the context
+            if q == 1:
+                dec_rows.append(start)
+                dec_tables.append(table[:nb])
+                dec_ctx.append(ctx)
+            else:
+                first = ctx - q  # position of the first query
+                mask = None
+                if first:
+                    qpos = torch.arange(first, ctx)[:, None]  # [q, 1]
+                    mask = torch.arange(ctx)[None, :] <= qpos  # [q, ctx]
+                blocks = torch.tensor(table[:nb], dtype=torch.long)
+                self.prefills.append(PrefillSeq(start, start + q, blocks, ctx, mask))
+            start += q
+        self.decodes = None
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long)
+            keys = torch.arange(width * self.block_size)[None, :]  # [1, L]
+            mask = (keys < torch.tensor(dec_ctx)[:, None])[:, None, None, :]  # [B, 1, 1, L]
+            self.decodes = DecodeGroup(torch.tensor(dec_rows, dtype=torch.long), tables, mask)

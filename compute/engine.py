@@ -1,0 +1,81 @@
+"""The engine loop: requests in, token ids out. One step is schedule, run, postprocess.
+
+A step whose forward raises fails only the requests in that step (their blocks
+are freed, ``finish_reason`` is ERROR with the message); the engine lives on.
+Tokenization, stop strings and streaming text are the caller's layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compute.kv_cache import KVCache
+from compute.model import Transformer
+from compute.runner import ModelRunner
+from compute.sampling import Sampler, SamplingParams
+from compute.scheduler import Scheduler, SchedulerConfig
+from compute.sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one request got from one step."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, model: Transformer, config: SchedulerConfig, sampler: Sampler | None = None) -> None:
+        self.scheduler = Scheduler(config)
+        cache = KVCache(model.config, config.num_blocks, config.block_size, model.dtype)
+        self.runner = ModelRunner(model, cache, sampler)
+
+    @classmethod
+    def for_model(cls, model: Transformer, num_blocks: int, **kw) -> Engine:
+        """An engine with the model's context and EOS ids filled in."""
+        kw.setdefault("max_model_len", model.config.max_position_embeddings)
+        kw.setdefault("eos_token_ids", model.config.eos_token_ids)
+        return cls(model, SchedulerConfig(num_blocks=num_blocks, **kw))
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; ``RequestTooLarge`` if it can never fit. Returns its id."""
+        seq = Sequence(prompt_token_ids, params or SamplingParams())
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> None:
+        self.scheduler.abort(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        try:
+            tokens = self.runner.run(batch, self.scheduler.seqs)
+        except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the engine
+            failed = self.scheduler.fail([s.seq_id for s in batch.seqs], f"{type(e).__name__}: {e}")
+            return [StepOutput(q.seq_id, [], True, q.finish_reason.value, q.error) for q in failed]
+        finished = {q.seq_id: q for q in self.scheduler.postprocess(batch, tokens)}
+        out = []
+        for sid, tok in tokens.items():
+            q = finished.get(sid)
+            out.append(StepOutput(sid, [tok], q is not None, q.finish_reason.value if q else None))
+        return out
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run ``prompts`` to completion together; returns each one's output token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        outputs: dict[int, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.seq_id in outputs:
+                    outputs[o.seq_id].extend(o.new_token_ids)
+        return [outputs[i] for i in ids]

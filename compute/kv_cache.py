@@ -1,0 +1,57 @@
+"""Paged KV cache: per layer, K and V in fixed-size blocks.
+
+Layout, per layer ``l``::
+
+    k[l], v[l]: [num_blocks, block_size, num_kv_heads, head_dim]
+
+A token's *slot* is ``block * block_size + offset``; a sequence's *block table*
+lists its blocks in position order, so position ``p`` lives in slot
+``table[p // block_size] * block_size + p % block_size``. Which blocks belong to
+whom is the block manager's business; the cache only stores and gathers.
+The seam for prefill/decode disaggregation is ``export_blocks`` /
+``import_blocks``: they move whole blocks, every layer at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compute.config import ModelConfig
+
+
+class KVCache:
+    """K/V block storage for every layer of one model."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32):
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device="cpu")  # [L, NB, BS, KVH, Dh]
+        self.v = torch.zeros(shape, dtype=dtype, device="cpu")
+
+    @classmethod
+    def bytes_per_block(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Memory one block takes over all layers, K and V."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v: [T, KVH, Dh]`` at ``slots: [T]`` of ``layer``."""
+        kvh, dh = k.shape[1], k.shape[2]
+        self.k[layer].view(-1, kvh, dh).index_copy_(0, slots, k.to(self.dtype))
+        self.v[layer].view(-1, kvh, dh).index_copy_(0, slots, v.to(self.dtype))
+
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``blocks: [..., nb]`` -> k, v ``[..., nb * block_size, KVH, Dh]`` (a copy)."""
+        k, v = self.k[layer][blocks], self.v[layer][blocks]  # [..., nb, BS, KVH, Dh]
+        return k.flatten(-4, -3), v.flatten(-4, -3)
+
+    def export_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy out ``blocks`` of every layer: k, v ``[L, len(blocks), BS, KVH, Dh]``."""
+        idx = torch.tensor(blocks, dtype=torch.long)
+        return self.k[:, idx], self.v[:, idx]  # advanced indexing copies
+
+    def import_blocks(self, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write exported ``k, v`` into ``blocks`` (same order) of every layer."""
+        idx = torch.tensor(blocks, dtype=torch.long)
+        self.k[:, idx] = k.to(self.dtype)
+        self.v[:, idx] = v.to(self.dtype)

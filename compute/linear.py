@@ -1,0 +1,160 @@
+"""Weight-holding layers that run either float or INT8 weights.
+
+INT8 is the store's ``int8-absmax-per-row`` scheme: ``weight: int8 [N, K]``,
+``weight_scale: fp32 [N]``, ``w ~= q * scale[:, None]``. Weights are assigned
+(``assign``), never copied twice: an int8 weight stays int8 in memory; a float
+weight is converted at most once, to the activation dtype.
+
+Kernel choice per phase (measured on this 2-core AVX2 box, torch 2.13 CPU,
+2 threads, min of 15 runs, microseconds; ``int8mm`` is
+``torch.ops.aten._weight_int8pack_mm`` with bf16 activations):
+
+    shape N x K    M     bf16 F.linear  int8mm(bf16)  fp32 F.linear  int8mm(fp32 x)
+    576 x 576      1            43          22            32            239
+    576 x 576      8           311          85           115           2777
+    576 x 576      32         1228         346           234          11461
+    576 x 576      512       17326        3889          2231              -
+    1536 x 576     1           111          61           103            704
+    1536 x 576     128       12508        2768          1463              -
+    576 x 1536     1           135          83           127            735
+    576 x 1536     512       43292       15768          5858              -
+    49152 x 576    1          3570        2648          8962          23234
+    49152 x 576    8         26726        9528         51895         268438
+
+This CPU (AVX2, no AVX512-BF16/AMX) has no native bf16 GEMM, so bf16 ``F.linear``
+loses everywhere and fp32 ``F.linear`` wins from M ~ 32 on; ``int8mm`` wins for
+decode-sized M with bf16 activations and is 10-30x slower with fp32 activations.
+Per decoder layer of SmolLM2-135M (its 7 linears, int8 weights, bf16 activations,
+min of 15 interleaved runs, ms)::
+
+    M                  16     32     48     64     96    128    256
+    int8mm           2.63   4.87   7.49   7.11   8.38  15.61  31.11
+    dequant + fp32  15.70  14.72  11.37   8.40   9.68   9.21  30.00
+
+A whole SmolLM2-shaped forward (30 layers, random weights): decode of 1 sequence
+takes 38 ms with int8 weights (int8mm), 47 ms with bf16 weights, 73 ms with fp32;
+a 512-token prefill 1.57 s with int8 weights (dequant path), 1.48 s with fp32
+weights, 2.69 s if int8mm were used, 7.1 s with bf16 weights.
+
+Hence (crossover near M = 100):
+
+- int8 weight, M <= ``int8mm_max_m`` (default 64): ``int8mm`` on the input cast to
+  bf16 (the kernel's fast path), output cast back to the activation dtype;
+- otherwise (prefill-sized M): dequantize the weight on the fly to fp32 (a
+  transient, freed after the call) and run fp32 ``F.linear``.
+
+The INT8 runtime keeps the residual stream in fp32: with bf16 activations end to
+end, SmolLM2's residual stream (|x| up to ~220 by layer 9) loses enough precision
+that greedy answers change ("L'Étoile..." instead of "The capital of France is
+Paris."); casting only each matmul's input to bf16 keeps the answer and the speed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compute.errors import WeightMismatch
+
+INT8MM_MAX_M = 64  # largest M that uses the int8 kernel (see the table above)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q: int8 [N, K], scale: [N]) -> w: dtype [N, K]."""
+    return (q.to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
+
+
+class _WeightSlot(nn.Module):
+    """Shared loading logic: ``weight`` (float or int8), optional ``weight_scale`` and ``bias``."""
+
+    def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.dtype = dtype  # activation dtype; float weights are converted to it once, at load
+        self.register_buffer("weight", torch.empty(out_features, in_features), persistent=True)
+        self.register_buffer("weight_scale", None)
+        self.register_buffer("bias", torch.empty(out_features) if bias else None)
+        self._scale_act: torch.Tensor | None = None  # scale in bf16, for int8mm
+
+    @property
+    def is_int8(self) -> bool:
+        return self.weight.dtype == torch.int8
+
+    def load(self, leaf: str, t: torch.Tensor) -> None:
+        """Assign one tensor by its leaf name (``weight``, ``weight_scale``, ``bias``)."""
+        if leaf == "weight":
+            _check_shape(t, (self.out_features, self.in_features), leaf)
+            if t.dtype != torch.int8:
+                t = _as_dtype(t, self.dtype)
+            self.weight = t if t.is_contiguous() else t.contiguous()
+        elif leaf == "weight_scale":
+            _check_shape(t, (self.out_features,), leaf)
+            self.weight_scale = t.to(torch.float32)
+            self._scale_act = self.weight_scale.to(torch.bfloat16)
+        elif leaf == "bias" and self.bias is not None:
+            _check_shape(t, (self.out_features,), leaf)
+            self.bias = _as_dtype(t, self.dtype)
+        else:
+            raise WeightMismatch(f"unexpected tensor {leaf!r} for {type(self).__name__}")
+
+    def missing(self) -> list[str]:
+        """Leaf names still unloaded."""
+        out = [n for n in ("weight", "bias") if getattr(self, n) is not None and getattr(self, n).is_meta]
+        if not self.weight.is_meta and self.is_int8 and self.weight_scale is None:
+            out.append("weight_scale")
+        return out
+
+    def share(self, other: _WeightSlot) -> None:
+        """Use ``other``'s tensors (tied embeddings): the same storage, no copy."""
+        self.weight, self.weight_scale, self._scale_act = other.weight, other.weight_scale, other._scale_act
+
+
+class Linear(_WeightSlot):
+    """y = x @ W^T (+ b) with W float or INT8; picks the kernel by M and dtype."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        int8mm_max_m: int = INT8MM_MAX_M,
+    ) -> None:
+        super().__init__(out_features, in_features, bias, dtype)
+        self.int8mm_max_m = int8mm_max_m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [M, K] -> [M, N]
+        if not self.is_int8:
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[0] <= self.int8mm_max_m:
+            xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+            y = torch.ops.aten._weight_int8pack_mm(xb.contiguous(), self.weight, self._scale_act).to(x.dtype)
+        else:
+            y = F.linear(x.to(torch.float32), dequantize(self.weight, self.weight_scale)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Embedding(_WeightSlot):
+    """Token embedding; an INT8 table is dequantized row by row on lookup."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(num_embeddings, embedding_dim, False, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> [T, D]
+        if not self.is_int8:
+            return F.embedding(ids, self.weight)
+        return (self.weight[ids].to(torch.float32) * self.weight_scale[ids, None]).to(self.dtype)
+
+
+def _check_shape(t: torch.Tensor, shape: tuple[int, ...], leaf: str) -> None:
+    if tuple(t.shape) != shape:
+        raise WeightMismatch(f"{leaf}: expected shape {shape}, got {tuple(t.shape)}")
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if not t.is_floating_point():
+        raise WeightMismatch(f"expected a float tensor, got {t.dtype}")
+    return t if t.dtype == dtype else t.to(dtype)

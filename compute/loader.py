@@ -1,0 +1,128 @@
+"""Lazy injection: a node starts with no weights and fills its model shard by shard from paramstore.
+
+Lifecycle of a node's weights:
+ 1. open the manifest (pinned version or latest) and read the bundle shard (tokenizer, template);
+ 2. build the ``Transformer`` on the meta device from the manifest's HF config: no memory yet;
+ 3. a background thread iterates the weight shards in load order (embed, blocks, head) through
+    the store's reader, which keeps ``prefetch`` shards in flight (fetch, verify, decode overlap
+    with injection); each shard's tensors are ``torch.frombuffer`` views of its decoded buffer and
+    are assigned to the model as they are (INT8 stays INT8: no second copy);
+ 4. ``progress`` is observable at any time (layers, shards, bytes, seconds); ``ready`` flips once
+    every tensor is present; the time to ready is recorded as a metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from prometheus_client import Gauge, Histogram
+
+from compute.config import ModelConfig
+from compute.model import Transformer
+from compute.tokenizer import TextBundle
+
+log = logging.getLogger("pdserve.node")
+TIME_TO_READY = Histogram("pdserve_node_time_to_ready_seconds", "Node start to all weights injected",
+                          buckets=(0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 180))  # fmt: skip
+LAYERS_LOADED = Gauge("pdserve_node_layers_loaded", "Decoder layers with every weight injected")
+
+# runtime weights -> (activation dtype, keep int8); int8 keeps an fp32 residual stream (see compute.linear)
+RUNTIME = {"int8": (torch.float32, True), "bf16": (torch.bfloat16, False), "fp32": (torch.float32, False)}
+
+
+@dataclass(slots=True)
+class LoadProgress:
+    model: str = ""
+    layers_loaded: int = 0
+    layers_total: int = 0
+    shards_loaded: int = 0
+    shards_total: int = 0
+    bytes_loaded: int = 0
+    bytes_total: int = 0
+    seconds: float = 0.0
+    ready: bool = False
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class WeightInjector:
+    """Owns one model's lazy load from the store (steps 1-4 above)."""
+
+    def __init__(self, store, ref: str, weights: str = "int8", reader_config=None, cache=None):
+        if weights not in RUNTIME:
+            raise ValueError(f"invalid runtime weights {weights!r}: int8, bf16 or fp32")
+        self.t0 = time.perf_counter()
+        self.store, self.reader_config, self.cache = store, reader_config, cache
+        self.manifest = store.manifest(ref)
+        if weights == "int8" and self.manifest.dtype != "int8":
+            weights = "bf16"  # a float import has no int8 weights to keep
+        self.dtype, self.keep_int8 = RUNTIME[weights]
+        self.weights = weights
+        self.config = ModelConfig.from_hf(self.manifest.config)
+        with store.reader(self.manifest, reader_config, cache) as r:
+            self.bundle = TextBundle.from_files(r.bundle())
+        self.model = Transformer.build(self.config, self.dtype)
+        shards = self.manifest.weight_shards()
+        self.progress = LoadProgress(self.manifest.ref, 0, self.config.num_layers, 0, len(shards), 0,
+                                     sum(s.size for s in shards))  # fmt: skip
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "WeightInjector":
+        self._thread = threading.Thread(target=self._run, name="weight-injector", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once ready; raises the load error if the load failed."""
+        self._done.wait(timeout)
+        if self.progress.error:
+            raise RuntimeError(f"weight load failed: {self.progress.error}")
+        return self.progress.ready
+
+    @property
+    def ready(self) -> bool:
+        return self.progress.ready
+
+    def _run(self) -> None:
+        p = self.progress
+        try:
+            with self.store.reader(self.manifest, self.reader_config, self.cache) as r:
+                for read in r.iter_shards():
+                    tensors, _ = read.tensors()
+                    self.model.load_weights(self._convert(tensors))
+                    p.shards_loaded += 1
+                    p.bytes_loaded += read.shard.size
+                    p.layers_loaded = self.model.layers_loaded()
+                    p.seconds = time.perf_counter() - self.t0
+                    LAYERS_LOADED.set(p.layers_loaded)
+            if not self.model.ready:
+                raise RuntimeError(f"weights missing after every shard: {self.model.missing_weights()[:5]}")
+            p.ready = True
+            p.seconds = time.perf_counter() - self.t0
+            TIME_TO_READY.observe(p.seconds)
+            log.info("model %s ready in %.2f s (%d shards, %.1f MiB, %s weights)", p.model, p.seconds,
+                     p.shards_loaded, p.bytes_loaded / 2**20, self.weights)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - reported through progress and /ready
+            p.error = f"{type(e).__name__}: {e}"
+            log.error("model %s failed to load: %s", p.model, p.error)
+        finally:
+            self._done.set()
+
+    def _convert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stored tensors -> runtime tensors: keep INT8 as is, or dequantize for a float runtime."""
+        if self.keep_int8:
+            return tensors
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith("_scale"):
+                continue
+            scale = tensors.get(name + "_scale")
+            out[name] = (t.to(torch.float32) * scale[:, None]).to(self.dtype) if scale is not None else t
+        return out

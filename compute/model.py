@@ -1,0 +1,201 @@
+"""A Llama-family decoder (Llama, Qwen2, Mistral without sliding window) in plain PyTorch.
+
+Module names mirror transformers' (``model.layers.3.self_attn.q_proj.weight``),
+so the parameter store's HF-named tensors load by name. The model is built on
+the meta device and filled by ``load_weights``, which *assigns* tensors (int8
+stays int8; a float weight is converted at most once, to the activation dtype).
+``load_weights`` may be called many times with parts of the checkpoint (one
+shard at a time); ``ready`` turns true once nothing is missing.
+
+Shapes: T tokens in the flat batch, D hidden, H / KVH heads, Dh head dim,
+F FFN width, V vocab, N rows with logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compute.attention import paged_attention
+from compute.batch import ForwardBatch
+from compute.config import ModelConfig
+from compute.errors import WeightMismatch
+from compute.kv_cache import KVCache
+from compute.linear import INT8MM_MAX_M, Embedding, Linear
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * w, computed in fp32 like transformers."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps, self.dtype = eps, dtype
+        self.register_buffer("weight", torch.empty(dim))
+
+    def load(self, leaf: str, t: torch.Tensor) -> None:
+        if leaf != "weight" or tuple(t.shape) != tuple(self.weight.shape):
+            raise WeightMismatch(f"RMSNorm: unexpected {leaf} of shape {tuple(t.shape)}")
+        self.weight = t if t.dtype == self.dtype else t.to(self.dtype)
+
+    def missing(self) -> list[str]:
+        return ["weight"] if self.weight.is_meta else []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D] -> [T, D]
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """positions: [T] -> cos, sin: [T, 1, Dh] in ``dtype`` (non-interleaved halves, as HF)."""
+    freqs = positions[:, None].to(torch.float32) * inv_freq[None, :]  # [T, Dh/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, Dh]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int, dtype: torch.dtype, int8mm_max_m: int) -> None:
+        super().__init__()
+        self.layer, self.h, self.kvh, self.dh = layer, c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.q_proj = Linear(c.hidden_size, c.q_size, c.qkv_bias, dtype, int8mm_max_m)
+        self.k_proj = Linear(c.hidden_size, c.kv_size, c.qkv_bias, dtype, int8mm_max_m)
+        self.v_proj = Linear(c.hidden_size, c.kv_size, c.qkv_bias, dtype, int8mm_max_m)
+        self.o_proj = Linear(c.q_size, c.hidden_size, c.o_bias, dtype, int8mm_max_m)
+
+    def forward(self, x, cos, sin, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, D] -> [T, D]
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(t, self.h, self.dh), cos, sin)  # [T, H, Dh]
+        k = apply_rope(self.k_proj(x).view(t, self.kvh, self.dh), cos, sin)  # [T, KVH, Dh]
+        v = self.v_proj(x).view(t, self.kvh, self.dh)  # [T, KVH, Dh]
+        o = paged_attention(q, k, v, self.layer, cache, batch, self.scale)  # [T, H, Dh]
+        return self.o_proj(o.reshape(t, self.h * self.dh))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, int8mm_max_m: int) -> None:
+        super().__init__()
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, False, dtype, int8mm_max_m)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, False, dtype, int8mm_max_m)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, False, dtype, int8mm_max_m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D] -> [T, F] -> [T, D]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int, dtype: torch.dtype, int8mm_max_m: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = Attention(c, layer, dtype, int8mm_max_m)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = MLP(c, dtype, int8mm_max_m)
+
+    def forward(self, x, cos, sin, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, D]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """transformers' ``model.*``: embedding, layers, final norm."""
+
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, int8mm_max_m: int) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, int8mm_max_m) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+
+
+class Transformer(nn.Module):
+    """Causal LM over a paged KV cache: ``forward(batch, cache) -> logits [N, V] fp32``."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, int8mm_max_m: int = INT8MM_MAX_M):
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.model = DecoderStack(config, dtype, int8mm_max_m)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, int8mm_max_m)
+        self.inv_freq = config.inv_freq()  # [Dh/2] fp32, a plain attribute (never on meta)
+        self._ready = False
+
+    @classmethod
+    def build(cls, config: ModelConfig, dtype: torch.dtype = torch.float32, **kw) -> Transformer:
+        """Construct on the meta device: no memory until ``load_weights`` assigns tensors."""
+        with torch.device("meta"):
+            return cls(config, dtype, **kw).eval()
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Assign HF-named tensors (any subset, any order); returns how many were taken."""
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        taken = 0
+        for name, t in items:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if self.config.tie_word_embeddings and name.startswith("lm_head."):
+                continue  # tied: lm_head uses embed_tokens' tensors
+            prefix, _, leaf = name.rpartition(".")
+            try:
+                module = self.get_submodule(prefix)
+            except AttributeError:
+                raise WeightMismatch(f"unknown tensor {name!r}") from None
+            if not hasattr(module, "load"):
+                raise WeightMismatch(f"unknown tensor {name!r}")
+            try:
+                module.load(leaf, t)
+            except WeightMismatch as e:
+                raise WeightMismatch(f"{name}: {e}") from None
+            taken += 1
+        if self.config.tie_word_embeddings:
+            self.lm_head.share(self.model.embed_tokens)
+        self._ready = not self.missing_weights()
+        return taken
+
+    def missing_weights(self) -> list[str]:
+        """HF names of tensors not loaded yet."""
+        out = []
+        for name, module in self.named_modules():
+            if name == "lm_head" and self.config.tie_word_embeddings:
+                continue
+            if hasattr(module, "missing"):
+                out.extend(f"{name}.{leaf}" for leaf in module.missing())
+        return out
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def layers_loaded(self) -> int:
+        """Decoder layers with every tensor present (progress of lazy injection)."""
+        return sum(
+            not any(hasattr(m, "missing") and m.missing() for m in layer.modules()) for layer in self.model.layers
+        )
+
+    # -- compute ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        if not self._ready:
+            raise WeightMismatch(f"weights missing: {self.missing_weights()[:5]}...")
+        x = self.model.embed_tokens(batch.input_ids)  # [T, D]
+        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, self.dtype)  # [T, 1, Dh]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, batch)
+        x = self.model.norm(x[batch.logits_rows])  # [N, D]: norm is per row, so select first
+        return self.lm_head(x).to(torch.float32)  # [N, V]

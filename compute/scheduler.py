@@ -1,0 +1,200 @@
+"""Continuous batching with chunked prefill and preemption; plain data in and out.
+
+Lifecycle of a request through the scheduler:
+
+1. ``add(seq)``: refused with ``RequestTooLarge`` if prompt + max_tokens could
+   never fit (the model's context or the whole KV cache); else queued WAITING.
+2. ``schedule()``: running sequences first (decodes, then prefill chunks, each
+   oldest first), each bringing its uncomputed tokens (one for a decode, a chunk
+   of a long prompt) within the step's token budget, so a long prompt never
+   stalls running decodes. When a running sequence needs a block and none is
+   free, the newest running sequence not yet in this step is preempted (blocks
+   freed, tokens kept, queued first to be recomputed). Then waiting sequences join while seats, budget and
+   blocks last. Returns ``ScheduledBatch``: seq ids, token chunks, positions and
+   block tables; never a tensor.
+3. ``postprocess(batch, tokens)``: advances what was computed, appends sampled
+   tokens, finishes on EOS / stop token / max_tokens and frees their blocks.
+4. ``abort(seq_id)`` / ``fail(seq_ids, error)``: finish from any state, blocks freed.
+
+Because every admitted request fits alone, preemption always lets the oldest
+running sequence progress: the scheduler cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from compute.block_manager import BlockManager
+from compute.errors import RequestTooLarge
+from compute.sequence import FinishReason, Sequence, Status
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Limits of one engine's batching."""
+
+    num_blocks: int  # KV blocks in the cache
+    block_size: int = 16  # tokens per block
+    max_num_seqs: int = 32  # running sequences at most
+    max_num_batched_tokens: int = 256  # tokens per step (the prefill chunk budget)
+    max_model_len: int = 2048  # the model's context
+    eos_token_ids: tuple[int, ...] = ()  # finish on these unless a request ignores EOS
+
+    def __post_init__(self) -> None:
+        if min(self.num_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
+            raise ValueError(f"scheduler limits must be positive: {self}")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """What one sequence runs this step."""
+
+    seq_id: int
+    token_ids: list[int]  # tokens to compute
+    start_pos: int  # position of token_ids[0]
+    block_table: list[int]  # a copy, covering start_pos + len(token_ids)
+    sample: bool  # this chunk reaches the end: a token is sampled from its logits
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)  # seq ids sent back to waiting this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    """nano-vllm's verbs: add / schedule / postprocess / abort (+ fail)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
+        self.max_len = min(config.max_model_len, self.blocks.capacity_tokens)
+        self.num_preemptions = 0  # since start: a metric of cache pressure
+
+    def add(self, seq: Sequence) -> None:
+        need = seq.num_prompt_tokens + seq.params.max_tokens
+        if need > self.max_len:
+            raise RequestTooLarge(
+                f"request {seq.seq_id}: prompt {seq.num_prompt_tokens} + max_tokens {seq.params.max_tokens} = {need}"
+                f" tokens exceeds the limit of {self.max_len} (model context {self.config.max_model_len},"
+                f" KV cache {self.blocks.capacity_tokens})"
+            )
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+        self.seqs[seq.seq_id] = seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    def schedule(self) -> ScheduledBatch:
+        out, budget = ScheduledBatch(), self.config.max_num_batched_tokens
+        taken: set[int] = set()
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):  # decodes first, then oldest
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(seq.num_uncomputed, budget)
+            while not self.blocks.can_allocate(seq, seq.num_computed + n):
+                victim = next(s for s in reversed(self.running) if s.seq_id not in taken)  # newest first
+                self._preempt(victim)
+                out.preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            self._take(seq, n, out)
+            taken.add(seq.seq_id)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            if not self.blocks.can_allocate(seq, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._take(seq, n, out)
+            budget -= n
+        return out
+
+    def postprocess(self, batch: ScheduledBatch, tokens: dict[int, int]) -> list[Sequence]:
+        """Advance the computed sequences; ``tokens[seq_id]`` for each sampled one. Returns those finished."""
+        finished = []
+        for s in batch.seqs:
+            seq = self.seqs.get(s.seq_id)
+            if seq is None or seq.status is not Status.RUNNING:
+                continue  # aborted or failed meanwhile
+            seq.num_computed = max(seq.num_computed, s.start_pos + len(s.token_ids))
+            if not s.sample:
+                continue
+            tok = tokens[s.seq_id]
+            seq.append(tok)
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Finish ``seq_id`` wherever it is; unknown or finished ids are ignored."""
+        seq = self.seqs.get(seq_id)
+        if seq is not None:
+            self._finish(seq, FinishReason.ABORT)
+        return seq
+
+    def fail(self, seq_ids: list[int], error: str) -> list[Sequence]:
+        """Finish ``seq_ids`` with an error (their step failed); the others live on."""
+        failed = []
+        for sid in seq_ids:
+            seq = self.seqs.get(sid)
+            if seq is not None:
+                seq.error = error
+                self._finish(seq, FinishReason.ERROR)
+                failed.append(seq)
+        return failed
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _take(self, seq: Sequence, n: int, out: ScheduledBatch) -> None:
+        end = seq.num_computed + n
+        self.blocks.allocate(seq, end)
+        chunk = seq.token_ids[seq.num_computed : end]
+        out.seqs.append(ScheduledSeq(seq.seq_id, chunk, seq.num_computed, list(seq.block_table), end == seq.num_tokens))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+        p = seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.config.eos_token_ids):
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= p.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.seqs.pop(seq.seq_id, None)

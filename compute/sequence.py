@@ -1,0 +1,78 @@
+"""A request inside the engine: its tokens, its KV blocks and where it stands.
+
+Lifecycle::
+
+    WAITING --schedule--> RUNNING --postprocess--> FINISHED (stop | length)
+       ^                     |
+       +----- preempt -------+        abort / fail: any state -> FINISHED
+
+``num_computed`` counts tokens whose K/V are in the cache. A step runs the
+tokens ``token_ids[num_computed:]`` (or a chunk of them); when it reaches the
+end it yields logits and one new token is appended. Prefill, chunked prefill,
+decode and recompute after preemption are all this one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from compute.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # the client went away
+    ERROR = "error"  # the step that ran it failed
+
+
+class Sequence:
+    """One request's tokens and KV bookkeeping; no tensors except its generator."""
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt must have at least one token")
+        self.seq_id = next(_ids) if seq_id is None else seq_id
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.generator: torch.Generator | None = params.make_generator()
+        self.status = Status.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.block_table: list[int] = []
+        self.num_computed = 0  # tokens whose K/V are cached
+        self.num_preemptions = 0
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id}, {self.status.value}, {self.num_tokens} tokens, {self.num_computed} cached)"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, token: int) -> None:
+        self.token_ids.append(token)

@@ -1,0 +1,170 @@
+"""The control loop with the fake actuator and a fake clock: observe → decide → act, failures backed off."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from autoscaler import (
+    AutoscalerConfig,
+    Backoff,
+    ControlLoop,
+    PermanentActuatorError,
+    RoleLoad,
+    TemporaryActuatorError,
+    actuator_kinds,
+    make_actuator,
+)
+from autoscaler.fake import FakeActuator
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> bool:  # the loop's `wait`: never stopped
+        self.t += s
+        return False
+
+
+def cfg(**kw) -> AutoscalerConfig:
+    return AutoscalerConfig(
+        **(
+            {
+                "tick_s": 1.0,
+                "target_queued_prompt_tokens_per_replica": 1000,
+                "target_running_streams_per_replica": 10,
+                "scale_down_delay_s": 5.0,
+            }
+            | kw
+        )
+    )
+
+
+class Gateway:
+    """What the gateway reports: queue signals per role (replica counts come from the actuator)."""
+
+    def __init__(self):
+        self.prefill_tokens = 0
+        self.decode_streams = 0
+        self.fail = 0
+
+    def __call__(self):
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("gateway unreachable")
+        return {"prefill": RoleLoad(queued_prompt_tokens=self.prefill_tokens, queue_depth=self.prefill_tokens // 500),
+                "decode": RoleLoad(running_streams=self.decode_streams)}  # fmt: skip
+
+
+def setup(start_delay_s: float = 0.0, **kw):
+    clock, gw = Clock(), Gateway()
+    act = FakeActuator({"prefill": 1, "decode": 1}, start_delay_s=start_delay_s, clock=clock)
+    published = []
+    loop = ControlLoop(cfg(**kw), gw, act, clock=clock, backoff=Backoff(base_s=1.0, factor=2.0, max_s=8.0),
+                       publish=lambda report, nodes: published.append((report, nodes)))  # fmt: skip
+    return clock, gw, act, loop, published
+
+
+def test_burst_scales_up_with_prepare_first_and_records_the_decision():
+    clock, gw, act, loop, published = setup(start_delay_s=3.0)
+    assert loop.run(max_ticks=10, wait=clock.advance) == 10
+    assert act.replicas("prefill") == 1 and not [c for c in act.calls if c[0] == "scale"]
+    gw.prefill_tokens = 8000
+    loop.run(max_ticks=8, wait=clock.advance)
+    assert act.replicas("prefill") == 8 and act.replicas("decode") == 1
+    scales = [c for c in act.calls if c[0] in ("scale", "prepare")]
+    assert scales[0][0] == "prepare" and scales[1][0] == "scale"  # warm the shards, then start the nodes
+    assert all(c[1] == "prefill" for c in scales)
+    d = loop.last_decision.roles["prefill"]
+    assert d.replicas == 8 and d.reason.startswith("panic:")
+    status = loop.status()
+    assert status["last_decision"]["roles"]["prefill"]["replicas"] == 8 and status["failures"] == 0
+    # new nodes come up "loading" and turn ready after start_delay_s; the loop sees them as starting meanwhile
+    _, nodes = published[-1]
+    assert len(nodes["prefill"]) == 8 and any(not n.ready for n in nodes["prefill"])
+    loop.run(max_ticks=4, wait=clock.advance)
+    assert all(n.ready for n in act.current()["prefill"])
+
+
+def test_scale_down_drains_the_removed_nodes():
+    clock, gw, act, loop, _ = setup()
+    gw.prefill_tokens = 4000
+    loop.run(max_ticks=6, wait=clock.advance)
+    assert act.replicas("prefill") == 4
+    gw.prefill_tokens = 0
+    loop.run(max_ticks=200, wait=clock.advance)
+    assert act.replicas("prefill") == 1
+    assert len(act.drained) == 3 and all(n.state == "draining" and n.role == "prefill" for n in act.drained)
+
+
+def test_actuator_failures_back_off_and_never_leave_the_loop():
+    clock, gw, act, loop, _ = setup()
+    gw.prefill_tokens = 5000
+    act.fail_next(*(TemporaryActuatorError("HTTP 500") for _ in range(4)))
+    reports = [loop.tick()]
+    for _ in range(20):
+        clock.advance(1.0)
+        reports.append(loop.tick())
+    failed = [r for r in reports if r.error and not r.note.startswith("backing off")]
+    assert [r.failures for r in failed] == [1, 2, 3, 4]
+    assert failed[-1].note == "repeated failures" and "TemporaryActuatorError: HTTP 500" in failed[-1].error
+    skipped = [r for r in reports if r.note.startswith("backing off")]
+    assert len(skipped) == 0 + 1 + 3 + 7  # waits of 1, 2, 4, 8 s between tries on a 1 s tick
+    assert act.replicas("prefill") == 5  # recovered and scaled
+    assert reports[-1].error == "" and loop.status()["failures"] == 0
+
+
+def test_temporary_error_delay_overrides_backoff_and_permanent_errors_are_reported():
+    clock, _, act, loop, _ = setup()
+    act.fail_next(TemporaryActuatorError("throttled", delay=5.0))
+    assert loop.tick().failures == 1
+    assert loop.throttler.until == clock.t + 5.0
+    clock.advance(5.0)
+    act.fail_next(PermanentActuatorError("HTTP 403 Forbidden"))
+    r = loop.tick()
+    assert r.failures == 2 and "403" in r.error and loop.status()["last_error"] == r.error
+
+
+def test_observe_failure_acts_on_nothing():
+    _, gw, act, loop, _ = setup()
+    gw.prefill_tokens, gw.fail = 9000, 1
+    r = loop.tick()
+    assert r.decision is None and "gateway unreachable" in r.error
+    assert not [c for c in act.calls if c[0] == "scale"]
+
+
+def test_prepare_failure_does_not_block_scale_up():
+    clock, gw, act, loop, _ = setup()
+
+    def broken(role, n):
+        raise OSError("store unreachable")
+
+    act.prepare = broken
+    gw.prefill_tokens = 3000
+    loop.run(max_ticks=4, wait=clock.advance)
+    assert act.replicas("prefill") == 3
+
+
+def test_run_in_a_thread_stops_promptly():
+    act = FakeActuator({"prefill": 1, "decode": 1})
+    loop = ControlLoop(cfg(tick_s=0.02), Gateway(), act).start()
+    with pytest.raises(RuntimeError, match="already running"):
+        loop.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    loop.stop()
+    assert time.monotonic() - started < 1.0
+    assert loop.last is not None and not any(t.name == "pdserve-autoscaler" for t in threading.enumerate())
+
+
+def test_factory_registers_backends_lazily():
+    assert actuator_kinds() == ["fake", "kubernetes", "local"]
+    assert isinstance(make_actuator("fake", replicas={"decode": 2}), FakeActuator)
+    with pytest.raises(ValueError, match="unknown actuator 'k8s'"):
+        make_actuator("k8s")

@@ -1,0 +1,105 @@
+"""The engine on a tiny random model: batch invariance, preemption, seeds, failures."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from compute.batch import ForwardBatch
+from compute.engine import Engine
+from compute.kv_cache import KVCache
+from compute.sampling import Sampler, SamplingParams
+from tests.compute.tiny import tiny_model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [rng.choices(range(3, 300), k=rng.randrange(2, 60)) for _ in range(n)]
+
+
+def test_batch_invariance_of_greedy_output(model):
+    ps = prompts(16)
+    alone = [Engine.for_model(model, num_blocks=64, block_size=8).generate([p], GREEDY)[0] for p in ps]
+    assert len({tuple(a) for a in alone}) == 16 and all(len(a) == 24 for a in alone)
+    batched = Engine.for_model(model, num_blocks=256, block_size=8, max_num_batched_tokens=64)
+    assert batched.generate(ps, GREEDY) == alone
+    # a cache far too small for 16 at once: chunking, queueing and preemption, same tokens
+    tight = Engine.for_model(model, num_blocks=24, block_size=8, max_num_batched_tokens=32)
+    assert tight.generate(ps, GREEDY) == alone
+    assert tight.scheduler.blocks.num_free == 24 and tight.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(model):
+    p = prompts(1, seed=1)[0]
+    sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    alone = Engine.for_model(model, num_blocks=32, block_size=8).generate([p], sp)[0]
+    others = [SamplingParams(max_tokens=16, temperature=1.0) for _ in range(5)]
+    batch = Engine.for_model(model, num_blocks=128, block_size=8).generate([p] + prompts(5), [sp] + others)[0]
+    assert alone == batch
+    other_seed = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=99)
+    assert Engine.for_model(model, num_blocks=32, block_size=8).generate([p], other_seed)[0] != alone
+
+
+def test_sampler_filters():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]])
+    top_k = Sampler.filtered_probs(logits[0], SamplingParams(top_k=2))
+    assert (top_k[:3] == 0).all() and top_k[3:].sum() == pytest.approx(1.0)
+    top_p = Sampler.filtered_probs(logits[0], SamplingParams(top_p=0.5))
+    assert (top_p > 0).tolist() == [False, False, False, False, True]  # p(4) = 0.64 >= 0.5
+    g = torch.Generator().manual_seed(0)
+    draws = {Sampler()(logits, [SamplingParams(temperature=1.0, top_k=2)], [g])[0] for _ in range(50)}
+    assert draws == {3, 4}
+    assert Sampler()(logits, [SamplingParams(temperature=0)], [None]) == [4]
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
+
+
+def test_failed_step_fails_its_requests_and_frees_blocks(model):
+    eng = Engine.for_model(model, num_blocks=32, block_size=8)
+    real_forward, calls = eng.runner.model.forward, {"n": 0}
+
+    def flaky(batch, cache):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected")
+        return real_forward(batch, cache)
+
+    eng.runner.model.forward = flaky
+    a = eng.add_request(prompts(1)[0], GREEDY)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert any(o.seq_id == a and o.finish_reason == "error" and "injected" in o.error for o in outs)
+    assert eng.scheduler.blocks.num_free == 32
+    eng.runner.model.forward = real_forward
+    b = eng.add_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
+    c = eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0))
+    eng.step()
+    eng.abort(c)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.scheduler.blocks.num_free == 32 and b != c
+
+
+def test_kv_blocks_exported_and_imported_continue_decoding(model):
+    """The prefill/decode seam: prefill in one cache, move its blocks, decode from another."""
+    p = prompts(1, seed=3)[0]
+    src, dst = KVCache(model.config, 16, 8), KVCache(model.config, 16, 8)
+    n = -(-(len(p) + 1) // 8)
+    src_table, dst_table = [15 - 2 * i for i in range(n)], [2 * i + 1 for i in range(n)]
+    tok = int(model(ForwardBatch.build([p], [0], [src_table], 8), src)[0].argmax())
+    k, v = src.export_blocks(src_table)
+    assert k.shape == (model.config.num_layers, n, 8, model.config.num_kv_heads, model.config.head_dim)
+    dst.import_blocks(dst_table, k, v)
+    step = ForwardBatch.build([[tok]], [len(p)], [src_table], 8)
+    moved = ForwardBatch.build([[tok]], [len(p)], [dst_table], 8)
+    assert torch.equal(model(step, src), model(moved, dst))

