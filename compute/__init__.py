@@ -14,6 +14,7 @@ _EXPORTS = {
     "RequestTooLarge": "errors", "Transformer": "model", "KVCache": "kv_cache", "ForwardBatch": "batch",
     "SamplingParams": "sampling", "Scheduler": "scheduler", "SchedulerConfig": "scheduler",
     "Engine": "engine", "WeightInjector": "loader", "TextBundle": "tokenizer",
+    "TextStream": "stream", "StreamEvent": "stream",
 }  # fmt: skip
 __all__ = sorted(_EXPORTS)
 

@@ -28,3 +28,7 @@ class WeightMismatch(ComputeError, ValueError):
 
 class RequestTooLarge(ComputeError, ValueError):
     """A single request can never fit in the KV cache or the model's context."""
+
+
+class CacheFull(ComputeError):
+    """No free KV blocks right now for this request: retry later or on another node."""

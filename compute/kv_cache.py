@@ -1,8 +1,9 @@
 """Paged KV cache: per layer, K and V in fixed-size blocks.
 
-Layout, per layer ``l``::
+Layout, per layer ``l`` (views of one tensor ``kv: [L, 2, NB, BS, KVH, Dh]``,
+the region ``compute.kv_transfer`` registers for NIXL)::
 
-    k[l], v[l]: [num_blocks, block_size, num_kv_heads, head_dim]
+    k[l] = kv[l, 0], v[l] = kv[l, 1]: [num_blocks, block_size, num_kv_heads, head_dim]
 
 A token's *slot* is ``block * block_size + offset``; a sequence's *block table*
 lists its blocks in position order, so position ``p`` lives in slot
@@ -24,9 +25,11 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32):
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device="cpu")  # [L, NB, BS, KVH, Dh]
-        self.v = torch.zeros(shape, dtype=dtype, device="cpu")
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # one region for the KV transfer layer to register: kv[l, 0] = K, kv[l, 1] = V of layer l
+        self.kv = torch.zeros(shape, dtype=dtype, device="cpu")  # [L, 2, NB, BS, KVH, Dh]
+        self.k = self.kv[:, 0]  # [L, NB, BS, KVH, Dh] views; k[l] is contiguous
+        self.v = self.kv[:, 1]
 
     @classmethod
     def bytes_per_block(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -66,7 +66,9 @@ class WeightInjector:
         self.weights = weights
         self.config = ModelConfig.from_hf(self.manifest.config)
         with store.reader(self.manifest, reader_config, cache) as r:
-            self.bundle = TextBundle.from_files(r.bundle())
+            files = r.bundle()
+        # a model imported without a tokenizer still serves token ids (the gateway needs the bundle)
+        self.bundle = TextBundle.from_files(files) if "tokenizer.json" in files else None
         self.model = Transformer.build(self.config, self.dtype)
         shards = self.manifest.weight_shards()
         self.progress = LoadProgress(self.manifest.ref, 0, self.config.num_layers, 0, len(shards), 0,

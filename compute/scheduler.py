@@ -15,6 +15,9 @@ Lifecycle of a request through the scheduler:
 3. ``postprocess(batch, tokens)``: advances what was computed, appends sampled
    tokens, finishes on EOS / stop token / max_tokens and frees their blocks.
 4. ``abort(seq_id)`` / ``fail(seq_ids, error)``: finish from any state, blocks freed.
+5. disaggregation: a ``hold_kv`` sequence keeps its blocks at finish (``held``) until
+   ``release``; ``add_imported`` allocates blocks for KV arriving from a prefill node
+   (IMPORTING, never scheduled) and ``activate`` turns it into a running decode.
 
 Because every admitted request fits alone, preemption always lets the oldest
 running sequence progress: the scheduler cannot deadlock.
@@ -81,6 +84,8 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
         self.max_len = min(config.max_model_len, self.blocks.capacity_tokens)
         self.num_preemptions = 0  # since start: a metric of cache pressure
+        self.held: dict[int, list[int]] = {}  # seq id -> blocks kept for a KV transfer
+        self.importing: dict[int, Sequence] = {}  # decode side: blocks allocated, KV in flight
 
     def add(self, seq: Sequence) -> None:
         need = seq.num_prompt_tokens + seq.params.max_tokens
@@ -95,7 +100,46 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
 
     def has_unfinished(self) -> bool:
-        return bool(self.seqs)
+        return any(s.status is not Status.IMPORTING for s in self.seqs.values())
+
+    # -- disaggregation ------------------------------------------------------------------------
+
+    def release(self, seq_id: int) -> bool:
+        """Free the blocks a finished ``hold_kv`` sequence kept; False if none were held."""
+        blocks = self.held.pop(seq_id, None)
+        if blocks is None:
+            return False
+        self.blocks._free.extend(blocks)
+        return True
+
+    def add_imported(self, seq: Sequence, num_cached: int) -> list[int]:
+        """Allocate blocks for ``num_cached`` tokens whose KV another node computed.
+
+        ``seq.token_ids`` is the prompt plus the first sampled token; returns the block
+        table the KV must be written into. ``RequestTooLarge`` if it can never fit,
+        ``CacheFull`` (retry elsewhere) if there is no room now."""
+        from compute.errors import CacheFull
+
+        need = seq.num_prompt_tokens + seq.params.max_tokens
+        if need > self.max_len:
+            raise RequestTooLarge(f"request {seq.seq_id}: {need} tokens exceed the limit of {self.max_len}")
+        if not self.blocks.can_allocate(seq, num_cached + 1):
+            raise CacheFull(f"no free KV blocks for {num_cached} imported tokens")
+        self.blocks.allocate(seq, num_cached)
+        seq.num_computed = num_cached
+        seq.status = Status.IMPORTING
+        self.importing[seq.seq_id] = seq
+        self.seqs[seq.seq_id] = seq
+        return list(seq.block_table)
+
+    def activate(self, seq_id: int) -> bool:
+        """The imported KV has landed: the sequence joins the running batch as a decode."""
+        seq = self.importing.pop(seq_id, None)
+        if seq is None:
+            return False
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
 
     def schedule(self) -> ScheduledBatch:
         out, budget = ScheduledBatch(), self.config.max_num_batched_tokens
@@ -168,6 +212,9 @@ class Scheduler:
     # -- internals ---------------------------------------------------------------------------
 
     def _take(self, seq: Sequence, n: int, out: ScheduledBatch) -> None:
+        if seq.replay_from is not None:  # replayed output: one token per step, like the decode that made it
+            r = seq.replay_from
+            n = 1 if seq.num_computed >= r else min(n, r - seq.num_computed)
         end = seq.num_computed + n
         self.blocks.allocate(seq, end)
         chunk = seq.token_ids[seq.num_computed : end]
@@ -195,6 +242,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        self.blocks.free(seq)
+        elif seq.status is Status.IMPORTING:
+            self.importing.pop(seq.seq_id, None)
+        if seq.hold_kv and reason in (FinishReason.STOP, FinishReason.LENGTH) and seq.block_table:
+            self.held[seq.seq_id], seq.block_table = seq.block_table, []
+        else:
+            self.blocks.free(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.seqs.pop(seq.seq_id, None)

@@ -5,6 +5,10 @@ Lifecycle::
     WAITING --schedule--> RUNNING --postprocess--> FINISHED (stop | length)
        ^                     |
        +----- preempt -------+        abort / fail: any state -> FINISHED
+    IMPORTING --activate--> RUNNING   (decode role: blocks allocated, KV arriving from a prefill node)
+
+A prefill-role sequence sets ``hold_kv``: when it finishes, its blocks are held
+(not freed) until the decode side has pulled them, then ``release``d.
 
 ``num_computed`` counts tokens whose K/V are in the cache. A step runs the
 tokens ``token_ids[num_computed:]`` (or a chunk of them); when it reaches the
@@ -26,6 +30,7 @@ _ids = itertools.count()
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    IMPORTING = "importing"  # blocks allocated, waiting for KV from a prefill node
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -54,6 +59,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed = 0  # tokens whose K/V are cached
         self.num_preemptions = 0
+        self.hold_kv = False  # prefill role: keep the blocks at finish for a KV transfer
+        # failover: prompt positions from here on are earlier *output*, recomputed one token per
+        # step (as decode computed them) so the continuation is bit-identical to the lost stream
+        self.replay_from: int | None = None
 
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, {self.status.value}, {self.num_tokens} tokens, {self.num_computed} cached)"

@@ -7,8 +7,9 @@ Node API (every route but /health needs ``Authorization: Bearer <internal token>
   POST /internal/abort    {request_id}
   GET  /load, /ready, /health, /metrics
 A stream line is ``{"token_ids": [...], "finish_reason": null | "stop" | "length" | "abort" | "error", "error"?}``.
-``params.sample_offset`` is how many tokens the request already produced, so seeded
-sampling draws the same numbers wherever (and after whatever failover) a token is made.
+``params.replay_tokens``: after a failover the prompt ends with tokens already streamed; the
+node recomputes them one per step, as the lost decode did, so greedy output continues
+bit-identically (prefill-sized matmuls take another kernel and can flip near-ties).
 """
 
 from __future__ import annotations

@@ -226,3 +226,15 @@ def run(cfg: BenchConfig) -> dict:
         json.dump(report, f, indent=1)
     print(f"wrote {cfg.out}")
     return report
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--out", default="bench-results/store.json")
+    p.add_argument("--workdir", default=None, help="scratch dir (kept); default a temp dir (removed)")
+    p.add_argument("--skip-synthetic", action="store_true", help="only SmolLM2, not the ~1 GiB synthetic model")
+
+
+def main(args) -> int:
+    run(BenchConfig(out=args.out, repeat=args.repeat, skip_synthetic=args.skip_synthetic, workdir=args.workdir))
+    return 0

@@ -16,6 +16,7 @@ Lifecycle of one shard read (``ModelReader.read``):
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -31,6 +32,14 @@ from .integrity import fragment_hash, shard_digest
 from .locations import Location
 from .manifest import Manifest, ShardInfo
 from .shards import unpack, unpack_files
+
+
+def alloc(n: int):
+    """A fresh writable buffer. Large ones are mmap'd with MAP_POPULATE: pages are faulted in
+    by the kernel in one go (~2x faster here than first-touch faults of a bytearray)."""
+    if n < 2**20 or not hasattr(mmap, "MAP_POPULATE"):
+        return bytearray(n)
+    return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
 
 
 @dataclass(slots=True)
@@ -112,7 +121,7 @@ class ModelReader:
     def _fetch(self, shard: ShardInfo, out: bytearray | None) -> ShardRead:
         k, frag = self.manifest.k, shard.fragment_size
         need = k * frag
-        buf = out if out is not None and len(out) >= need else bytearray(need)
+        buf = out if out is not None and len(out) >= need else alloc(need)
         view = memoryview(buf)[:need]
         good: dict[int, memoryview] = {}
         failed: dict[str, str] = {}

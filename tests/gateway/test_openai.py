@@ -1,0 +1,164 @@
+"""The gateway end to end: the real `openai` client against real nodes (prefill + 2 decode, tcp)
+on loopback with the real model; bad input; client disconnect; kill -9 of a decode mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.services import start_gateway, start_node, wait_blocks_free
+
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+API_KEY = "sk-test-key"
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory, real_model_store):
+    tmp = tmp_path_factory.mktemp("gw")
+    locations, name = real_model_store
+    nodes = [("prefill", start_node(tmp, locations, name, "prefill")),
+             ("decode", start_node(tmp, locations, name, "decode")),
+             ("decode", start_node(tmp, locations, name, "decode"))]  # fmt: skip
+    gw = None
+    try:
+        for _, n in nodes:
+            n.wait_ready()
+        gw = start_gateway(tmp, locations, name, nodes, env={"PDSERVE_API_KEYS": API_KEY, "PDSERVE_ADMIN_KEY": "adm"},
+                           extra=("--max-running", "8", "--max-queue", "4", "--queue-timeout", "20")).wait_ready()  # fmt: skip
+        yield {"gw": gw, "nodes": [n for _, n in nodes], "name": name}
+    finally:
+        if gw:
+            gw.stop()
+        for _, n in nodes:
+            n.stop()
+
+
+def client(svc, **kw):
+    return openai.OpenAI(base_url=svc["gw"].url + "/v1", api_key=API_KEY, max_retries=0, timeout=120, **kw)
+
+
+def test_models_and_chat_non_streaming(svc):
+    c = client(svc)
+    assert [m.id for m in c.models.list().data] == [svc["name"]]
+    r = c.chat.completions.create(model=svc["name"], messages=Q, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streaming_with_usage(svc):
+    c = client(svc)
+    chunks = list(c.chat.completions.create(model=svc["name"], messages=Q, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == "The capital of France is Paris."
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_completions_and_stop_strings(svc):
+    c = client(svc)
+    r = c.completions.create(model=svc["name"], prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens <= 8
+    r = c.chat.completions.create(model=svc["name"], messages=Q, max_tokens=20, temperature=0, stop=[" Paris"])
+    assert r.choices[0].message.content == "The capital of France is" and r.choices[0].finish_reason == "stop"
+
+
+def test_async_client_concurrent_streams(svc):
+    async def main():
+        c = openai.AsyncOpenAI(base_url=svc["gw"].url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+        async def one():
+            out = []
+            async for ch in await c.chat.completions.create(model=svc["name"], messages=Q, max_tokens=20,
+                                                            temperature=0, stream=True):  # fmt: skip
+                out.append(ch.choices[0].delta.content or "")
+            return "".join(out)
+
+        texts = await asyncio.gather(*(one() for _ in range(4)))
+        await c.close()
+        return texts
+
+    assert asyncio.run(main()) == ["The capital of France is Paris."] * 4
+
+
+def test_seeded_sampling_is_reproducible(svc):
+    c = client(svc)
+    kw = dict(model=svc["name"], messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=12,
+              temperature=0.9, top_p=0.9, seed=1234)  # fmt: skip
+    assert c.chat.completions.create(**kw).choices[0].message.content == c.chat.completions.create(**kw).choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        ({"model": "nope", "messages": Q}, 404, "does not exist"),
+        ({"model": "{m}", "messages": Q, "n": 2}, 400, "n=1"),
+        ({"model": "{m}", "messages": Q, "temperature": "hot"}, 400, "temperature"),
+        ({"model": "{m}", "messages": Q, "top_p": 1.5}, 400, "top_p"),
+        ({"model": "{m}", "messages": Q, "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "{m}", "messages": []}, 400, "messages"),
+        ({"model": "{m}"}, 400, "messages"),
+        ({"model": "{m}", "messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "maximum context length"),
+        ({"model": "{m}", "messages": Q, "max_tokens": 100000}, 400, "maximum context length"),
+    ],
+)
+def test_bad_input_is_a_4xx_with_a_message(svc, body, status, needle):
+    body = json.loads(json.dumps(body).replace("{m}", svc["name"]))
+    r = httpx.post(svc["gw"].url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+
+
+def test_malformed_json_and_auth(svc):
+    url = svc["gw"].url
+    r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {API_KEY}",
+                                                                                "Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(url + "/admin/nodes", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 401
+    assert len(httpx.get(url + "/admin/nodes", headers={"Authorization": "Bearer adm"}).json()["nodes"]) == 3
+    assert API_KEY not in svc["gw"].log()
+
+
+def test_client_disconnect_aborts_and_frees_blocks(svc):
+    body = {"model": svc["name"], "messages": [{"role": "user", "content": "Write a long essay about rivers."}],
+            "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", svc["gw"].url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as r:  # fmt: skip
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert all(x.startswith("data: ") or x == "" for x in got)
+        busy = [n.load() for n in svc["nodes"]]
+        assert sum(ld["kv_blocks_used"] for ld in busy) > 0
+    loads = wait_blocks_free(svc["nodes"], timeout=15)
+    assert [ld["kv_blocks_used"] for ld in loads] == [0, 0, 0], loads
+
+
+def test_kill_decode_mid_stream_continues_the_same_stream(svc):
+    msgs = [{"role": "user", "content": "Explain how a bicycle works, step by step."}]
+    kw = dict(model=svc["name"], messages=msgs, max_tokens=60, temperature=0)
+    c = client(svc)
+    want = c.chat.completions.create(**kw).choices[0].message.content
+    stream = c.chat.completions.create(stream=True, **kw)
+    text, killed = [], None
+    for ch in stream:
+        text.append(ch.choices[0].delta.content or "" if ch.choices else "")
+        if killed is None and len(text) >= 8:
+            decoding = [n for n in svc["nodes"][1:] if n.load()["running"] > 0]
+            assert decoding, "no decode node is streaming"
+            killed = decoding[0]
+            killed.kill9()
+    assert killed is not None
+    assert "".join(text) == want
+    time.sleep(0.1)
