@@ -162,3 +162,21 @@ def test_kill_decode_mid_stream_continues_the_same_stream(svc):
     assert killed is not None
     assert "".join(text) == want
     time.sleep(0.1)
+
+
+def test_overload_gets_429_with_retry_after(svc):
+    """8 in flight + 4 waiting fit (the fixture's limits); the rest are refused at once, not lost."""
+    body = {"model": svc["name"], "messages": Q, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=svc["gw"].url, timeout=180,
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as c:  # fmt: skip
+            return await asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(16)))
+
+    rs = asyncio.run(main())
+    codes = sorted(r.status_code for r in rs)
+    assert codes.count(200) >= 12 and set(codes) <= {200, 429}, codes
+    refused = [r for r in rs if r.status_code == 429]
+    assert refused and all(int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error"
+                           for r in refused)  # fmt: skip
+    assert wait_blocks_free(svc["nodes"], timeout=15)[0]["kv_blocks_used"] == 0

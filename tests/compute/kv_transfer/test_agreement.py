@@ -10,17 +10,15 @@ error, flips one of these prompts), so it is reported, not asserted.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from compute.batch import ForwardBatch
 from compute.kv_transfer import KVLayout
 from compute.kv_transfer.compression import CODECS
 from compute.sampling import SamplingParams
 from compute.sequence import Sequence
+from tests.prompts import QUESTIONS
 
 pytestmark = pytest.mark.slow
-QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
-             "What is 12 times 12?", "Who wrote Romeo and Juliet?", "Give me a tip for learning Python."]  # fmt: skip
 N = 24
 
 

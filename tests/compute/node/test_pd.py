@@ -9,12 +9,11 @@ import random
 import httpx
 import pytest
 
+from tests.prompts import QUESTIONS
 from tests.services import HEADERS, start_node, wait_blocks_free
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
-             "What is 12 times 12?", "Who wrote Romeo and Juliet?", "Give me a tip for learning Python."]  # fmt: skip
 MAX_TOKENS = 16
 
 
