@@ -125,9 +125,10 @@ class NodeService:
         if a is not None:
             self.worker.post(lambda e, sid=a.seq_id: e.abort(sid))
             self.finish(rid)
-        if self.sender is not None and rid in self.held:
-            self.sender.abort(rid)
-        return a is not None
+        held = self.sender is not None and rid in self.held
+        if held:
+            self.sender.abort(rid)  # a finished prefill whose KV is still offered: free it now
+        return a is not None or held
 
     async def relay(self, rid: str, q: asyncio.Queue) -> AsyncIterator[bytes]:
         """NDJSON lines of one sequence's outputs until it finishes; aborts it if the client leaves."""
