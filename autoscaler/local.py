@@ -5,9 +5,10 @@ Lifecycle of one local node:
     the internal token in its environment and its output in ``<log_dir>/<role>-<port>.log``;
  2. a watcher thread polls ``/ready`` (weights are injected lazily; seconds) and calls
     ``on_ready(NodeInfo)`` — the gateway registers it and starts routing to it;
- 3. ``scale`` down -> the newest node of the role is drained: ``POST /internal/drain`` makes
-    it refuse new work (the gateway reroutes) and returns once its requests are finished;
-    then ``on_gone`` deregisters it, SIGTERM, and SIGKILL after ``stop_timeout_s``;
+ 3. ``scale`` down -> the newest node of the role is drained: ``on_draining`` tells the gateway
+    to route nothing new to it, ``POST /internal/drain`` makes it refuse new work (in case) and
+    returns once its requests are finished; then ``on_gone`` deregisters it, SIGTERM, and
+    SIGKILL after ``stop_timeout_s``;
  4. a node process that dies on its own is reported not ready and dropped at the next
     ``current()``; the control loop starts a replacement if the policy still wants one.
 """
@@ -79,9 +80,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class LocalActuator(Actuator):
     def __init__(self, config: LocalConfig | None = None, on_ready: Callable[[NodeInfo], None] | None = None,
-                 on_gone: Callable[[NodeInfo], None] | None = None, **kw):  # fmt: skip
+                 on_gone: Callable[[NodeInfo], None] | None = None,
+                 on_draining: Callable[[NodeInfo], None] | None = None, **kw):  # fmt: skip
         self.config = config or LocalConfig(**kw)
-        self.on_ready, self.on_gone = on_ready, on_gone
+        self.on_ready, self.on_gone, self.on_draining = on_ready, on_gone, on_draining
         self.nodes: list[_Proc] = []
         self._lock = threading.Lock()
         self._headers = {"Authorization": f"Bearer {self.config.internal_token}"}
@@ -181,6 +183,7 @@ class LocalActuator(Actuator):
         """Drain (bounded), deregister, SIGTERM, SIGKILL after the stop timeout."""
         p.state = "stopping"
         if p.proc.poll() is None and p.ready:
+            self._hook(self.on_draining, p)
             try:
                 httpx.post(p.url + "/internal/drain", params={"timeout_s": self.config.drain_timeout_s},
                            headers=self._headers, timeout=self.config.drain_timeout_s + 5)  # fmt: skip
@@ -195,11 +198,14 @@ class LocalActuator(Actuator):
         log.info("stopped %s node %s", p.role, p.url)
 
     def _gone(self, p: _Proc) -> None:
-        if self.on_gone:
+        self._hook(self.on_gone, p)
+
+    def _hook(self, fn: Callable[[NodeInfo], None] | None, p: _Proc) -> None:
+        if fn:
             try:
-                self.on_gone(p.info())
-            except Exception:  # noqa: BLE001 - deregistration is best effort
-                log.exception("on_gone for %s", p.url)
+                fn(p.info())
+            except Exception:  # noqa: BLE001 - (de)registration is best effort
+                log.exception("%s for %s", fn, p.url)
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

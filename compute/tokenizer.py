@@ -9,6 +9,7 @@ never split a UTF-8 character (vLLM's prefix/read offsets).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -56,15 +57,9 @@ class TextBundle:
         if not self.chat_template:
             raise TemplateError("this model has no chat template; use the completions API")
         import jinja2
-        import jinja2.sandbox
 
-        def raise_exception(msg):
-            raise TemplateError(msg)
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
         try:
-            return env.from_string(self.chat_template).render(
+            return _compiled_template(self.chat_template).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
@@ -77,6 +72,20 @@ class TextBundle:
 
     def detokenizer(self, prompt_ids: list[int] | None = None) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self.tokenizer, prompt_ids or [])
+
+
+def _raise_exception(msg):
+    raise TemplateError(msg)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str):
+    """The chat template compiled once (compiling costs ~10 ms, rendering ~0.1 ms); a sandbox."""
+    import jinja2.sandbox
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)
 
 
 def _token_name(v) -> str | None:

@@ -19,6 +19,9 @@ QUEUE_WAIT = Histogram("pdserve_gateway_queue_wait_seconds", "Time waiting for a
                        buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
 
 
+WAIT_WINDOW_S = 60.0  # queue-wait statistics cover this much recent time
+
+
 class Overloaded(Exception):
     """The gateway cannot take this request now; retry after `retry_after` seconds."""
 
@@ -33,25 +36,29 @@ class Admission:
         self._sem = asyncio.Semaphore(max_running)
         self.waiting = 0
         self.running = 0
-        self._waits: list[float] = []  # recent waits (s), for /load and the autoscaler
+        self._waits: list[tuple[float, float]] = []  # (when, wait s) of the last minute: /load, autoscaler
 
     @asynccontextmanager
     async def slot(self):
-        if self.waiting >= self.max_queue:
-            raise Overloaded(f"queue full ({self.max_queue} waiting)", retry_after=1.0)
-        self.waiting += 1
-        QUEUE_DEPTH.set(self.waiting)
         t0 = time.monotonic()
-        try:
-            await asyncio.wait_for(self._sem.acquire(), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise Overloaded(f"no capacity within {self.timeout_s:g} s", retry_after=max(1.0, self.timeout_s / 4)) from None
-        finally:
-            self.waiting -= 1
+        if self._sem.locked():  # no free slot: wait in the bounded queue, until the deadline
+            if self.waiting >= self.max_queue:
+                raise Overloaded(f"queue full ({self.max_queue} waiting)", retry_after=1.0)
+            self.waiting += 1
             QUEUE_DEPTH.set(self.waiting)
+            try:
+                await asyncio.wait_for(self._sem.acquire(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise Overloaded(f"no capacity within {self.timeout_s:g} s",
+                                 retry_after=max(1.0, self.timeout_s / 4)) from None  # fmt: skip
+            finally:
+                self.waiting -= 1
+                QUEUE_DEPTH.set(self.waiting)
+        else:
+            await self._sem.acquire()  # free right now: never counted as waiting
         waited = time.monotonic() - t0
         QUEUE_WAIT.observe(waited)
-        self._waits = (self._waits + [waited])[-256:]
+        self._waits = [w for w in self._waits[-1023:] if w[0] > t0 - WAIT_WINDOW_S] + [(t0, waited)]
         self.running += 1
         RUNNING.set(self.running)
         try:
@@ -62,7 +69,9 @@ class Admission:
             self._sem.release()
 
     def wait_p99(self) -> float:
-        if not self._waits:
+        """p99 of the waits of the last minute (0 when idle: an old burst must not veto scale-down)."""
+        now = time.monotonic()
+        w = sorted(x for t, x in self._waits if t > now - WAIT_WINDOW_S)
+        if not w:
             return 0.0
-        w = sorted(self._waits)
         return w[min(len(w) - 1, int(0.99 * len(w)))]

@@ -30,17 +30,18 @@ class NodeState:
     load: dict = field(default_factory=dict)  # last /load
     seen: float = 0.0  # monotonic time of the last answer
     source: str = "static"
+    draining: bool = False  # told by the actuator before it drains the node: stop routing at once
 
     def view(self) -> NodeView:
         ld = self.load
         return NodeView(
             url=self.url, role=self.role, ready=self.healthy and bool(ld.get("ready")),
-            draining=bool(ld.get("draining")), queued_prompt_tokens=int(ld.get("queued_prompt_tokens", 0)),
+            draining=self.draining or bool(ld.get("draining")), queued_prompt_tokens=int(ld.get("queued_prompt_tokens", 0)),
             running=int(ld.get("running", 0)), kv_blocks_free=int(ld.get("kv_blocks_free", 0)),
         )  # fmt: skip
 
     def as_dict(self) -> dict:
-        state = "unhealthy" if not self.healthy else ("draining" if self.load.get("draining") else
+        state = "unhealthy" if not self.healthy else ("draining" if self.draining or self.load.get("draining") else
                                                       ("ready" if self.load.get("ready") else "loading"))  # fmt: skip
         return {"url": self.url, "role": self.role, "state": state, "load": self.load, "source": self.source}
 
@@ -64,6 +65,18 @@ class NodeRegistry:
 
     def remove(self, url: str) -> bool:
         return self.nodes.pop(url.rstrip("/"), None) is not None
+
+    def mark_draining(self, url: str) -> None:
+        """The node is about to drain: no new request goes to it from now on (its streams go on)."""
+        n = self.nodes.get(url.rstrip("/"))
+        if n:
+            n.draining = True
+
+    async def refresh(self, url: str) -> None:
+        """Check one node now (a node just announced ready is routable without waiting a poll)."""
+        n = self.nodes.get(url.rstrip("/"))
+        if n is not None and self._client is not None:
+            await self._check(n)
 
     def views(self) -> list[NodeView]:
         return [n.view() for n in self.nodes.values()]

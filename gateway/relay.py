@@ -26,7 +26,7 @@ from prometheus_client import Counter
 
 from .nodes import NodeClient, NodeFailed
 from .registry import NodeRegistry
-from .router import Route, pick
+from .router import Route, decode_key, pick
 
 log = logging.getLogger("pdserve.gateway")
 RETRIES = Counter("pdserve_gateway_retries_total", "Node failures retried on another node", ["phase"])
@@ -121,6 +121,7 @@ class Relay:
             yield toks, reason or "stop"
             return
         yield toks, None
+        route = req.route = self._decode_still_live(route)
         holding.append(route.decode)
         dbody = {**body, "first_token_id": toks[-1], "kv": first["kv"],
                  "params": {**body["params"], "max_tokens": body["params"]["max_tokens"] - len(toks),
@@ -128,6 +129,19 @@ class Relay:
         async for msg in self.client.stream(route.decode, "decode", dbody):
             holding[:] = [route.decode]  # the decode side confirmed the KV: prefill has freed it
             yield _unpack(route.decode, msg)
+
+    def _decode_still_live(self, route: Route) -> Route:
+        """The decode node picked before the prefill may have started draining (scale-down) since:
+        hand the KV to another ready decode node instead (any decode node can claim the handle)."""
+        views = self.registry.views()
+        if any(v.url == route.decode and v.routable for v in views):
+            return route
+        live = [v for v in views if v.role == "decode" and v.routable]
+        if not live:
+            return route  # nowhere better: try it; a refusal is retried like any node failure
+        decode = min(live, key=decode_key).url
+        log.info("decode node %s left during prefill: handing the KV to %s", route.decode, decode)
+        return Route(prefill=route.prefill, decode=decode)
 
 
 def _unpack(url: str, msg: dict) -> tuple[list[int], str | None]:

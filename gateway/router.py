@@ -43,11 +43,11 @@ class Route:
         return (self.both,) if self.both else (self.prefill, self.decode)
 
 
-def _prefill_key(n: NodeView):
+def prefill_key(n: NodeView):
     return (n.queued_prompt_tokens, n.running, n.url)
 
 
-def _decode_key(n: NodeView):
+def decode_key(n: NodeView):
     return (-n.kv_blocks_free, n.running, n.url)
 
 
@@ -57,7 +57,7 @@ def pick(nodes: list[NodeView], exclude: frozenset[str] | set[str] = frozenset()
     prefill = [n for n in live if n.role == "prefill"]
     decode = [n for n in live if n.role == "decode"]
     if prefill and decode:
-        return Route(prefill=min(prefill, key=_prefill_key).url, decode=min(decode, key=_decode_key).url)
+        return Route(prefill=min(prefill, key=prefill_key).url, decode=min(decode, key=decode_key).url)
     both = [n for n in live if n.role == "both"]
     if both:
         return Route(both=min(both, key=lambda n: (n.queued_prompt_tokens, -n.kv_blocks_free, n.running, n.url)).url)

@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 
 
 def add_arguments(p) -> None:
@@ -56,16 +57,10 @@ def main(args) -> int:
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
 
-    def on_ready(node):
-        loop.call_soon_threadsafe(gw.registry.add, node.url, node.role, "local")
-
-    def on_gone(node):
-        loop.call_soon_threadsafe(gw.registry.remove, node.url)
-
     actuator = LocalActuator(LocalConfig(model=args.model, store=args.store, internal_token=token,
                                          kv_transport=args.kv_transport, threads=args.threads_per_node,
                                          kv_blocks=args.kv_blocks, log_dir=args.log_dir),
-                             on_ready=on_ready, on_gone=on_gone)  # fmt: skip
+                             **registry_hooks(gw, loop))  # fmt: skip
     control = None
     try:
         for role, n in roles.items():
@@ -90,15 +85,48 @@ def main(args) -> int:
     return 0
 
 
-def _autoscale(gw, actuator, roles: dict[str, int]):
+def registry_hooks(gw, loop) -> dict:
+    """LocalActuator callbacks (called from its threads) that keep the gateway's registry in step.
+
+    on_ready: register, then check the node at once (routable now, not at the next poll);
+    on_draining: stop routing to it *before* the drain starts (waits until the gateway's loop
+    has done it, bounded), so no new request reaches a leaving node; on_gone: deregister.
+    """
+
+    def on_ready(node):
+        def add():
+            gw.registry.add(node.url, node.role, "local")
+            loop.create_task(gw.registry.refresh(node.url))
+
+        loop.call_soon_threadsafe(add)
+
+    def on_draining(node):
+        done = threading.Event()
+
+        def mark():
+            try:
+                gw.registry.mark_draining(node.url)
+            finally:
+                done.set()
+
+        loop.call_soon_threadsafe(mark)
+        done.wait(2.0)  # the loop may not run (shutting down): then the node's own 503 reroutes
+
+    def on_gone(node):
+        loop.call_soon_threadsafe(gw.registry.remove, node.url)
+
+    return {"on_ready": on_ready, "on_draining": on_draining, "on_gone": on_gone}
+
+
+def _autoscale(gw, actuator, roles: dict[str, int], config=None):
     """The control loop in a thread: observe the gateway and nodes, decide, scale locally."""
     from autoscaler import AutoscalerConfig, ControlLoop, RoleLoad
 
     def observe():
         loads = {}
-        views = {n.url: n for n in gw.registry.nodes.values()}
+        views = list(gw.registry.nodes.values())  # a copy: the gateway's loop changes the dict meanwhile
         for role in roles:
-            nodes = [n for n in views.values() if n.role == role]
+            nodes = [n for n in views if n.role == role]
             ld = [n.load for n in nodes if n.healthy]
             used = sum(x.get("kv_blocks_used", 0) for x in ld)
             total = sum(x.get("kv_blocks_total", 0) for x in ld) or 1
@@ -115,4 +143,4 @@ def _autoscale(gw, actuator, roles: dict[str, int]):
 
     if "both" in roles:
         raise ValueError("--autoscale scales prefill and decode independently: use --prefill N --decode M")
-    return ControlLoop(AutoscalerConfig(), observe=observe, actuator=actuator, publish=publish).start()
+    return ControlLoop(config or AutoscalerConfig(), observe=observe, actuator=actuator, publish=publish).start()

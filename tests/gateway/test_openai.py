@@ -165,7 +165,8 @@ def test_kill_decode_mid_stream_continues_the_same_stream(svc):
 
 
 def test_overload_gets_429_with_retry_after(svc):
-    """8 in flight + 4 waiting fit (the fixture's limits); the rest are refused at once, not lost."""
+    """8 in flight + 4 waiting fit (the fixture's limits): the 4 beyond are refused at once; the waiting
+    ones are served or, past the 20 s queue deadline on a slow box, refused the same way."""
     body = {"model": svc["name"], "messages": Q, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
     async def main():
@@ -175,7 +176,7 @@ def test_overload_gets_429_with_retry_after(svc):
 
     rs = asyncio.run(main())
     codes = sorted(r.status_code for r in rs)
-    assert codes.count(200) >= 12 and set(codes) <= {200, 429}, codes
+    assert codes.count(200) >= 8 and codes.count(429) >= 4 and set(codes) <= {200, 429}, codes
     refused = [r for r in rs if r.status_code == 429]
     assert refused and all(int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error"
                            for r in refused)  # fmt: skip

@@ -79,3 +79,27 @@ async def _try(adm):
             return None
     except Overloaded as e:
         return e
+
+
+def test_a_burst_fills_free_slots_before_the_queue():
+    """16 arrivals at once, 8 slots, 4 queue places: 8 run, 4 wait, exactly 4 are refused."""
+
+    async def main():
+        adm = Admission(max_running=8, max_queue=4, timeout_s=5)
+        gate = asyncio.Event()
+
+        async def req():
+            try:
+                async with adm.slot():
+                    await gate.wait()
+                    return "ok"
+            except Overloaded:
+                return "refused"
+
+        tasks = [asyncio.create_task(req()) for _ in range(16)]
+        await asyncio.sleep(0.05)
+        assert (adm.running, adm.waiting) == (8, 4)
+        gate.set()
+        return sorted(await asyncio.gather(*tasks))
+
+    assert asyncio.run(main()) == ["ok"] * 12 + ["refused"] * 4

@@ -19,7 +19,7 @@ from compute.sequence import Sequence
 from tests.prompts import QUESTIONS
 
 pytestmark = pytest.mark.slow
-N = 24
+N = 20
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def _score(model, cache, ids, cont, blocks, bs):
     return model(fb, cache).argmax(-1).tolist()
 
 
-def _agreement(engine, codec):
+def _agreement(engine, codec, free_running: bool = False):
     eng, bundle, model = engine
     sch, cache = eng.scheduler, eng.runner.cache
     c = model.config
@@ -78,6 +78,8 @@ def _agreement(engine, codec):
         ref, got = results
         forced += len(ref)
         same += sum(a == b for a, b in zip(ref, got))
+        if not free_running:
+            continue
         # free-running: decode from the compressed KV, greedy
         seq = Sequence(ids + want[:1], SamplingParams(max_tokens=len(want) - 1, temperature=0, ignore_eos=True))
         dst = sch.add_imported(seq, len(ids))
@@ -90,8 +92,9 @@ def _agreement(engine, codec):
         free_total += len(want)
     assert sch.blocks.num_free == sch.blocks.num_blocks and not sch.held  # nothing leaked
     agreement = same / forced
+    free = f", free-running greedy agreement {free_same / free_total:.2%}" if free_total else ""
     print(f"{codec}: wire {ratio:.2f}x smaller than fp32, teacher-forced top-1 agreement {agreement:.2%} "
-          f"over {forced} tokens, free-running greedy agreement {free_same / free_total:.2%}")
+          f"over {forced} tokens{free}")
     return agreement
 
 
@@ -101,5 +104,5 @@ def test_int8_kv_agreement_matches_half_precision(engine):
     The issue's literal target (>= 99% of tokens) sits at this measurement's resolution: one
     near-tie flip is 1%, and fp16 (error 2^-11) flips as many as int8 here."""
     fp16 = _agreement(engine, "fp16")
-    int8 = _agreement(engine, "int8")
+    int8 = _agreement(engine, "int8", free_running=True)
     assert int8 >= 0.97 and int8 >= fp16 - 0.02, (int8, fp16)
