@@ -17,6 +17,7 @@ Lifecycle of one shard read (``ModelReader.read``):
 from __future__ import annotations
 
 import mmap
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -47,7 +48,8 @@ class ReaderConfig:
     """How a node reads shards."""
 
     prefetch: int = 2  # shards in flight ahead of the consumer
-    io_threads: int = 8  # parallel fragment reads
+    io_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 2))  # parallel fragment reads
+    # (one per core: more threads only contend for memory bandwidth on a small box — 2 beat 8 here)
     hedge_s: float = 2.0  # a data fragment slower than this is raced by a parity fragment
     verify_digest: str = "degraded"  # degraded | always | never: cryptographic check of the shard
 

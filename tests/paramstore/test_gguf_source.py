@@ -17,6 +17,7 @@ from paramstore import gguf_source
 from paramstore.errors import InvalidRequest
 from paramstore.gguf_source import open_gguf
 from paramstore.realmodel import gguf_path
+from tests.hf import hf_llama
 
 # ---------------------------------------------------------------- a tiny llama GGUF
 
@@ -253,17 +254,7 @@ def test_every_tensor_equals_transformers(ours, our_tensors, theirs):
     assert torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"])
 
 
-def _our_model(config: dict, tensors: dict[str, torch.Tensor]):
-    """HF Llama built from our config.json, on the meta device, with our tensors assigned."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**config))
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # built on meta: rebuild its buffers
-    return model.eval()
+_our_model = hf_llama  # HF Llama built from OUR config.json and tensors
 
 
 @pytest.mark.slow
