@@ -70,8 +70,7 @@ class Relay:
             await self.registry.wait_changed(min(left, 0.25))
 
     def _body(self, req: GenRequest, node_rid: str) -> dict:
-        params = dict(req.params, max_tokens=req.max_tokens - len(req.produced), sample_offset=len(req.produced),
-                      replay_tokens=len(req.produced))  # fmt: skip
+        params = dict(req.params, max_tokens=req.max_tokens - len(req.produced), replay_tokens=len(req.produced))
         return {"request_id": node_rid, "prompt_token_ids": req.prompt_ids + req.produced, "params": params}
 
     async def run(self, req: GenRequest) -> AsyncIterator[tuple[list[int], str | None]]:
@@ -125,7 +124,7 @@ class Relay:
         holding.append(route.decode)
         dbody = {**body, "first_token_id": toks[-1], "kv": first["kv"],
                  "params": {**body["params"], "max_tokens": body["params"]["max_tokens"] - len(toks),
-                            "sample_offset": body["params"]["sample_offset"] + len(toks), "replay_tokens": 0}}  # fmt: skip
+                            "replay_tokens": 0}}  # fmt: skip
         async for msg in self.client.stream(route.decode, "decode", dbody):
             holding[:] = [route.decode]  # the decode side confirmed the KV: prefill has freed it
             yield _unpack(route.decode, msg)

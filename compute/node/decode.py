@@ -21,7 +21,7 @@ import time
 from compute.errors import CacheFull, RequestTooLarge
 from compute.sequence import Sequence
 
-from .service import BadNodeRequest, NodeBusy, NodeService, parse, sampling_params
+from .service import Active, BadNodeRequest, NodeBusy, NodeService, parse, sampling_params
 
 
 def make_receiver(svc: NodeService, layout, cache_tensor) -> None:
@@ -50,8 +50,6 @@ async def decode(svc: NodeService, body: dict):
     except CacheFull as e:
         raise NodeBusy(str(e)) from None
     q = svc.worker.open_stream(seq.seq_id)
-    from .service import Active
-
     svc.active[rid] = Active(seq.seq_id, time.monotonic(), "decode")
     try:
         await _receive(svc, handle, blocks, rid)

@@ -36,7 +36,7 @@ def _token(args) -> str:
     return os.environ.get("PDSERVE_INTERNAL_TOKEN", "").strip()
 
 
-def build(cfg):
+def build(cfg, loop):
     """Store, lazy injector (started), engine, worker, service, app — in that order."""
     import torch
 
@@ -62,7 +62,7 @@ def build(cfg):
                               max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                               eos_token_ids=(tuple(injector.bundle.eos_token_ids) if injector.bundle else ())
                               or model.config.eos_token_ids)  # fmt: skip
-    worker = EngineWorker(engine, asyncio.get_event_loop_policy().get_event_loop())
+    worker = EngineWorker(engine, loop)
     svc = NodeService(cfg, worker, model.config.vocab_size)
     cache_t = engine.runner.cache
     layout = KVLayout(model.config.num_layers, cfg.block_size, model.config.num_kv_heads, model.config.head_dim,
@@ -96,8 +96,7 @@ def main(args) -> int:
                      cache_dir=args.cache_dir, threads=args.threads)  # fmt: skip
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    app, worker, injector = build(cfg)
-    worker.loop = loop
+    app, worker, injector = build(cfg, loop)
     worker.start()
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", loop="asyncio"))
     print(f"pdserve node: role={cfg.role} model={cfg.model} listening on http://{cfg.host}:{cfg.port}", file=sys.stderr,

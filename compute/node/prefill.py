@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from .service import NodeBusy, NodeService, new_sequence, parse, sampling_params
+from .service import BadNodeRequest, NodeBusy, NodeService, new_sequence, parse, sampling_params
 
 log = logging.getLogger("pdserve.node")
 
@@ -46,8 +46,6 @@ async def prefill(svc: NodeService, body: dict) -> dict:
     seq.hold_kv = True
     # the context check must cover the whole request, not just this first token
     if len(prompt) + want.max_tokens > svc.scheduler.max_len:
-        from .service import BadNodeRequest
-
         raise BadNodeRequest(f"prompt {len(prompt)} + max_tokens {want.max_tokens} exceeds {svc.scheduler.max_len}")
     q = await svc.add(rid, seq, "prefill")
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from contextlib import asynccontextmanager
 
@@ -126,7 +125,3 @@ async def _drive_sender(svc: NodeService) -> None:
             except Exception:  # noqa: BLE001 - one bad offer must not stop the loop
                 log.exception("polling KV offer %s", rid)
         svc.sender.held()
-
-
-def dumps(obj) -> bytes:
-    return (json.dumps(obj) + "\n").encode()
