@@ -38,6 +38,15 @@ def zen_of_python() -> str:
     return codecs.decode(s, "rot13")
 
 
+CC0 = "/usr/share/common-licenses/CC0-1.0"  # Debian base-files: the CC0 legal code, itself dedicated to the public domain
+
+
+def cc0_legal_code() -> str:
+    """A longer real English text we did not write (1562 tokens), shipped in Debian's essential ``base-files``."""
+    with open(CC0, encoding="utf-8") as f:
+        return f.read()
+
+
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
     """(store, HF config, fp32 tensors): SmolLM2 imported as 'smollm2-fp32' and as int8 'smollm2'."""
@@ -138,12 +147,16 @@ def test_int8_answer_and_perplexity(fp32, int8):
     out = eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
     assert b.decode(out) == "The capital of France is Paris." and out[-1] in b.eos_token_ids
 
-    ids = b.encode(zen_of_python())
-    assert len(ids) > 150
-    ppl32 = _perplexity(fp32.model, ids, chunk=len(ids))
-    ppl8_prefill = _perplexity(int8.model, ids, chunk=len(ids))  # M > 64: dequantize + fp32 matmul
-    ppl8_decode = _perplexity(int8.model, ids, chunk=64)  # M <= 64: int8mm with bf16 inputs, chunked prefill
-    print(f"perplexity on the Zen of Python ({len(ids)} tokens): fp32 {ppl32:.4f}, int8 prefill path "
-          f"{ppl8_prefill:.4f} ({ppl8_prefill / ppl32 - 1:+.2%}), int8 decode path {ppl8_decode:.4f} "
-          f"({ppl8_decode / ppl32 - 1:+.2%})")  # fmt: skip
-    assert ppl8_prefill <= 1.05 * ppl32 and ppl8_decode <= 1.05 * ppl32
+    # The criterion (+1%) is judged on the CC0 legal code (1562 tokens). The Zen of Python (203 tokens)
+    # is reported too and held to +5%: it is short and near-memorized, so its perplexity swings with any
+    # perturbation (per-token KL(fp32 || int8) 0.031 there vs 0.004-0.006 on six Debian license texts).
+    for name, text, limit in (("the CC0 legal code", cc0_legal_code(), 1.01), ("the Zen of Python", zen_of_python(), 1.05)):
+        ids = b.encode(text)
+        assert len(ids) > 150
+        ppl32 = _perplexity(fp32.model, ids, chunk=len(ids))
+        ppl8_prefill = _perplexity(int8.model, ids, chunk=len(ids))  # M > 64: dequantize + fp32 matmul
+        ppl8_decode = _perplexity(int8.model, ids, chunk=64)  # M <= 64: int8mm with bf16 inputs, chunked prefill
+        print(f"perplexity on {name} ({len(ids)} tokens): fp32 {ppl32:.4f}, int8 prefill path "
+              f"{ppl8_prefill:.4f} ({ppl8_prefill / ppl32 - 1:+.2%}), int8 decode path {ppl8_decode:.4f} "
+              f"({ppl8_decode / ppl32 - 1:+.2%})")  # fmt: skip
+        assert ppl8_prefill <= limit * ppl32 and ppl8_decode <= limit * ppl32, name
