@@ -4,7 +4,7 @@
     pdserve node --role prefill|decode|both --model NAME [...]     a compute node (compute.node.server)
     pdserve gateway [...]                                          the OpenAI-compatible gateway (gateway.main)
     pdserve up [...] / pdserve chat "question" / pdserve status     the local service (gateway.up)
-    pdserve bench store|engine|pd|gateway|burst                    benchmarks (print a table, write JSON)
+    pdserve bench store|engine|quality|pd|gateway|burst                   benchmarks (print a table, write JSON)
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ COMMANDS = {
 BENCHES = {
     "store": ("paramstore.bench", "parameter store import/load throughput vs its limits"),
     "engine": ("compute.bench_engine", "engine decode/prefill/spawn vs HF transformers"),
+    "quality": ("compute.bench_quality", "INT8 vs fp32 weights: perplexity, KL, top-1 on real texts"),
     "pd": ("compute.bench_pd", "KV transfer and colocated vs disaggregated serving"),
     "gateway": ("gateway.bench", "gateway overhead vs a node served directly"),
     "burst": ("autoscaler.bench", "autoscaling under a 10x burst"),

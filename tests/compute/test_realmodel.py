@@ -6,14 +6,10 @@ store twice (fp32 and int8); the HF reference is built from the same tensors.
 
 from __future__ import annotations
 
-import ast
-import codecs
-import importlib.util
-import math
-
 import pytest
 import torch
 
+from compute.bench_quality import license_text, logprobs, perplexity, zen_of_python
 from paramstore.realmodel import gguf_path
 from tests.hf import hf_llama
 
@@ -27,24 +23,6 @@ QUESTIONS = [
     "Explain in one sentence what a CPU does.",
 ]
 NEW_TOKENS = 24
-
-
-def zen_of_python() -> str:
-    """A real English text we did not write, shipped with Python: ``this.s`` (rot13), decoded."""
-    with open(importlib.util.find_spec("this").origin, encoding="utf-8") as f:
-        src = f.read()
-    tree = ast.parse(src)
-    s = next(n.value.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "s")
-    return codecs.decode(s, "rot13")
-
-
-CC0 = "/usr/share/common-licenses/CC0-1.0"  # Debian base-files: the CC0 legal code, itself dedicated to the public domain
-
-
-def cc0_legal_code() -> str:
-    """A longer real English text we did not write (1562 tokens), shipped in Debian's essential ``base-files``."""
-    with open(CC0, encoding="utf-8") as f:
-        return f.read()
 
 
 @pytest.fixture(scope="module")
@@ -121,22 +99,6 @@ def test_fp32_greedy_equals_transformers_and_is_batch_invariant(real, fp32, prom
     assert _greedy(fp32, prompts, max_num_batched_tokens=48) == alone
 
 
-def _perplexity(model, ids: list[int], chunk: int) -> float:
-    """Through OUR model: ``ids`` fed ``chunk`` tokens per forward over the paged KV cache, all logits."""
-    from compute.batch import ForwardBatch
-    from compute.kv_cache import KVCache
-
-    bs = 16
-    cache = KVCache(model.config, -(-len(ids) // bs), bs, model.dtype)
-    table = list(range(cache.num_blocks))
-    logits = []
-    for start in range(0, len(ids), chunk):
-        fb = ForwardBatch.build([ids[start : start + chunk]], [start], [table], bs, all_logits=True)
-        logits.append(model(fb, cache))
-    nll = torch.nn.functional.cross_entropy(torch.cat(logits)[:-1], torch.tensor(ids[1:]))
-    return math.exp(nll.item())
-
-
 def test_int8_answer_and_perplexity(fp32, int8):
     from compute.engine import Engine
     from compute.sampling import SamplingParams
@@ -150,12 +112,14 @@ def test_int8_answer_and_perplexity(fp32, int8):
     # The criterion (+1%) is judged on the CC0 legal code (1562 tokens). The Zen of Python (203 tokens)
     # is reported too and held to +5%: it is short and near-memorized, so its perplexity swings with any
     # perturbation (per-token KL(fp32 || int8) 0.031 there vs 0.004-0.006 on six Debian license texts).
-    for name, text, limit in (("the CC0 legal code", cc0_legal_code(), 1.01), ("the Zen of Python", zen_of_python(), 1.05)):
+    # `pdserve bench quality` reports the same on all of them.
+    texts = (("the CC0 legal code", license_text("CC0-1.0"), 1.01), ("the Zen of Python", zen_of_python(), 1.05))
+    for name, text, limit in texts:
         ids = b.encode(text)
         assert len(ids) > 150
-        ppl32 = _perplexity(fp32.model, ids, chunk=len(ids))
-        ppl8_prefill = _perplexity(int8.model, ids, chunk=len(ids))  # M > 64: dequantize + fp32 matmul
-        ppl8_decode = _perplexity(int8.model, ids, chunk=64)  # M <= 64: int8mm with bf16 inputs, chunked prefill
+        ppl32 = perplexity(logprobs(fp32.model, ids, len(ids)), ids)
+        ppl8_prefill = perplexity(logprobs(int8.model, ids, len(ids)), ids)  # M > 64: dequantize + fp32 matmul
+        ppl8_decode = perplexity(logprobs(int8.model, ids, 64), ids)  # M <= 64: int8mm on bf16, chunked prefill
         print(f"perplexity on {name} ({len(ids)} tokens): fp32 {ppl32:.4f}, int8 prefill path "
               f"{ppl8_prefill:.4f} ({ppl8_prefill / ppl32 - 1:+.2%}), int8 decode path {ppl8_decode:.4f} "
               f"({ppl8_decode / ppl32 - 1:+.2%})")  # fmt: skip
