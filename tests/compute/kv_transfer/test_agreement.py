@@ -3,8 +3,16 @@
 The prompt's KV goes through a codec (encode -> decode) into fresh blocks, then the
 reference continuation is scored in one chunk against the same computation on the
 uncompressed KV: identical kernels, only the KV differs. Free-running greedy agreement
-is printed too; on SmolLM2 it is dominated by near-ties (even fp16, 2^-11 relative
-error, flips one of these prompts), so it is reported, not asserted.
+(every token after a first flip counts as lost) is printed too, not asserted.
+
+Two runtimes of the same int8 import:
+
+- fp32 activations (``weights="fp32"``: the int8 weights dequantized once). Here the
+  measurement has no noise floor (fp16 on the wire agrees 100%), so it judges the codec:
+  int8 must agree on >= 99% of tokens.
+- the int8 runtime (``int8mm`` on bf16-cast inputs at decode). Each matmul input is rounded
+  to bf16 (2^-8), so ANY perturbation of the KV, even fp16's 2^-11, moves some roundings
+  and flips near-ties: fp16 and int8 both land near 98%. There int8 must do no worse than fp16.
 """
 
 from __future__ import annotations
@@ -19,21 +27,22 @@ from compute.sequence import Sequence
 from tests.prompts import QUESTIONS
 
 pytestmark = pytest.mark.slow
-N = 20
+N = 32
+MORE_QUESTIONS = ["Explain what a CPU does.", "List three primary colors.", "What is photosynthesis?",
+                  "Name a famous painter.", "How many legs does a spider have?", "Give me a synonym for happy."]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def engine(real_model_store):
+def _engine(real_model_store, weights: str):
     from compute.engine import Engine
     from compute.loader import WeightInjector
     from paramstore import ParamStore, StoreConfig
 
     locations, name = real_model_store
     store = ParamStore(StoreConfig(locations=locations))
-    inj = WeightInjector(store, name, "int8").start()
+    inj = WeightInjector(store, name, weights).start()
     assert inj.wait(120)
-    yield Engine.for_model(inj.model, num_blocks=256), inj.bundle, inj.model
     store.close()
+    return Engine.for_model(inj.model, num_blocks=256), inj.bundle, inj.model
 
 
 def _run(eng, seq):
@@ -49,60 +58,72 @@ def _score(model, cache, ids, cont, blocks, bs):
     return model(fb, cache).argmax(-1).tolist()
 
 
-def _agreement(engine, codec, free_running: bool = False):
+def _scored(sch, cache, model, ids, want, payload):
+    """Teacher-forced argmaxes over `want` with `payload` as the prompt's KV, in fresh blocks."""
+    seq = Sequence(ids + want, SamplingParams(max_tokens=1, temperature=0))
+    dst = sch.add_imported(seq, len(ids))
+    sch.blocks.allocate(seq, len(ids) + len(want))
+    cache.kv[:, :, dst[: payload.shape[2]]] = payload
+    out = _score(model, cache, ids, want, list(seq.block_table), cache.block_size)
+    sch.abort(seq.seq_id)
+    return out
+
+
+def _free_running(eng, ids, want, payload):
+    """Greedy decode from `payload` as the prompt's KV: the continuation, first token given."""
+    sch = eng.scheduler
+    seq = Sequence(ids + want[:1], SamplingParams(max_tokens=len(want) - 1, temperature=0, ignore_eos=True))
+    dst = sch.add_imported(seq, len(ids))
+    eng.runner.cache.kv[:, :, dst] = payload
+    sch.activate(seq.seq_id)
+    while eng.has_unfinished():
+        eng.step()
+    return want[:1] + seq.output_token_ids
+
+
+def _agreement(engine, codecs, questions, tokens: int, free_running: str | None = None) -> dict[str, float]:
+    """codec -> teacher-forced top-1 agreement with the uncompressed KV; one reference run per prompt."""
     eng, bundle, model = engine
     sch, cache = eng.scheduler, eng.runner.cache
     c = model.config
     layout = KVLayout(c.num_layers, cache.block_size, c.num_kv_heads, c.head_dim, cache.dtype)
-    forced = same = 0
-    free_same = free_total = 0
-    ratio = CODECS[codec].ratio(layout)
-    for q in QUESTIONS:
+    same = dict.fromkeys(codecs, 0)
+    forced = free_same = free_total = 0
+    for q in questions:
         ids = bundle.encode(bundle.render_chat([{"role": "user", "content": q}]))
-        want = _run(eng, Sequence(ids, SamplingParams(max_tokens=N, temperature=0)))
+        want = _run(eng, Sequence(ids, SamplingParams(max_tokens=tokens, temperature=0)))
         pre = Sequence(ids, SamplingParams(max_tokens=1, temperature=0))
         pre.hold_kv = True
         _run(eng, pre)
-        src = sch.held[pre.seq_id]
-        kv = cache.kv[:, :, src]
-        decoded = CODECS[codec].decode(CODECS[codec].encode(kv), layout)
-        results = []
-        for payload in (kv.clone(), decoded):
-            seq = Sequence(ids + want, SamplingParams(max_tokens=1, temperature=0))
-            dst = sch.add_imported(seq, len(ids))
-            sch.blocks.allocate(seq, len(ids) + len(want))
-            cache.kv[:, :, dst[: len(src)]] = payload
-            results.append(_score(model, cache, ids, want, list(seq.block_table), cache.block_size))
-            sch.abort(seq.seq_id)
+        kv = cache.kv[:, :, sch.held[pre.seq_id]].clone()
         sch.release(pre.seq_id)
-        ref, got = results
+        ref = _scored(sch, cache, model, ids, want, kv)
         forced += len(ref)
-        same += sum(a == b for a, b in zip(ref, got))
-        if not free_running:
-            continue
-        # free-running: decode from the compressed KV, greedy
-        seq = Sequence(ids + want[:1], SamplingParams(max_tokens=len(want) - 1, temperature=0, ignore_eos=True))
-        dst = sch.add_imported(seq, len(ids))
-        cache.kv[:, :, dst] = decoded
-        sch.activate(seq.seq_id)
-        while eng.has_unfinished():
-            eng.step()
-        free = want[:1] + seq.output_token_ids
-        free_same += sum(a == b for a, b in zip(free, want))
-        free_total += len(want)
+        for codec in codecs:
+            decoded = CODECS[codec].decode(CODECS[codec].encode(kv), layout)
+            same[codec] += sum(a == b for a, b in zip(ref, _scored(sch, cache, model, ids, want, decoded)))
+            if codec == free_running:
+                free_same += sum(a == b for a, b in zip(_free_running(eng, ids, want, decoded), want))
+                free_total += len(want)
     assert sch.blocks.num_free == sch.blocks.num_blocks and not sch.held  # nothing leaked
-    agreement = same / forced
-    free = f", free-running greedy agreement {free_same / free_total:.2%}" if free_total else ""
-    print(f"{codec}: wire {ratio:.2f}x smaller than fp32, teacher-forced top-1 agreement {agreement:.2%} "
-          f"over {forced} tokens{free}")
-    return agreement
+    runtime = "int8 runtime (bf16 matmul inputs)" if model.lm_head.is_int8 else "fp32 activations"
+    for codec in codecs:
+        free = f", free-running greedy agreement {free_same / free_total:.2%}" if codec == free_running else ""
+        print(f"{runtime}, {codec}: wire {CODECS[codec].ratio(layout):.2f}x smaller than fp32, teacher-forced "
+              f"top-1 agreement {same[codec] / forced:.2%} over {forced} tokens{free}")  # fmt: skip
+    return {codec: same[codec] / forced for codec in codecs}
 
 
-def test_int8_kv_agreement_matches_half_precision(engine):
-    """int8 on the wire changes the output no more than a half-precision cast does (same run).
+def test_int8_kv_agreement_at_least_99_percent(real_model_store):
+    """fp32 activations: the codec alone decides; fp16 agrees fully, int8 on >= 99% of tokens."""
+    engine = _engine(real_model_store, "fp32")
+    questions = QUESTIONS + MORE_QUESTIONS
+    got = _agreement(engine, ("fp16", "int8"), questions, N, free_running="int8")
+    assert got["fp16"] >= 0.995 and got["int8"] >= 0.99, got
 
-    The issue's literal target (>= 99% of tokens) sits at this measurement's resolution: one
-    near-tie flip is 1%, and fp16 (error 2^-11) flips as many as int8 here."""
-    fp16 = _agreement(engine, "fp16")
-    int8 = _agreement(engine, "int8", free_running=True)
-    assert int8 >= 0.97 and int8 >= fp16 - 0.02, (int8, fp16)
+
+def test_int8_kv_agreement_matches_half_precision_on_int8_runtime(real_model_store):
+    """The int8 runtime (bf16-rounded matmul inputs): int8 on the wire flips no more than fp16 does."""
+    engine = _engine(real_model_store, "int8")
+    got = _agreement(engine, ("fp16", "int8"), QUESTIONS, 20, free_running="int8")
+    assert got["int8"] >= 0.97 and got["int8"] >= got["fp16"] - 0.02, got
