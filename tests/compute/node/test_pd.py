@@ -4,7 +4,11 @@ compression, a prefill node killed mid-handoff, and no KV block leaked after 200
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -109,24 +113,40 @@ def test_int8_kv_compression_through_processes(cluster, prompts):
     assert agreement >= 0.75, agreement
 
 
-def test_killed_prefill_leaves_decode_healthy(tmp_path, cluster, prompts, real_model_store):
+@pytest.mark.parametrize("when", ["before-pull", "mid-pull"])
+def test_killed_prefill_leaves_decode_healthy(tmp_path, cluster, prompts, real_model_store, when):
+    """kill -9 of the prefill node after it offered the KV: before the decode node pulls, or while it
+    pulls (the prefill node is frozen with SIGSTOP once it offered, so the pull hangs mid-way until the
+    kill resets its connection)."""
     locations, name = real_model_store
+    d = cluster["tcp_d"]
     victim = start_node(tmp_path, locations, name, "prefill", "tcp").wait_ready()
     try:
         params = {"max_tokens": 8, "temperature": 0}
         pre = httpx.post(victim.url + "/internal/prefill", headers=HEADERS, timeout=60,
                          json={"request_id": "doomed", "prompt_token_ids": prompts[0], "params": params}).json()  # fmt: skip
-        victim.kill9()  # the KV it offered is gone with it
         body = {"request_id": "doomed", "prompt_token_ids": prompts[0], "first_token_id": pre["token_ids"][0],
                 "kv": pre["kv"], "params": params}  # fmt: skip
-        r = httpx.post(cluster["tcp_d"].url + "/internal/decode", json=body, headers=HEADERS, timeout=60)
+        decode = lambda: httpx.post(d.url + "/internal/decode", json=body, headers=HEADERS, timeout=60)  # noqa: E731
+        if when == "before-pull":
+            victim.kill9()  # the KV it offered is gone with it
+            r = decode()
+        else:
+            os.killpg(victim.p.pid, signal.SIGSTOP)
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(decode)
+                deadline = time.monotonic() + 30
+                while httpx.get(d.url + "/load", headers=HEADERS, timeout=5).json()["kv_blocks_used"] == 0:
+                    assert time.monotonic() < deadline and not pending.done(), "the pull never started"
+                    time.sleep(0.05)
+                victim.kill9()  # blocks preallocated, connection open, no bytes: mid-transfer
+                r = pending.result(timeout=60)
         assert r.status_code == 503 and "KV transfer" in r.json()["detail"]
     finally:
         victim.stop()
-    d = cluster["tcp_d"]
     assert wait_blocks_free([d])[0]["kv_blocks_used"] == 0
     assert httpx.get(d.url + "/health", timeout=5).status_code == 200
-    assert pd(cluster["tcp_p"], d, "after-kill", prompts[0])[0] == generate(cluster["both"], "after-kill-ref", prompts[0])
+    assert pd(cluster["tcp_p"], d, f"after-kill-{when}", prompts[0])[0] == generate(cluster["both"], f"ref-{when}", prompts[0])
 
 
 def test_no_block_leaks_after_200_messy_requests(tmp_path, tiny_model_store):
