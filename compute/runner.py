@@ -32,5 +32,5 @@ class ModelRunner:
         if not rows:
             return {}
         owners = [seqs[batch.seqs[i].seq_id] for i in rows]
-        tokens = self.sampler(logits[rows], [q.params for q in owners], [q.generator for q in owners])
+        tokens = self.sampler(logits[rows], [q.params for q in owners], [q.num_tokens for q in owners])
         return {q.seq_id: t for q, t in zip(owners, tokens)}

@@ -2,9 +2,13 @@
 
 Temperature 0 is greedy (argmax). Otherwise logits are divided by the
 temperature, filtered by top-k then top-p (nucleus), and one token is drawn per
-row. A request with a ``seed`` draws from its own ``torch.Generator``, so its
-tokens do not depend on what else is in the batch; requests without one share
-the sampler's generator.
+row. A request with a ``seed`` draws the token at absolute position ``pos`` (prompt
+tokens count) from a generator seeded with ``draw_seed(seed, pos)``: its tokens do
+not depend on what else is in the batch, and they do not depend on *where* they
+are drawn either — the prefill node's first token, the decode node's rest, and a
+re-prefill after failover (prompt + replayed tokens) all draw at the same
+positions, so a seeded request gives the same text split or colocated. Requests
+without a seed share the sampler's generator.
 """
 
 from __future__ import annotations
@@ -41,28 +45,37 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def make_generator(self) -> torch.Generator | None:
-        """A fresh generator for this request, or None when it has no seed."""
-        if self.seed is None:
-            return None
-        return torch.Generator(device="cpu").manual_seed(self.seed)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, pos: int) -> int:
+    """splitmix64 of (seed, position): a well-mixed 63-bit seed per (request seed, token position)."""
+    z = (seed * 0x9E3779B97F4A7C15 + pos + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 class Sampler:
-    """logits [N, V] + one (params, generator) per row -> N token ids."""
+    """logits [N, V] + one (params, position of the token to draw) per row -> N token ids."""
 
     def __init__(self, seed: int | None = None) -> None:
         self.generator = torch.Generator(device="cpu")
         if seed is not None:
             self.generator.manual_seed(seed)
 
-    def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> list[int]:
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
         out = []
-        for row, p, g in zip(logits.to(torch.float32), params, generators):
-            out.append(int(row.argmax()) if p.greedy else self._draw(row, p, g or self.generator))
+        for row, p, pos in zip(logits.to(torch.float32), params, positions):
+            out.append(int(row.argmax()) if p.greedy else self._draw(row, p, self._generator(p, pos)))
         return out
+
+    def _generator(self, p: SamplingParams, pos: int) -> torch.Generator:
+        if p.seed is None:
+            return self.generator
+        return torch.Generator(device="cpu").manual_seed(draw_seed(p.seed, pos))
 
     @staticmethod
     def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

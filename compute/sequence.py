@@ -21,7 +21,6 @@ from __future__ import annotations
 import enum
 import itertools
 
-import torch
 
 from compute.sampling import SamplingParams
 
@@ -43,7 +42,7 @@ class FinishReason(enum.Enum):
 
 
 class Sequence:
-    """One request's tokens and KV bookkeeping; no tensors except its generator."""
+    """One request's tokens and KV bookkeeping; no tensors."""
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> None:
         if not prompt_token_ids:
@@ -52,7 +51,6 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.generator: torch.Generator | None = params.make_generator()
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None

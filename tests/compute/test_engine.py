@@ -55,10 +55,15 @@ def test_sampler_filters():
     assert (top_k[:3] == 0).all() and top_k[3:].sum() == pytest.approx(1.0)
     top_p = Sampler.filtered_probs(logits[0], SamplingParams(top_p=0.5))
     assert (top_p > 0).tolist() == [False, False, False, False, True]  # p(4) = 0.64 >= 0.5
-    g = torch.Generator().manual_seed(0)
-    draws = {Sampler()(logits, [SamplingParams(temperature=1.0, top_k=2)], [g])[0] for _ in range(50)}
+    sampler = Sampler(seed=0)
+    draws = {sampler(logits, [SamplingParams(temperature=1.0, top_k=2)], [7])[0] for _ in range(50)}
     assert draws == {3, 4}
-    assert Sampler()(logits, [SamplingParams(temperature=0)], [None]) == [4]
+    assert Sampler()(logits, [SamplingParams(temperature=0)], [7]) == [4]
+    # seeded: a pure function of (seed, position), whatever sampler draws it
+    seeded = SamplingParams(temperature=1.0, seed=5)
+    by_pos = [Sampler(seed=1)(logits, [seeded], [pos])[0] for pos in range(40)]
+    assert by_pos == [Sampler(seed=2)(logits, [seeded], [pos])[0] for pos in range(40)]
+    assert len(set(by_pos)) > 1
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
 

@@ -55,8 +55,9 @@ def cluster(tmp_path_factory, real_model_store):
             n.stop()
 
 
-def generate(node, rid, ids, max_tokens=MAX_TOKENS):
-    body = {"request_id": rid, "prompt_token_ids": ids, "params": {"max_tokens": max_tokens, "temperature": 0}}
+def generate(node, rid, ids, max_tokens=MAX_TOKENS, **sampling):
+    params = {"max_tokens": max_tokens, "temperature": 0} | sampling
+    body = {"request_id": rid, "prompt_token_ids": ids, "params": params}
     toks = []
     with httpx.stream("POST", node.url + "/internal/generate", json=body, headers=HEADERS, timeout=120) as r:
         assert r.status_code == 200, r.read()
@@ -65,8 +66,8 @@ def generate(node, rid, ids, max_tokens=MAX_TOKENS):
     return toks
 
 
-def pd(prefill, decode, rid, ids, max_tokens=MAX_TOKENS):
-    params = {"max_tokens": max_tokens, "temperature": 0}
+def pd(prefill, decode, rid, ids, max_tokens=MAX_TOKENS, **sampling):
+    params = {"max_tokens": max_tokens, "temperature": 0} | sampling
     pre = httpx.post(prefill.url + "/internal/prefill", headers=HEADERS, timeout=120,
                      json={"request_id": rid, "prompt_token_ids": ids, "params": params}).json()  # fmt: skip
     toks = list(pre["token_ids"])
@@ -90,6 +91,16 @@ def test_prefill_decode_equals_colocated(cluster, prompts, transport):
         assert got == want, (i, got, want)
     loads = wait_blocks_free([cluster[f"{transport}_p"], cluster[f"{transport}_d"]])
     assert all(ld["kv_blocks_used"] == 0 for ld in loads), loads
+
+
+def test_seeded_sampling_is_the_same_split_or_colocated(cluster, prompts):
+    """A seeded draw depends on (seed, position) only: prefill node + decode node == one `both` node."""
+    sampling = {"temperature": 1.0, "top_p": 0.95, "seed": 1234}
+    for i, ids in enumerate(prompts[:3]):
+        want = generate(cluster["both"], f"ref-seeded-{i}", ids, **sampling)
+        assert pd(cluster["tcp_p"], cluster["tcp_d"], f"seeded-{i}", ids, **sampling)[0] == want
+    other = generate(cluster["both"], "other-seed", prompts[0], **(sampling | {"seed": 7}))
+    assert other != generate(cluster["both"], "ref-seeded-again", prompts[0], **sampling)
 
 
 def test_int8_kv_compression_through_processes(cluster, prompts):
