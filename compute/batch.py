@@ -36,9 +36,9 @@ class DecodeGroup:
     """Sequences bringing exactly one token: attended together, padded to the longest context."""
 
     rows: torch.Tensor  # [B] long: their rows in the flat batch
-    tables: torch.Tensor  # [B, max_nb] long: block tables, padded with block 0
-    mask: torch.Tensor  # [B, 1, 1, max_nb * block_size] bool: key is inside the context
-
+    slots: torch.Tensor  # [B, L] long: KV slot of each key position (L = longest context; padding -> slot 0)
+    mask: torch.Tensor | None  # [B, 1, 1, L] bool: key is inside the context; None when no row is padded
+    only: bool  # the whole batch is these decodes, in order (rows == arange(T)): no row gather needed
 
 @dataclass(slots=True)
 class ForwardBatch:
@@ -116,8 +116,15 @@ class ForwardBatch:
             start += q
         self.decodes = None
         if dec_rows:
-            width = max(len(t) for t in dec_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long)
-            keys = torch.arange(width * self.block_size)[None, :]  # [1, L]
-            mask = (keys < torch.tensor(dec_ctx)[:, None])[:, None, None, :]  # [B, 1, 1, L]
-            self.decodes = DecodeGroup(torch.tensor(dec_rows, dtype=torch.long), tables, mask)
+            self.decodes = _decode_group(dec_rows, dec_tables, dec_ctx, self.block_size, start)
+
+
+def _decode_group(rows: list[int], tables: list[list[int]], ctx: list[int], block_size: int, tokens: int):
+    """The slot of every key of every decode, once per step (every layer reuses it)."""
+    width, longest = max(len(t) for t in tables), max(ctx)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)  # [B, nb]
+    slots = (padded[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :longest].contiguous()  # [B, L]
+    mask = None
+    if min(ctx) != longest:
+        mask = (torch.arange(longest)[None, :] < torch.tensor(ctx)[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    return DecodeGroup(torch.tensor(rows, dtype=torch.long), slots, mask, len(rows) == tokens)

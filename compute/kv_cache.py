@@ -30,6 +30,11 @@ class KVCache:
         self.kv = torch.zeros(shape, dtype=dtype, device="cpu")  # [L, 2, NB, BS, KVH, Dh]
         self.k = self.kv[:, 0]  # [L, NB, BS, KVH, Dh] views; k[l] is contiguous
         self.v = self.kv[:, 1]
+        kvh, dh = config.num_kv_heads, config.head_dim
+        # per layer, views made once: K and V by slot [NB*BS, KVH, Dh]; both by slot [2, NB*BS, KVH*Dh]
+        self._k_slots = [k.view(-1, kvh, dh) for k in self.k.unbind(0)]
+        self._v_slots = [v.view(-1, kvh, dh) for v in self.v.unbind(0)]
+        self._kv_slots = [kv.view(2, -1, kvh * dh) for kv in self.kv.unbind(0)]
 
     @classmethod
     def bytes_per_block(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -39,14 +44,18 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k, v: [T, KVH, Dh]`` at ``slots: [T]`` of ``layer``."""
-        kvh, dh = k.shape[1], k.shape[2]
-        self.k[layer].view(-1, kvh, dh).index_copy_(0, slots, k.to(self.dtype))
-        self.v[layer].view(-1, kvh, dh).index_copy_(0, slots, v.to(self.dtype))
+        self._k_slots[layer].index_copy_(0, slots, k.to(self.dtype))
+        self._v_slots[layer].index_copy_(0, slots, v.to(self.dtype))
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``blocks: [..., nb]`` -> k, v ``[..., nb * block_size, KVH, Dh]`` (a copy)."""
         k, v = self.k[layer][blocks], self.v[layer][blocks]  # [..., nb, BS, KVH, Dh]
         return k.flatten(-4, -3), v.flatten(-4, -3)
+
+    def gather_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """``slots: [B, L]`` -> ``kv: [2, B, L, KVH, Dh]`` (K then V; one copy for both)."""
+        flat = self._kv_slots[layer].index_select(1, slots.view(-1))  # [2, B*L, KVH*Dh]
+        return flat.view(2, *slots.shape, *self.kv.shape[-2:])
 
     def export_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy out ``blocks`` of every layer: k, v ``[L, len(blocks), BS, KVH, Dh]``."""

@@ -24,7 +24,7 @@ from compute.batch import ForwardBatch
 from compute.config import ModelConfig
 from compute.errors import WeightMismatch
 from compute.kv_cache import KVCache
-from compute.linear import INT8MM_MAX_M, Embedding, Linear
+from compute.linear import INT8MM_MAX_M, Embedding, FusedLinear, Linear
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
 
@@ -53,17 +53,22 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """positions: [T] -> cos, sin: [T, 1, Dh] in ``dtype`` (non-interleaved halves, as HF)."""
+    """positions: [T] -> cos, sin: [T, 1, Dh] in ``dtype`` (non-interleaved halves, as HF).
+
+    ``sin`` comes with the sign of ``rotate_half`` folded in (first half negated), so
+    ``apply_rope`` only swaps the halves: ``[-x2, x1] * sin == [x2, x1] * [-sin1, sin2]`` exactly.
+    """
     freqs = positions[:, None].to(torch.float32) * inv_freq[None, :]  # [T, Dh/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    sin = emb.sin()
+    sin[:, : freqs.shape[1]].neg_()
+    return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, Dh]
+    # x: [T, heads, Dh]; sin: signed (see rope_cos_sin)
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -71,31 +76,32 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.h, self.kvh, self.dh = layer, c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim**-0.5
-        self.q_proj = Linear(c.hidden_size, c.q_size, c.qkv_bias, dtype, int8mm_max_m)
-        self.k_proj = Linear(c.hidden_size, c.kv_size, c.qkv_bias, dtype, int8mm_max_m)
-        self.v_proj = Linear(c.hidden_size, c.kv_size, c.qkv_bias, dtype, int8mm_max_m)
+        self.qkv = FusedLinear(c.hidden_size, (c.q_size, c.kv_size, c.kv_size), c.qkv_bias, dtype, int8mm_max_m)
+        self.q_proj, self.k_proj, self.v_proj = self.qkv.parts  # HF names; rows of qkv
         self.o_proj = Linear(c.q_size, c.hidden_size, c.o_bias, dtype, int8mm_max_m)
 
     def forward(self, x, cos, sin, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, D] -> [T, D]
-        t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.h, self.dh), cos, sin)  # [T, H, Dh]
-        k = apply_rope(self.k_proj(x).view(t, self.kvh, self.dh), cos, sin)  # [T, KVH, Dh]
-        v = self.v_proj(x).view(t, self.kvh, self.dh)  # [T, KVH, Dh]
+        t, h, kvh = x.shape[0], self.h, self.kvh
+        qkv = self.qkv(x).view(t, h + 2 * kvh, self.dh)  # [T, H + 2 KVH, Dh]
+        qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # [T, H + KVH, Dh]: q and k rotated together
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]  # [T, H | KVH | KVH, Dh]
         o = paged_attention(q, k, v, self.layer, cache, batch, self.scale)  # [T, H, Dh]
-        return self.o_proj(o.reshape(t, self.h * self.dh))
+        return self.o_proj(o.reshape(t, h * self.dh), cast=False)  # bf16 from int8mm: the residual add promotes
 
 
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig, dtype: torch.dtype, int8mm_max_m: int) -> None:
         super().__init__()
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, False, dtype, int8mm_max_m)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, False, dtype, int8mm_max_m)
+        self.f = c.intermediate_size
+        self.gate_up = FusedLinear(c.hidden_size, (self.f, self.f), False, dtype, int8mm_max_m)
+        self.gate_proj, self.up_proj = self.gate_up.parts  # HF names; rows of gate_up
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, False, dtype, int8mm_max_m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, D] -> [T, F] -> [T, D]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # x: [T, D] -> [T, 2F] -> [T, F] -> [T, D]
+        gu = self.gate_up(x)
+        return self.down_proj(F.silu(gu[:, : self.f]) * gu[:, self.f :], cast=False)  # promoted by the residual add
 
 
 class DecoderLayer(nn.Module):
@@ -107,7 +113,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c, dtype, int8mm_max_m)
 
     def forward(self, x, cos, sin, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
-        # x: [T, D]
+        # x: [T, D]; the sublayers' outputs may be bf16 (int8 kernels): ``x + y`` stays in x's dtype
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 

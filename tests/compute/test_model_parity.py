@@ -182,9 +182,16 @@ def test_weights_are_assigned_not_copied():
     assert m.layers_loaded() == 1 and not m.ready
     m.load_weights(state)
     assert m.ready and m.layers_loaded() == 2
-    q = m.model.layers[1].self_attn.q_proj.weight
-    assert q.data_ptr() == state["model.layers.1.self_attn.q_proj.weight"].data_ptr()
+    o = m.model.layers[1].self_attn.o_proj.weight
+    assert o.data_ptr() == state["model.layers.1.self_attn.o_proj.weight"].data_ptr()
     assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+    # q/k/v (and gate/up) are copied once into one fused buffer; each HF name keeps a view of its rows
+    attn = m.model.layers[1].self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        part = getattr(attn, name).weight
+        assert torch.equal(part, state[f"model.layers.1.self_attn.{name}.weight"])
+        assert part.untyped_storage().data_ptr() == attn.qkv.w.untyped_storage().data_ptr()
+    assert torch.equal(attn.qkv.w, torch.cat([state[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"]))
 
 
 def test_weight_errors():
