@@ -1,0 +1,69 @@
+"""kill -9 of the prefill node while it computes a prompt: the gateway retries on the other prefill
+node and the client gets the same answer (real nodes, the real model, the real `openai` client)."""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.services import start_gateway, start_node, wait_blocks_free
+
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+API_KEY = "sk-test-key"
+# a long prompt (~600 tokens): its prefill runs long enough to be killed in the middle
+LONG = " ".join(f"Item {i}: the {c} box holds {i % 7} marbles." for i, c in
+                zip(range(48), ["red", "green", "blue", "white"] * 12))  # fmt: skip
+MSGS = [{"role": "user", "content": LONG + " Which box holds the most marbles?"}]
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory, real_model_store):
+    tmp = tmp_path_factory.mktemp("gw-failover")
+    locations, name = real_model_store
+    nodes = [("prefill", start_node(tmp, locations, name, "prefill")),
+             ("prefill", start_node(tmp, locations, name, "prefill")),
+             ("decode", start_node(tmp, locations, name, "decode"))]  # fmt: skip
+    gw = None
+    try:
+        for _, n in nodes:
+            n.wait_ready()
+        gw = start_gateway(tmp, locations, name, nodes, env={"PDSERVE_API_KEYS": API_KEY}).wait_ready()
+        yield {"gw": gw, "nodes": [n for _, n in nodes], "name": name}
+    finally:
+        if gw:
+            gw.stop()
+        for _, n in nodes:
+            n.stop()
+
+
+def _prefill_retries(gw) -> float:
+    text = httpx.get(gw.url + "/metrics", timeout=10).text
+    m = re.search(r'^pdserve_gateway_retries_total\{phase="prefill"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_kill_prefill_mid_prompt_retries_on_the_other_prefill_node(svc):
+    c = openai.OpenAI(base_url=svc["gw"].url + "/v1", api_key=API_KEY, max_retries=0, timeout=180)
+    kw = dict(model=svc["name"], messages=MSGS, max_tokens=16, temperature=0)
+    want = c.chat.completions.create(**kw).choices[0].message.content
+    prefills = svc["nodes"][:2]
+    retries = _prefill_retries(svc["gw"])
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(lambda: c.chat.completions.create(**kw))
+        victim, deadline = None, time.monotonic() + 60
+        while victim is None:
+            assert time.monotonic() < deadline and not pending.done(), "no prefill node ever ran the prompt"
+            busy = [n for n in prefills if n.load()["active_requests"] > 0]
+            victim = busy[0] if busy else None
+            time.sleep(0.02)
+        victim.kill9()  # mid-prefill: the gateway's call to it fails with a dropped connection
+        got = pending.result(timeout=180)
+    assert got.choices[0].message.content == want
+    assert _prefill_retries(svc["gw"]) == retries + 1  # it was the prefill call that failed and was retried
+    survivor = [n for n in svc["nodes"] if n is not victim]
+    assert all(ld["kv_blocks_used"] == 0 for ld in wait_blocks_free(survivor, timeout=15))
