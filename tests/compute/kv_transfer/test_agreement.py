@@ -69,29 +69,29 @@ def _scored(sch, cache, model, ids, want, payload):
     return out
 
 
-def _free_running(eng, ids, want, payload):
-    """Greedy decode from `payload` as the prompt's KV: the continuation, first token given."""
-    sch = eng.scheduler
+def _start_free_running(sch, cache, ids, want, payload) -> Sequence:
+    """A greedy decode from `payload` as the prompt's KV, first token given (run by the next steps)."""
     seq = Sequence(ids + want[:1], SamplingParams(max_tokens=len(want) - 1, temperature=0, ignore_eos=True))
     dst = sch.add_imported(seq, len(ids))
-    eng.runner.cache.kv[:, :, dst] = payload
+    cache.kv[:, :, dst] = payload
     sch.activate(seq.seq_id)
-    while eng.has_unfinished():
-        eng.step()
-    return want[:1] + seq.output_token_ids
+    return seq
 
 
 def _agreement(engine, codecs, questions, tokens: int, free_running: str | None = None) -> dict[str, float]:
-    """codec -> teacher-forced top-1 agreement with the uncompressed KV; one reference run per prompt."""
+    """codec -> teacher-forced top-1 agreement with the uncompressed KV.
+
+    References and free-running decodes run batched (outputs are batch-invariant: tested in
+    tests/compute/test_realmodel.py)."""
     eng, bundle, model = engine
     sch, cache = eng.scheduler, eng.runner.cache
     c = model.config
     layout = KVLayout(c.num_layers, cache.block_size, c.num_kv_heads, c.head_dim, cache.dtype)
+    prompts = [bundle.encode(bundle.render_chat([{"role": "user", "content": q}])) for q in questions]
+    wants = eng.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0))
     same = dict.fromkeys(codecs, 0)
-    forced = free_same = free_total = 0
-    for q in questions:
-        ids = bundle.encode(bundle.render_chat([{"role": "user", "content": q}]))
-        want = _run(eng, Sequence(ids, SamplingParams(max_tokens=tokens, temperature=0)))
+    forced, to_free_run = 0, []
+    for ids, want in zip(prompts, wants):
         pre = Sequence(ids, SamplingParams(max_tokens=1, temperature=0))
         pre.hold_kv = True
         _run(eng, pre)
@@ -103,8 +103,12 @@ def _agreement(engine, codecs, questions, tokens: int, free_running: str | None 
             decoded = CODECS[codec].decode(CODECS[codec].encode(kv), layout)
             same[codec] += sum(a == b for a, b in zip(ref, _scored(sch, cache, model, ids, want, decoded)))
             if codec == free_running:
-                free_same += sum(a == b for a, b in zip(_free_running(eng, ids, want, decoded), want))
-                free_total += len(want)
+                to_free_run.append((ids, want, decoded))
+    runs = [(_start_free_running(sch, cache, *x), x[1]) for x in to_free_run]
+    while eng.has_unfinished():
+        eng.step()
+    free_same = sum(sum(a == b for a, b in zip(want[:1] + seq.output_token_ids, want)) for seq, want in runs)
+    free_total = sum(len(want) for _, want in runs)
     assert sch.blocks.num_free == sch.blocks.num_blocks and not sch.held  # nothing leaked
     runtime = "int8 runtime (bf16 matmul inputs)" if model.lm_head.is_int8 else "fp32 activations"
     for codec in codecs:
