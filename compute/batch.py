@@ -40,6 +40,7 @@ class DecodeGroup:
     mask: torch.Tensor | None  # [B, 1, 1, L] bool: key is inside the context; None when no row is padded
     only: bool  # the whole batch is these decodes, in order (rows == arange(T)): no row gather needed
 
+
 @dataclass(slots=True)
 class ForwardBatch:
     """Flat token batch plus the per-sequence bookkeeping of the paged KV cache."""
