@@ -88,7 +88,8 @@ def dequantize_scratch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return dequantize(q, scale)
     buf = getattr(_scratch, "buf", None)
     if buf is None:
-        buf = _scratch.buf = torch.empty(_SCRATCH_MAX)
+        with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
+            buf = _scratch.buf = torch.empty(_SCRATCH_MAX)
     return torch.mul(q, scale[:, None], out=buf[:n].view(q.shape))
 
 

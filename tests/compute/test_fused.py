@@ -113,3 +113,21 @@ def test_decode_slot_table_and_gather():
     assert same.mask is None  # nothing padded
     mixed = ForwardBatch.build([[1, 2, 3], [4]], [0, 5], [[3, 7], [1, 2]], 4).decodes
     assert not mixed.only and mixed.rows.tolist() == [3]
+
+
+def test_dequantize_scratch_works_inside_and_outside_inference_mode():
+    """The reused buffer is made in a fresh thread inside inference mode, then written outside it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from compute.linear import dequantize_scratch
+
+    q, s = torch.randint(-127, 128, (64, 32), dtype=torch.int8), torch.rand(64)
+
+    def both():
+        with torch.inference_mode():
+            inside = dequantize_scratch(q, s).clone()
+        return inside, dequantize_scratch(q, s).clone()
+
+    with ThreadPoolExecutor(1) as pool:  # a new thread: its scratch buffer does not exist yet
+        inside, outside = pool.submit(both).result()
+    assert torch.equal(inside, dequantize(q, s)) and torch.equal(outside, inside)
