@@ -6,6 +6,8 @@ A thin layer over ``compute.node.launcher`` with the tests' fixed internal token
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from compute.node.launcher import ServiceProc, Services
 
@@ -22,6 +24,26 @@ def start_node(tmp, store: list[str], model: str, role: str, transport: str = "t
 def start_gateway(tmp, store: list[str], model: str, nodes: list[tuple[str, ServiceProc]],
                   extra: tuple[str, ...] = (), env: dict | None = None) -> ServiceProc:  # fmt: skip
     return Services(store, model, str(tmp), TOKEN).gateway(nodes, extra, env)
+
+
+@contextmanager
+def running_service(tmp, store: list[str], model: str, roles: list[str], env: dict | None = None,
+                    extra: tuple[str, ...] = ()) -> Iterator[dict]:  # fmt: skip
+    """One node per entry of ``roles`` and a gateway over them, all ready; every one stopped on exit.
+
+    Yields ``{"gw": gateway, "nodes": [nodes in the order of roles], "name": model}``."""
+    nodes = [(role, start_node(tmp, store, model, role)) for role in roles]
+    gw = None
+    try:
+        for _, n in nodes:
+            n.wait_ready()
+        gw = start_gateway(tmp, store, model, nodes, extra, env).wait_ready()
+        yield {"gw": gw, "nodes": [n for _, n in nodes], "name": model}
+    finally:
+        if gw:
+            gw.stop()
+        for _, n in nodes:
+            n.stop()
 
 
 def wait_blocks_free(nodes: list[ServiceProc], timeout: float = 10.0) -> list[dict]:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.services import start_gateway, start_node, wait_blocks_free
+from tests.services import running_service, wait_blocks_free
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -23,22 +23,10 @@ MSGS = [{"role": "user", "content": LONG + " Which box holds the most marbles?"}
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory, real_model_store):
-    tmp = tmp_path_factory.mktemp("gw-failover")
     locations, name = real_model_store
-    nodes = [("prefill", start_node(tmp, locations, name, "prefill")),
-             ("prefill", start_node(tmp, locations, name, "prefill")),
-             ("decode", start_node(tmp, locations, name, "decode"))]  # fmt: skip
-    gw = None
-    try:
-        for _, n in nodes:
-            n.wait_ready()
-        gw = start_gateway(tmp, locations, name, nodes, env={"PDSERVE_API_KEYS": API_KEY}).wait_ready()
-        yield {"gw": gw, "nodes": [n for _, n in nodes], "name": name}
-    finally:
-        if gw:
-            gw.stop()
-        for _, n in nodes:
-            n.stop()
+    with running_service(tmp_path_factory.mktemp("gw-failover"), locations, name, ["prefill", "prefill", "decode"],
+                         env={"PDSERVE_API_KEYS": API_KEY}) as svc:  # fmt: skip
+        yield svc
 
 
 def _prefill_retries(gw) -> float:

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.services import start_gateway, start_node, wait_blocks_free
+from tests.services import running_service, wait_blocks_free
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -20,23 +20,11 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory, real_model_store):
-    tmp = tmp_path_factory.mktemp("gw")
     locations, name = real_model_store
-    nodes = [("prefill", start_node(tmp, locations, name, "prefill")),
-             ("decode", start_node(tmp, locations, name, "decode")),
-             ("decode", start_node(tmp, locations, name, "decode"))]  # fmt: skip
-    gw = None
-    try:
-        for _, n in nodes:
-            n.wait_ready()
-        gw = start_gateway(tmp, locations, name, nodes, env={"PDSERVE_API_KEYS": API_KEY, "PDSERVE_ADMIN_KEY": "adm"},
-                           extra=("--max-running", "8", "--max-queue", "4", "--queue-timeout", "20")).wait_ready()  # fmt: skip
-        yield {"gw": gw, "nodes": [n for _, n in nodes], "name": name}
-    finally:
-        if gw:
-            gw.stop()
-        for _, n in nodes:
-            n.stop()
+    with running_service(tmp_path_factory.mktemp("gw"), locations, name, ["prefill", "decode", "decode"],
+                         env={"PDSERVE_API_KEYS": API_KEY, "PDSERVE_ADMIN_KEY": "adm"},
+                         extra=("--max-running", "8", "--max-queue", "4", "--queue-timeout", "20")) as svc:  # fmt: skip
+        yield svc
 
 
 def client(svc, **kw):
