@@ -65,13 +65,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from compute.errors import WeightMismatch
+from paramstore.quant import dequantize_int8 as dequantize  # the store's scheme, (q, scale) -> w
 
 INT8MM_MAX_M = 64  # largest M that uses the int8 kernel (see the table above)
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(q: int8 [N, K], scale: [N]) -> w: dtype [N, K]."""
-    return (q.to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
 
 
 _SCRATCH_MAX = 4 * 2**20  # fp32 elements (16 MiB): the largest weight dequantized into the reused buffer

@@ -24,6 +24,7 @@ from prometheus_client import Gauge, Histogram
 from compute.config import ModelConfig
 from compute.model import Transformer
 from compute.tokenizer import TextBundle
+from paramstore.quant import dequantize_int8
 
 log = logging.getLogger("pdserve.node")
 TIME_TO_READY = Histogram("pdserve_node_time_to_ready_seconds", "Node start to all weights injected",
@@ -126,5 +127,5 @@ class WeightInjector:
             if name.endswith("_scale"):
                 continue
             scale = tensors.get(name + "_scale")
-            out[name] = (t.to(torch.float32) * scale[:, None]).to(self.dtype) if scale is not None else t
+            out[name] = dequantize_int8(t, scale, self.dtype) if scale is not None else t
         return out

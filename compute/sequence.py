@@ -21,7 +21,6 @@ from __future__ import annotations
 import enum
 import itertools
 
-
 from compute.sampling import SamplingParams
 
 _ids = itertools.count()

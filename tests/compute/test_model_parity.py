@@ -22,6 +22,7 @@ from compute.errors import UnsupportedModel, WeightMismatch
 from compute.kv_cache import KVCache
 from compute.linear import Linear, dequantize
 from compute.model import Transformer
+from paramstore.quant import quantize_int8
 
 torch.set_num_threads(2)
 TOL = 1e-4
@@ -210,11 +211,7 @@ def test_weight_errors():
 # -- INT8 ---------------------------------------------------------------------------------
 
 
-def quantize(w: torch.Tensor):
-    """The store's int8-absmax-per-row scheme: w ~= q * scale[:, None]."""
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale
+quantize = quantize_int8  # the store's int8-absmax-per-row scheme: w ~= q * scale[:, None]
 
 
 def int8_state(state: dict) -> dict:
