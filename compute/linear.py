@@ -68,6 +68,23 @@ from compute.errors import WeightMismatch
 from paramstore.quant import dequantize_int8 as dequantize  # the store's scheme, (q, scale) -> w
 
 INT8MM_MAX_M = 64  # largest M that uses the int8 kernel (see the table above)
+ALIGN = 64  # bytes: every tensor handed to a kernel starts at a multiple of this (see ``aligned``)
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if its data is ``ALIGN``-byte aligned, else an aligned copy (made once, at load).
+
+    ``_weight_int8pack_mm``'s AVX-512 kernel segfaults on an int8 weight at an address
+    = 8 or 40 (mod 64) once M > 1; AVX2 happens not to. Store shards place data at 64-byte
+    offsets (``paramstore.shards.pack``), but a view of an older blob, of a tensor whose size is
+    not a multiple of 64, or of a buffer with weaker alignment is copied here. PyTorch's CPU
+    allocator returns 64-byte aligned memory.
+    """
+    if t.numel() == 0 or t.data_ptr() % ALIGN == 0:
+        return t
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    out.copy_(t)
+    return out
 
 
 _SCRATCH_MAX = 4 * 2**20  # fp32 elements (16 MiB): the largest weight dequantized into the reused buffer

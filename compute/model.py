@@ -24,7 +24,7 @@ from compute.batch import ForwardBatch
 from compute.config import ModelConfig
 from compute.errors import WeightMismatch
 from compute.kv_cache import KVCache
-from compute.linear import INT8MM_MAX_M, Embedding, FusedLinear, Linear
+from compute.linear import INT8MM_MAX_M, Embedding, FusedLinear, Linear, aligned
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
 
@@ -164,7 +164,7 @@ class Transformer(nn.Module):
             if not hasattr(module, "load"):
                 raise WeightMismatch(f"unknown tensor {name!r}")
             try:
-                module.load(leaf, t)
+                module.load(leaf, aligned(t))
             except WeightMismatch as e:
                 raise WeightMismatch(f"{name}: {e}") from None
             taken += 1

@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -16,6 +17,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from .buffers import alloc
 from .lruk import LruK
 
 if TYPE_CHECKING:
@@ -102,7 +104,7 @@ class DiskTier:
             return (st.st_ino, st.st_mtime_ns)
         return None
 
-    def read(self, key: str, size: int | None) -> tuple[bytearray | None, tuple[int, int] | None]:
+    def read(self, key: str, size: int | None) -> tuple[bytearray | mmap.mmap | None, tuple[int, int] | None]:
         """(bytes, ident) of the file; (None, None) if absent; (None, ident) if of the wrong size."""
         try:
             f = open(self.path(key), "rb")
@@ -113,7 +115,7 @@ class DiskTier:
             ident = (st.st_ino, st.st_mtime_ns)
             if size is not None and st.st_size != size:
                 return None, ident
-            buf = bytearray(st.st_size)  # readinto a preallocated buffer: no second copy
+            buf = alloc(st.st_size)  # readinto a preallocated, page-aligned buffer: no second copy
             return (buf if f.readinto(buf) == len(buf) else None), ident
 
     def write(self, key: str, view: memoryview) -> None:

@@ -114,10 +114,24 @@ def _add_block(current: ShardPlan, layer: int, block: dict[str, torch.Tensor], t
         current.tensors[name] = t
 
 
+ALIGN = 64  # tensor data starts at a multiple of this in a packed blob (CPU kernels fault on less: see compute.model)
+
+
 def pack(plan: ShardPlan, meta: dict[str, str] | None = None) -> bytes:
-    """ShardPlan -> safetensors bytes with self-describing metadata."""
+    """ShardPlan -> safetensors bytes with self-describing metadata, data 64-byte aligned."""
     md = {"kind": plan.kind, "layers": json.dumps(plan.layers), **(meta or {})}
-    return st_save({k: v.contiguous() for k, v in plan.tensors.items()}, metadata=md)
+    return align_header(st_save({k: v.contiguous() for k, v in plan.tensors.items()}, metadata=md))
+
+
+def align_header(blob: bytes) -> bytes:
+    """Pad a safetensors header with spaces (the format's own padding) so the data starts at a
+    multiple of ``ALIGN``. Tensors whose sizes are multiples of ``ALIGN`` (every tensor of the
+    usual model shapes) then sit at aligned offsets of an aligned buffer: zero-copy injection."""
+    (n,) = struct.unpack_from("<Q", blob, 0)
+    pad = -(8 + n) % ALIGN
+    if pad == 0:
+        return blob
+    return struct.pack("<Q", n + pad) + blob[8 : 8 + n] + b" " * pad + blob[8 + n :]
 
 
 def pack_files(files: dict[str, bytes]) -> bytes:
