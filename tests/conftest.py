@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llama checkpoints (HF layout) and store configs."""
+"""Shared fixtures: tiny random Llama checkpoints (HF layout) and store configs; the hooks that make a
+skipped required component a failure under PDSERVE_REQUIRE_ALL=1 (tests/required.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ import uuid
 import pytest
 import torch
 from safetensors.torch import save_file
+
+from tests.required import (  # noqa: F401 - hooks, found by name
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+    pytest_terminal_summary,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
