@@ -1,15 +1,38 @@
-"""Admission control: at most `max_running` requests in flight, `max_queue` waiting, each with a deadline.
+"""Admission control: at most `max_running` requests in flight, at most `max_queue` waiting, and no
+request waits longer than `timeout_s` before it starts.
 
-A request beyond the queue bound is refused at once; one that waits past its
-deadline is refused then. Both become 429 with Retry-After at the API. Queue
-depth and waiting time are exported: they are the autoscaler's input.
+Lifecycle of a request here:
+ 1. arrives with a free slot (and nobody waiting): starts at once, never counted as waiting;
+ 2. no free slot: refused at once (429) when the queue is full (``max_queue`` bounds memory however
+    large the overload), or when the queue ahead of it cannot drain in time:
+    predicted wait = position / drain rate > timeout_s (position 1-based, rate as below);
+ 3. otherwise waits, first in first out; a finishing request hands its slot straight to the head;
+ 4. still waiting at its deadline (arrival + timeout_s): refused then (429);
+ 5. once started it is never refused: it runs to completion and releases its slot.
+
+Drain rate r (starts per second): requests admitted out of the queue per second of time during
+which some request was waiting, over the last DRAIN_WINDOW_S (at most DRAIN_SAMPLES samples):
+    r = hand-offs / (busy seconds between them + the open stretch since the last one).
+A queue that emptied without draining (every waiter timed out or left) counts as busy time with
+no hand-off, so a stalled service drives r down. With no hand-off in the window r is unknown:
+then no early refusal (step 2), only the deadline (step 4).
+
+Retry-After (whole seconds) = clamp(ceil(waiting / r), 1, ceil(timeout_s)): the time for the
+queue now waiting to drain at r, after which a retry no longer queues behind it. Never more than
+timeout_s (by then every request now waiting has started or been refused); timeout_s when r is
+unknown. ``AdmissionQueue`` holds these decisions as plain data with the time passed in (tests
+step it with a fake clock); ``Admission`` puts asyncio waiting and the deadline timers around it.
+Queue depth, waiting time and drain rate are exported: they are the autoscaler's input.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections import deque
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from prometheus_client import Gauge, Histogram
 
@@ -18,59 +41,180 @@ RUNNING = Gauge("pdserve_gateway_running", "Requests admitted and in flight")
 QUEUE_WAIT = Histogram("pdserve_gateway_queue_wait_seconds", "Time waiting for admission",
                        buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
 
-
 WAIT_WINDOW_S = 60.0  # queue-wait statistics cover this much recent time
+DRAIN_WINDOW_S = 30.0  # drain-rate samples older than this are dropped
+DRAIN_SAMPLES = 512  # and at most this many are kept (bounded memory)
 
 
 class Overloaded(Exception):
-    """The gateway cannot take this request now; retry after `retry_after` seconds."""
+    """The gateway cannot start this request in time; retry after `retry_after` seconds (HTTP 429)."""
 
-    def __init__(self, message: str, retry_after: float):
+    def __init__(self, message: str, retry_after: int):
         super().__init__(message)
         self.retry_after = retry_after
 
 
-class Admission:
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request's place: started at once, or waiting until `deadline` (monotonic seconds)."""
+
+    arrived: float
+    deadline: float
+    started: bool = False
+    wake: asyncio.Future | None = None  # set by ``Admission`` for a waiting ticket
+
+
+class AdmissionQueue:
+    """The decisions of admission, as plain data: no asyncio, no clock of its own (``now`` is passed)."""
+
     def __init__(self, max_running: int, max_queue: int, timeout_s: float):
+        if max_running < 1 or max_queue < 1 or timeout_s <= 0:
+            raise ValueError("max_running >= 1, max_queue >= 1, timeout_s > 0")
         self.max_running, self.max_queue, self.timeout_s = max_running, max_queue, timeout_s
-        self._sem = asyncio.Semaphore(max_running)
-        self.waiting = 0
         self.running = 0
-        self._waits: list[tuple[float, float]] = []  # (when, wait s) of the last minute: /load, autoscaler
+        self.queue: deque[Ticket] = deque()
+        self._samples: deque[tuple[float, int, float]] = deque(maxlen=DRAIN_SAMPLES)  # (when, hand-offs, busy s)
+        self._busy_since: float | None = None  # start of the open stretch with somebody waiting
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def offer(self, now: float) -> Ticket:
+        """A request arrives: a started ticket, a waiting one, or Overloaded (step 1 or 2)."""
+        t = Ticket(now, now + self.timeout_s)
+        if self.running < self.max_running and not self.queue:
+            self.running += 1
+            t.started = True
+            return t
+        if len(self.queue) >= self.max_queue:
+            raise Overloaded(f"queue full ({self.max_queue} waiting)", self.retry_after(now))
+        wait = self.predicted_wait(len(self.queue) + 1, now)
+        if wait is not None and wait > self.timeout_s:
+            raise Overloaded(f"cannot start within {self.timeout_s:g} s: {len(self.queue)} waiting ahead, "
+                             f"predicted wait {wait:.1f} s", self.retry_after(now))  # fmt: skip
+        if not self.queue:
+            self._busy_since = now
+        self.queue.append(t)
+        return t
+
+    def release(self, now: float) -> Ticket | None:
+        """A started request finished: its slot goes to the head of the queue (returned, now started)."""
+        if self.queue:
+            t = self.queue.popleft()
+            t.started = True
+            self._sample(now, 1)
+            return t
+        assert self.running > 0, "release without a running request"
+        self.running -= 1
+        return None
+
+    def withdraw(self, t: Ticket, now: float) -> None:
+        """A waiting request leaves (its deadline passed, or its client went away)."""
+        assert not t.started, "a started request is released, not withdrawn"
+        self.queue.remove(t)
+        if not self.queue:
+            self._sample(now, 0)
+
+    def expired(self, t: Ticket, now: float) -> Overloaded:
+        """Step 4: withdraw `t` at its deadline -> the refusal to give its client."""
+        self.withdraw(t, now)
+        return Overloaded(f"no capacity within {self.timeout_s:g} s", self.retry_after(now))
+
+    # --- drain rate ------------------------------------------------------------------------
+    def _sample(self, now: float, handoffs: int) -> None:
+        busy = now - self._busy_since if self._busy_since is not None else 0.0
+        self._samples.append((now, handoffs, busy))
+        self._busy_since = now if self.queue else None
+
+    def drain_rate(self, now: float) -> float | None:
+        """Hand-offs per busy second over the window (see the module docstring); None when unknown."""
+        while self._samples and self._samples[0][0] < now - DRAIN_WINDOW_S:
+            self._samples.popleft()
+        n = sum(s[1] for s in self._samples)
+        if n == 0:
+            return None
+        busy = sum(s[2] for s in self._samples) + (now - self._busy_since if self._busy_since is not None else 0.0)
+        return n / max(busy, 1e-3)
+
+    def predicted_wait(self, position: int, now: float) -> float | None:
+        """Seconds until the request at 1-based `position` in the queue starts: position / r."""
+        r = self.drain_rate(now)
+        return None if r is None else position / r
+
+    def retry_after(self, now: float) -> int:
+        cap = math.ceil(self.timeout_s)
+        r = self.drain_rate(now)
+        if r is None:
+            return cap
+        return max(1, min(cap, math.ceil(len(self.queue) / r)))
+
+
+class Admission:
+    """``AdmissionQueue`` for asyncio: ``async with admission.slot():`` waits (bounded) or raises Overloaded."""
+
+    def __init__(self, max_running: int, max_queue: int, timeout_s: float, clock=time.monotonic):
+        self.q = AdmissionQueue(max_running, max_queue, timeout_s)
+        self.clock = clock
+        self._waits: deque[tuple[float, float]] = deque(maxlen=1024)  # (when, wait s): /load, autoscaler
+
+    max_running = property(lambda self: self.q.max_running)
+    max_queue = property(lambda self: self.q.max_queue)
+    timeout_s = property(lambda self: self.q.timeout_s)
+    waiting = property(lambda self: self.q.waiting)
+    running = property(lambda self: self.q.running)
+
+    def drain_rate(self) -> float | None:
+        return self.q.drain_rate(self.clock())
 
     @asynccontextmanager
     async def slot(self):
-        t0 = time.monotonic()
-        if self._sem.locked():  # no free slot: wait in the bounded queue, until the deadline
-            if self.waiting >= self.max_queue:
-                raise Overloaded(f"queue full ({self.max_queue} waiting)", retry_after=1.0)
-            self.waiting += 1
-            QUEUE_DEPTH.set(self.waiting)
-            try:
-                await asyncio.wait_for(self._sem.acquire(), self.timeout_s)
-            except asyncio.TimeoutError:
-                raise Overloaded(f"no capacity within {self.timeout_s:g} s",
-                                 retry_after=max(1.0, self.timeout_s / 4)) from None  # fmt: skip
-            finally:
-                self.waiting -= 1
-                QUEUE_DEPTH.set(self.waiting)
-        else:
-            await self._sem.acquire()  # free right now: never counted as waiting
-        waited = time.monotonic() - t0
+        t = self.q.offer(self.clock())
+        if not t.started:
+            await self._wait(t)
+        waited = self.clock() - t.arrived
         QUEUE_WAIT.observe(waited)
-        self._waits = [w for w in self._waits[-1023:] if w[0] > t0 - WAIT_WINDOW_S] + [(t0, waited)]
-        self.running += 1
-        RUNNING.set(self.running)
+        self._waits.append((t.arrived, waited))
+        RUNNING.set(self.q.running)
         try:
             yield waited
         finally:
-            self.running -= 1
-            RUNNING.set(self.running)
-            self._sem.release()
+            self._release()
+
+    async def _wait(self, t: Ticket) -> None:
+        loop = asyncio.get_running_loop()
+        t.wake = loop.create_future()
+
+        def expire():
+            if not t.started and not t.wake.done():
+                t.wake.set_exception(self.q.expired(t, self.clock()))
+                QUEUE_DEPTH.set(self.q.waiting)
+
+        timer = loop.call_later(max(0.0, t.deadline - self.clock()), expire)
+        QUEUE_DEPTH.set(self.q.waiting)
+        try:
+            await t.wake  # a result: handed a slot; an exception: Overloaded at the deadline
+        except asyncio.CancelledError:  # the client went away while waiting
+            if t.started:
+                self._release()  # handed a slot at the same moment: pass it on
+            elif t in self.q.queue:
+                self.q.withdraw(t, self.clock())
+            raise
+        finally:
+            timer.cancel()
+            QUEUE_DEPTH.set(self.q.waiting)
+
+    def _release(self) -> None:
+        nxt = self.q.release(self.clock())
+        if nxt is not None and not nxt.wake.done():
+            nxt.wake.set_result(None)
+        # (done: its waiter was cancelled meanwhile; its handler sees `started` and passes the slot on)
+        RUNNING.set(self.q.running)
+        QUEUE_DEPTH.set(self.q.waiting)
 
     def wait_p99(self) -> float:
         """p99 of the waits of the last minute (0 when idle: an old burst must not veto scale-down)."""
-        now = time.monotonic()
+        now = self.clock()
         w = sorted(x for t, x in self._waits if t > now - WAIT_WINDOW_S)
         if not w:
             return 0.0

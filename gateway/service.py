@@ -62,11 +62,16 @@ class Gateway:
         self.relay = Relay(self.registry, self.client, config.retry_attempts, config.backoff_base_s,
                            config.backoff_max_s)  # fmt: skip
         self.autoscaler_status: dict = {}
+        self.sources: list = []  # registry sources beyond static nodes, started with the gateway (gateway.discovery)
 
     async def start(self) -> None:
         await self.registry.start()
+        for source in self.sources:
+            await source.start()
 
     async def stop(self) -> None:
+        for source in self.sources:
+            await source.stop()
         await self.registry.stop()
         await self.client.close()
 
@@ -99,8 +104,9 @@ class Gateway:
         """Admitted, relayed, detokenized deltas; the last one carries finish_reason."""
         t0 = time.monotonic()
         async with self.admission.slot():
+            # one bound on the whole wait before the start: admission, then a node to exist (else 503)
             req = GenRequest(uuid.uuid4().hex, list(prompt), max_tokens, params,
-                             deadline=time.monotonic() + self.config.queue_timeout_s)  # fmt: skip
+                             deadline=t0 + self.config.queue_timeout_s)  # fmt: skip
             detok = self.bundle.detokenizer(prompt)
             matcher = StopMatcher(stops)
             first = True
