@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from prometheus_client import Counter
 
@@ -122,7 +123,7 @@ class Relay:
         yield toks, None
         route = req.route = self._decode_still_live(route)
         holding.append(route.decode)
-        dbody = {**body, "first_token_id": toks[-1], "kv": first["kv"],
+        dbody = {**body, "first_token_id": toks[-1], "kv": _reachable(first["kv"], route.prefill),
                  "params": {**body["params"], "max_tokens": body["params"]["max_tokens"] - len(toks),
                             "replay_tokens": 0}}  # fmt: skip
         async for msg in self.client.stream(route.decode, "decode", dbody):
@@ -155,3 +156,13 @@ async def _shielded(coro) -> None:
         await asyncio.shield(coro)
     except (asyncio.CancelledError, Exception):  # noqa: BLE001 - best effort on the way out
         pass
+
+
+def _reachable(kv: dict, prefill_url: str) -> dict:
+    """A prefill node listening on every interface (0.0.0.0 in a pod) offers its KV at that wildcard
+    address, which means "this host" to whoever dials it: the decode node must dial the host the
+    gateway reached the prefill node at instead."""
+    addr = kv.get("address")
+    if isinstance(addr, list) and len(addr) == 2 and addr[0] in ("0.0.0.0", "::", ""):
+        return {**kv, "address": [urlsplit(prefill_url).hostname, addr[1]]}
+    return kv

@@ -62,6 +62,7 @@ class Gateway:
         self.relay = Relay(self.registry, self.client, config.retry_attempts, config.backoff_base_s,
                            config.backoff_max_s)  # fmt: skip
         self.autoscaler_status: dict = {}
+        self.supervisor = None  # () -> dict: the local actuator's status() (`pdserve up`: restarts, crash loops)
         self.sources: list = []  # registry sources beyond static nodes, started with the gateway (gateway.discovery)
 
     async def start(self) -> None:
@@ -92,7 +93,16 @@ class Gateway:
         if max_tokens is not None and max_tokens > room:
             raise BadRequest(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                              f"has {len(prompt)} and max_tokens asks for {max_tokens}", "max_tokens")  # fmt: skip
-        return max_tokens or room
+        limit = self.config.max_tokens_limit
+        if max_tokens is not None and limit is not None and max_tokens > limit:
+            raise BadRequest(f"max_tokens is {max_tokens}; this gateway generates at most {limit} tokens "
+                             "per request", "max_tokens")  # fmt: skip
+        return min(max_tokens or room, limit or room)
+
+    @property
+    def max_tokens_maximum(self) -> int:
+        """The largest max_tokens any request may ask for (the OpenAPI document states it)."""
+        return min(self.config.max_tokens_limit or self.max_model_len, self.max_model_len)
 
     def node_params(self, req) -> dict:
         return {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(0, req.top_k),
