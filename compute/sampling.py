@@ -80,7 +80,7 @@ class Sampler:
     @staticmethod
     def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         """row: [V] logits -> [V] probabilities after temperature, top-k and top-p."""
-        row = row / p.temperature
+        row = row / max(p.temperature, 1e-6)  # a vanishing temperature (5e-324) would make inf - inf = nan
         if 0 < p.top_k < row.shape[0]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -88,7 +88,8 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
-            drop = before >= p.top_p  # the most likely token is always kept
+            drop = before >= p.top_p
+            drop[0] = False  # the most likely token is always kept (a top_p of 1e-308 is 0 in float32)
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return probs / probs.sum()
