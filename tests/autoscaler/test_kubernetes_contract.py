@@ -1,6 +1,6 @@
 """Contract test of KubernetesActuator against a stand-in API server.
 
-No cluster runs here. The server below (stdlib http.server on 127.0.0.1, port 0)
+No cluster runs here. The server (tests/kubeapi.py: stdlib http.server on 127.0.0.1, port 0)
 implements exactly the calls the actuator is allowed to make — the ones the RBAC Role
 in deploy/base grants — and answers anything else with 404, so the test pins the
 requests sent (method, path, query, content type, body) and the parsing of answers:
@@ -18,184 +18,38 @@ same EndpointSlices (list + watch: what the gateway's Role in deploy/base grants
 from __future__ import annotations
 
 import asyncio
-import json
-import re
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
+
+from tests import kubeapi
 
 kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client (extra 'k8s') is not installed")
 
 from autoscaler import AutoscalerConfig, Backoff, ControlLoop, NodeInfo, RoleLoad
 from autoscaler.actuator import PermanentActuatorError, TemporaryActuatorError
 from autoscaler.kubernetes import KubernetesActuator, KubernetesConfig
+from gateway.discovery import DiscoveryConfig, KubernetesSource
+from gateway.registry import NodeRegistry
 
 NS = "pdserve-test"
-SCALE = re.compile(r"^/apis/apps/v1/namespaces/(?P<ns>[^/]+)/deployments/(?P<name>[^/]+)/scale$")
-SLICES = re.compile(r"^/apis/discovery\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/endpointslices$")
+SCALE, SLICES = kubeapi.SCALE, kubeapi.SLICES
 
 
 def endpoint_slice(service: str, suffix: str, endpoints: list[tuple[str, bool | None, bool, str]]) -> dict:
-    return {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-        "metadata": {"name": f"{service}-{suffix}", "namespace": NS, "labels": {"kubernetes.io/service-name": service}},
-        "ports": [{"name": "metrics", "port": 9100, "protocol": "TCP"},
-                  {"name": "http", "port": 8001, "protocol": "TCP"}],
-        "endpoints": [{"addresses": [ip], "conditions": {"ready": ready, "serving": ready, "terminating": term},
-                       "targetRef": {"kind": "Pod", "name": pod, "namespace": NS}}
-                      for ip, ready, term, pod in endpoints],
-    }  # fmt: skip
+    return kubeapi.endpoint_slice(service, suffix, endpoints, NS)
 
 
-class FakeApiServer:
-    """The API surface the actuator uses, recording every request; `faults` answers the next matching ones."""
-
-    def __init__(self):
-        self.requests: list[dict] = []
-        self.faults: list[tuple[str, int]] = []  # (method, status) answered first, in order
-        self.rv = 42  # resourceVersion of the EndpointSlice collection, bumped by every change
-        self.events: list[tuple[int, str, dict]] = []  # (rv, ADDED|MODIFIED|DELETED, slice) for watches
-        self.cond = threading.Condition()
-        self.closing = False
-        self.replicas = {"pdserve-prefill": 1, "pdserve-decode": 2}
-        self.slices = [
-            endpoint_slice("pdserve-prefill", "abcde", [("10.0.0.5", True, False, "pdserve-prefill-1"),
-                                                        ("10.0.0.6", False, False, "pdserve-prefill-2")]),
-            endpoint_slice("pdserve-decode", "fghij", [("10.0.1.7", True, False, "pdserve-decode-1"),
-                                                       ("10.0.1.8", None, False, "pdserve-decode-2"),
-                                                       ("10.0.1.9", False, True, "pdserve-decode-3")]),
-        ]  # fmt: skip
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                server._handle(self, "GET")
-
-            def do_PATCH(self):
-                server._handle(self, "PATCH")
-
-            def do_PUT(self):
-                server._handle(self, "PUT")
-
-            def do_POST(self):
-                server._handle(self, "POST")
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def put_slice(self, sl: dict) -> None:
-        """Create or replace an EndpointSlice, as the endpoints controller does; watchers see the event."""
-        with self.cond:
-            self.rv += 1
-            name = sl["metadata"]["name"]
-            kind = "MODIFIED" if any(x["metadata"]["name"] == name for x in self.slices) else "ADDED"
-            self.slices = [x for x in self.slices if x["metadata"]["name"] != name] + [sl]
-            self.events.append((self.rv, kind, sl))
-            self.cond.notify_all()
-
-    def delete_slice(self, name: str) -> None:
-        with self.cond:
-            self.rv += 1
-            (sl,) = [x for x in self.slices if x["metadata"]["name"] == name]
-            self.slices.remove(sl)
-            self.events.append((self.rv, "DELETED", sl))
-            self.cond.notify_all()
-
-    def _watch(self, h, selector: tuple[str, str], since: int, timeout_s: float) -> None:
-        """A WATCH: newline-delimited JSON events after `since` for matching slices, until timeoutSeconds,
-        one HTTP/1.1 chunk per event (as the API server streams them; the client reads chunk by chunk)."""
-        h.protocol_version = "HTTP/1.1"
-        h.close_connection = True
-        h.send_response(200)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Transfer-Encoding", "chunked")
-        h.send_header("Connection", "close")
-        h.end_headers()
-        try:
-            self._stream_events(h, selector, since, timeout_s)
-            h.wfile.write(b"0\r\n\r\n")
-        except OSError:
-            pass
-
-    def _stream_events(self, h, selector: tuple[str, str], since: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + min(timeout_s, 30.0)
-        sent = since
-        while True:
-            with self.cond:
-                while not self.closing and time.monotonic() < deadline and not any(rv > sent for rv, *_ in self.events):
-                    self.cond.wait(max(0.0, min(0.2, deadline - time.monotonic())))
-                if self.closing or time.monotonic() >= deadline:
-                    return
-                batch = [e for e in self.events if e[0] > sent]
-            for rv, kind, sl in batch:
-                sent = rv
-                if sl["metadata"]["labels"].get(selector[0]) != selector[1]:
-                    continue
-                obj = {**sl, "metadata": {**sl["metadata"], "resourceVersion": str(rv)}}
-                line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
-                h.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
-                h.wfile.flush()
-
-    def _reply(self, h, status: int, obj: dict):
-        data = json.dumps(obj).encode()
-        h.send_response(status)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
-
-    def _scale(self, name: str) -> dict:
-        n = self.replicas[name]
-        return {"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": name, "namespace": NS},
-                "spec": {"replicas": n}, "status": {"replicas": n, "selector": f"app={name}"}}  # fmt: skip
-
-    def _handle(self, h, method: str):
-        parts = urlsplit(h.path)
-        length = int(h.headers.get("Content-Length") or 0)
-        raw = h.rfile.read(length) if length else b""
-        self.requests.append({"method": method, "path": parts.path, "query": parse_qs(parts.query),
-                              "content_type": h.headers.get("Content-Type"),
-                              "body": json.loads(raw) if raw else None})  # fmt: skip
-        for i, (m, status) in enumerate(self.faults):
-            if m == method:
-                del self.faults[i]
-                reason = {409: "Conflict", 500: "InternalError", 403: "Forbidden"}.get(status, "Error")
-                return self._reply(h, status, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                               "reason": reason, "code": status})  # fmt: skip
-        if (m := SCALE.match(parts.path)) and m["ns"] == NS and m["name"] in self.replicas:
-            if method == "GET":
-                return self._reply(h, 200, self._scale(m["name"]))
-            if method == "PATCH" and h.headers.get("Content-Type") == "application/merge-patch+json":
-                self.replicas[m["name"]] = int(json.loads(raw)["spec"]["replicas"])
-                return self._reply(h, 200, self._scale(m["name"]))
-            return self._reply(h, 415, {"kind": "Status", "code": 415})
-        if (m := SLICES.match(parts.path)) and m["ns"] == NS and method == "GET":
-            q = parse_qs(parts.query)
-            sel = q.get("labelSelector", [""])[0]
-            key, _, value = sel.partition("=")
-            if q.get("watch", [""])[0].lower() == "true":
-                since = int(q.get("resourceVersion", ["0"])[0] or 0)
-                return self._watch(h, (key, value), since, float(q.get("timeoutSeconds", ["30"])[0]))
-            items = [s for s in self.slices if key == "kubernetes.io/service-name"
-                     and s["metadata"]["labels"][key] == value]  # fmt: skip
-            return self._reply(h, 200, {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
-                                        "metadata": {"resourceVersion": str(self.rv)}, "items": items})  # fmt: skip
-        return self._reply(h, 404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+def FakeApiServer() -> kubeapi.KubeApiTwin:
+    replicas = {"pdserve-prefill": 1, "pdserve-decode": 2}
+    slices = [
+        endpoint_slice("pdserve-prefill", "abcde", [("10.0.0.5", True, False, "pdserve-prefill-1"),
+                                                    ("10.0.0.6", False, False, "pdserve-prefill-2")]),
+        endpoint_slice("pdserve-decode", "fghij", [("10.0.1.7", True, False, "pdserve-decode-1"),
+                                                   ("10.0.1.8", None, False, "pdserve-decode-2"),
+                                                   ("10.0.1.9", False, True, "pdserve-decode-3")]),
+    ]  # fmt: skip
+    return kubeapi.KubeApiTwin(NS, replicas, slices)
 
 
 @pytest.fixture
@@ -309,9 +163,6 @@ def test_contract_the_loop_drives_the_deployments_and_survives_api_errors(api, a
 
 
 # --- the gateway's node registry source: EndpointSlices listed, then watched -----------------------------
-
-from gateway.discovery import DiscoveryConfig, KubernetesSource  # noqa: E402
-from gateway.registry import NodeRegistry  # noqa: E402
 
 
 async def _until(cond, what: str, timeout_s: float = 10.0) -> None:
