@@ -58,7 +58,7 @@ def demo_config(max_replicas: int = 2):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from paramstore.cli import add_store_arguments
+    from paramstore.config import add_store_arguments
 
     add_store_arguments(p)
     p.add_argument("--model", default="smollm2", help="model in the store (imported from the real GGUF if absent)")
@@ -136,7 +136,7 @@ class Service:
     def start(self) -> None:
         import httpx
 
-        from gateway.up import _autoscale
+        from gateway.up import autoscale_in_process
 
         self.thread.start()
         for role in ROLES:
@@ -151,7 +151,8 @@ class Service:
             time.sleep(0.2)
         else:
             raise TimeoutError("the first prefill/decode pair was not ready in 180 s")
-        self.control = _autoscale(self.gw, self.actuator, {r: 1 for r in ROLES}, demo_config(self.args.max_replicas))
+        self.control = autoscale_in_process(self.gw, self.actuator, {r: 1 for r in ROLES},
+                                            demo_config(self.args.max_replicas))  # fmt: skip
 
     def close(self) -> None:
         if self.control is not None:
@@ -164,7 +165,7 @@ class Service:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("pdserve.autoscaler").setLevel(logging.INFO)
-    from paramstore.cli import store_config
+    from paramstore.config import store_config
 
     locations = ensure_model(store_config(args), args.model)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-bench-burst-")

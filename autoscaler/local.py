@@ -138,7 +138,7 @@ class LocalActuator(Actuator):
     def start(self, role: str) -> _Proc:
         c = self.config
         port = free_port(c.host)
-        cmd = [sys.executable, "-m", "compute.cli", "node", "--role", role, "--model", c.model, "--host", c.host,
+        cmd = [sys.executable, "-m", "autoscaler.cli", "node", "--role", role, "--model", c.model, "--host", c.host,
                "--port", str(port), "--weights", c.weights, "--kv-blocks", str(c.kv_blocks),
                "--kv-transport", c.kv_transport, "--threads", str(c.threads), *c.extra_args]  # fmt: skip
         for url in c.store:

@@ -8,7 +8,9 @@ One tick:
  3. act       for each role whose desired count differs: prepare() (pre-stage shards)
               before a scale-up, then scale().
  4. record    `last` (a TickReport: decision, what was asked, error) for `pdserve status`;
-              `publish(report, nodes)` lets the caller feed the gateway's node registry.
+              `publish(report, nodes)` hands every tick's report to the caller — failed and
+              backing-off ticks too, with nodes {} — which shows it in `pdserve status`
+              (autoscaler/observer.py posts it to the gateway).
 
 Failures never leave the loop: an observe or actuator error backs the actuator off
 (Throttler: exponential, or the error's own delay), is logged, counted and shown in
@@ -79,6 +81,7 @@ class ControlLoop:
             report = TickReport(t=now, decision=None, error=t.last_error, failures=t.failures,
                                 note=f"backing off: {t.until - now:.1f}s left")  # fmt: skip
             self.last = report
+            self._publish(report, {})
             return report
         asked: dict[str, int] = {}
         try:
@@ -104,6 +107,7 @@ class ControlLoop:
             report = TickReport(t=now, decision=None, asked=asked, error=t.last_error, failures=t.failures,
                                 note="repeated failures" if t.repeated else "")  # fmt: skip
             self.last = report
+            self._publish(report, {})
             return report
         t.success()
         report = TickReport(t=now, decision=decision, asked=asked)

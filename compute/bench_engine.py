@@ -34,7 +34,7 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from paramstore.cli import add_store_arguments
+    from paramstore.config import add_store_arguments
 
     add_store_arguments(p)
     p.add_argument("--model", default="smollm2", help="int8 model in the store (imported from the GGUF if absent)")
@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from paramstore import NotFound, ParamStore
-    from paramstore.cli import store_config
+    from paramstore.config import store_config
     from paramstore.realmodel import gguf_path
 
     torch.set_num_threads(args.threads)

@@ -77,7 +77,7 @@ def compare(ref: torch.Tensor, lp: torch.Tensor) -> tuple[float, float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from paramstore.cli import add_store_arguments
+    from paramstore.config import add_store_arguments
 
     add_store_arguments(p)
     p.add_argument("--model", default="smollm2", help="int8 model (imported from the GGUF if absent)")
@@ -90,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
     from compute.benchkit import ensure_model
     from compute.loader import WeightInjector
     from paramstore import ParamStore, StoreConfig
-    from paramstore.cli import store_config
+    from paramstore.config import store_config
 
     if args.max_tokens < 2:
         raise ValueError("--max-tokens must be at least 2")

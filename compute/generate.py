@@ -30,7 +30,7 @@ _PER_REQUEST = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from paramstore.cli import add_store_arguments
+    from paramstore.config import add_store_arguments
 
     p.add_argument("--model", required=True, metavar="NAME", help="model name or name@vN in the store")
     add_store_arguments(p)
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from paramstore import ParamStore
-    from paramstore.cli import store_config
+    from paramstore.config import store_config
 
     requests = _read_requests(args)  # validate input before anything heavy (torch is not imported yet)
     t0 = time.perf_counter()

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from compute.tokenizer import TemplateError
 
 from .admission import Overloaded
+from .internal import add_internal_routes
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 from .relay import Unavailable
 from .service import REQUESTS, REQUEST_SECONDS, BadRequest, Gateway
@@ -234,4 +235,5 @@ def create_app(gw: Gateway) -> FastAPI:
         gw.autoscaler_status = body
         return {"ok": True}
 
+    add_internal_routes(app, gw)  # /internal/*: the autoscaler's view and its reports (internal token)
     return app

@@ -45,7 +45,7 @@ TARGET_ADDED_TTFT_MS = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from paramstore.cli import add_store_arguments
+    from paramstore.config import add_store_arguments
 
     add_store_arguments(p)
     p.add_argument("--model", default="smollm2", help="model in the store (imported from the real GGUF if absent)")
@@ -80,7 +80,7 @@ def _ints(spec: str, n: int) -> list[int]:
 def main(args: argparse.Namespace) -> int:
     from compute.benchkit import ensure_model
     from compute.node.launcher import Services
-    from paramstore.cli import store_config
+    from paramstore.config import store_config
 
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     counts = _ints(args.requests, len(levels))

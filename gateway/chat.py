@@ -9,7 +9,9 @@ import sys
 
 def add_arguments(p) -> None:
     p.add_argument("question")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", default=None, help="the gateway (default: [gateway] url of the config file, else "
+                   "http://127.0.0.1:8000)")  # fmt: skip
+    p.add_argument("--config", metavar="FILE", help="the config file (else $PDSERVE_CONFIG)")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -35,6 +37,11 @@ def wait_ready(url: str, timeout: float) -> None:
 def main(args) -> int:
     import httpx
 
+    from paramstore.config import config_path, read_config
+
+    from .main import gateway_url
+
+    args.url = gateway_url(read_config(config_path(args.config)), args.url)
     wait_ready(args.url, args.wait)
     headers = {}
     key = (os.environ.get("PDSERVE_API_KEYS") or "").split(",")[0].strip()

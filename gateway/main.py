@@ -1,44 +1,122 @@
-"""`pdserve gateway`: the OpenAI-compatible gateway in front of already-running nodes."""
+"""`pdserve gateway`: the OpenAI-compatible gateway in front of already-running nodes.
+
+Settings: flags > environment ($PDSERVE_API_KEYS, $PDSERVE_ADMIN_KEY, $PDSERVE_INTERNAL_TOKEN,
+each also as *_FILE) > the config file's [gateway] and [store] tables (--config, $PDSERVE_CONFIG)
+> GatewayConfig's defaults. [gateway] takes GatewayConfig's fields (secrets excepted), `nodes`
+as a list of "ROLE=URL" strings, and `url`: where other processes (autoscale, status, chat)
+reach this gateway — the gateway itself does not read it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import sys
 
+SECRETS = {"api_keys": "set $PDSERVE_API_KEYS (or $PDSERVE_API_KEYS_FILE)",
+           "admin_key": "set $PDSERVE_ADMIN_KEY (or $PDSERVE_ADMIN_KEY_FILE)",
+           "internal_token": "set $PDSERVE_INTERNAL_TOKEN (or $PDSERVE_INTERNAL_TOKEN_FILE)",
+           "store": "set the locations in [store]"}  # fmt: skip
+CLIENT_KEYS = ("url", "nodes")  # [gateway] keys that are not GatewayConfig fields as such
+
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2", help="paramstore reference NAME[@vN] the nodes serve")
-    p.add_argument("--store", action="append", default=[], metavar="URL")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--node", action="append", default=[], metavar="ROLE=URL", help="a static node (repeat)")
-    p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--max-queue", type=int, default=256)
-    p.add_argument("--queue-timeout", type=float, default=30.0)
-    p.add_argument("--retries", type=int, default=3)
+    """Every flag defaults to None: unset flags fall back to the environment, then [gateway], then defaults."""
+    from paramstore.config import add_store_arguments
+
+    p.add_argument("--model", help="paramstore reference NAME[@vN] the nodes serve (default smollm2)")
+    add_store_arguments(p)
+    p.add_argument("--host", help="bind address (default 127.0.0.1; loopback only without API keys)")
+    p.add_argument("--port", type=int, help="default 8000")
+    p.add_argument("--node", action="append", default=None, metavar="ROLE=URL",
+                   help="a static node (repeat; replaces [gateway] nodes)")  # fmt: skip
+    p.add_argument("--max-running", type=int, help="requests in flight to nodes at once (default 64)")
+    p.add_argument("--max-queue", type=int, help="requests waiting for admission (default 256)")
+    p.add_argument("--queue-timeout", type=float, help="longest wait for admission, s (default 30)")
+    p.add_argument("--retries", type=int, help="extra attempts after a node failure (default 3)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--print-config", action="store_true", help="print the resolved configuration as JSON and exit")
 
 
-def build_gateway(model: str, store: list[str], **kw):
-    """GatewayConfig (keys from the environment) + the model's text bundle from the store -> Gateway."""
-    from compute.tokenizer import TextBundle
-    from paramstore import ParamStore, StoreConfig
+def parse_nodes(specs, where: str) -> list[tuple[str, str]]:
+    """["ROLE=URL", ...] -> [(role, url), ...]; a malformed entry is a ConfigError naming `where`."""
+    from paramstore.config import ConfigError
+
+    out = []
+    for spec in specs or []:
+        role, sep, url = spec.partition("=") if isinstance(spec, str) else ("", "", "")
+        if not sep or not url:
+            raise ConfigError(f"{where}: node {spec!r} is not ROLE=URL")
+        out.append((role, url))
+    return out
+
+
+def gateway_config(args, tables: dict, path: str | None, **fixed):
+    """GatewayConfig from flags (`args`, `fixed`) > environment > [gateway] > defaults."""
+    from paramstore.config import resolve
 
     from .config import GatewayConfig, keys_from_env
+
+    g = tables.get("gateway", {})
+    flags = {"model": getattr(args, "model", None), "host": getattr(args, "host", None),
+             "port": getattr(args, "port", None), "max_running": getattr(args, "max_running", None),
+             "max_queue": getattr(args, "max_queue", None), "queue_timeout_s": getattr(args, "queue_timeout", None),
+             "retry_attempts": getattr(args, "retries", None), **fixed}  # fmt: skip
+    node_flags = getattr(args, "node", None)
+    flags["nodes"] = parse_nodes(node_flags, "--node") if node_flags else None
+    kw = resolve(GatewayConfig, "gateway", tables, path, flags, keys_from_env(), hints=SECRETS, skip=CLIENT_KEYS)
+    if "nodes" not in kw and "nodes" in g:
+        kw["nodes"] = parse_nodes(g["nodes"], f"config {path}: [gateway] nodes")
+    return GatewayConfig(**kw)
+
+
+def gateway_url(tables: dict, flag: str | None = None) -> str:
+    """Where clients reach the gateway: the flag, else [gateway] url, else http://127.0.0.1:<[gateway] port>."""
+    g = tables.get("gateway", {})
+    return (flag or g.get("url") or f"http://127.0.0.1:{g.get('port', 8000)}").rstrip("/")
+
+
+def open_gateway(cfg, store_cfg):
+    """The model's text bundle from the store (opened with its HMAC key, if any) -> Gateway."""
+    from compute.tokenizer import TextBundle
+    from paramstore import ParamStore
+
     from .service import Gateway
 
-    cfg = GatewayConfig(model=model, store=store, **keys_from_env(), **kw)
-    with ParamStore(StoreConfig(locations=store) if store else StoreConfig.local_default()) as ps:
-        m = ps.manifest(model)
+    cfg.store = list(store_cfg.locations)
+    with ParamStore(store_cfg) as ps:
+        m = ps.manifest(cfg.model)
         with ps.reader(m) as r:
             bundle = TextBundle.from_files(r.bundle())
     return Gateway(cfg, bundle, int(m.config.get("max_position_embeddings", 2048)))
 
 
-def announce(gw, requested_host: str) -> None:
+def build_gateway(model: str, store: list[str], store_cfg=None, **kw):
+    """GatewayConfig (keys from the environment) + the model's text bundle from the store -> Gateway."""
+    from paramstore import StoreConfig
+
+    from .config import GatewayConfig, keys_from_env
+
+    cfg = GatewayConfig(model=model, store=store, **keys_from_env(), **kw)
+    if store_cfg is None:
+        store_cfg = StoreConfig(locations=store) if store else StoreConfig.local_default()
+    return open_gateway(cfg, store_cfg)
+
+
+def public(cfg, store_cfg) -> dict:
+    """The resolved settings, secrets left out (for --print-config)."""
+    out = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("api_keys", "admin_key", "internal_token")}
+    out.update(api_keys=len(cfg.api_keys), admin_key_set=bool(cfg.admin_key), internal_token_set=bool(cfg.internal_token))
+    out["store"] = {"locations": store_cfg.locations, "k": store_cfg.k, "m": store_cfg.m,
+                    "hmac": store_cfg.hmac_key is not None}  # fmt: skip
+    return out
+
+
+def announce(gw, requested_host: str | None) -> None:
     cfg = gw.config
     if cfg.open:
-        note = " (no API key configured: listening on 127.0.0.1 only)" if requested_host != cfg.host else ""
+        note = " (no API key configured: listening on 127.0.0.1 only)" if (requested_host or cfg.host) != cfg.host else ""
         print(f"pdserve gateway: no API key set — open to local clients{note}", file=sys.stderr)
     print(f"pdserve gateway: model {cfg.model} on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
 
@@ -46,17 +124,21 @@ def announce(gw, requested_host: str) -> None:
 def main(args) -> int:
     import uvicorn
 
+    from paramstore.config import config_path, read_config, store_config
+
     from .app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    nodes = []
-    for spec in args.node:
-        role, _, url = spec.partition("=")
-        nodes.append((role, url))
-    gw = build_gateway(args.model, args.store, host=args.host, port=args.port, nodes=nodes,
-                       max_running=args.max_running, max_queue=args.max_queue,
-                       queue_timeout_s=args.queue_timeout, retry_attempts=args.retries)  # fmt: skip
-    announce(gw, args.host)
+    path = config_path(args.config)
+    tables = read_config(path)
+    store_cfg = store_config(args, tables=tables)
+    requested_host = args.host or tables.get("gateway", {}).get("host")
+    cfg = gateway_config(args, tables, path, store=list(store_cfg.locations))
+    if args.print_config:
+        print(json.dumps(public(cfg, store_cfg), indent=1))
+        return 0
+    gw = open_gateway(cfg, store_cfg)
+    announce(gw, requested_host)
     uvicorn.run(create_app(gw), host=gw.config.host, port=gw.config.port, log_level="warning")
     return 0

@@ -7,13 +7,22 @@ import os
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", default=None, help="the gateway (default: [gateway] url of the config file, else "
+                   "http://127.0.0.1:8000)")  # fmt: skip
+    p.add_argument("--config", metavar="FILE", help="the config file (else $PDSERVE_CONFIG)")
     p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:
+    import time
+
     import httpx
 
+    from paramstore.config import config_path, read_config
+
+    from .main import gateway_url
+
+    args.url = gateway_url(read_config(config_path(args.config)), args.url)
     headers = {}
     if os.environ.get("PDSERVE_ADMIN_KEY"):
         headers["Authorization"] = f"Bearer {os.environ['PDSERVE_ADMIN_KEY']}"
@@ -30,6 +39,10 @@ def main(args) -> int:
         print(f"{n['role']:8} {n['state']:10} {n['url']:28} {ld.get('running', 0):>4} "
               f"{ld.get('queued_prompt_tokens', 0):>10} {ld.get('kv_blocks_used', 0):>4}/{ld.get('kv_blocks_total', 0)}")  # fmt: skip
     a = st.get("autoscaler") or {}
-    dec = (a.get("decision") or {})
-    print(f"autoscaler: {dec.get('reason') or a.get('note') or a.get('error') or 'not running'}")
+    if not a:
+        print("autoscaler: not running")
+        return 0
+    age = f", {time.time() - a['received']:.0f} s ago" if isinstance(a.get("received"), (int, float)) else ""
+    print(f"autoscaler ({a.get('actuator', '?')}{age}): {a.get('reason') or a.get('note') or 'no decision yet'}"
+          + (f"; error: {a['error']} ({a.get('failures', 0)} in a row)" if a.get("error") else ""))  # fmt: skip
     return 0

@@ -17,19 +17,50 @@ import threading
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--store", action="append", default=[], metavar="URL")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    """Flags left unset fall back to the config file ([gateway], [node], [store], [autoscaler]), then defaults."""
+    from paramstore.config import add_store_arguments
+
+    p.add_argument("--model", help="default: [gateway] model, else smollm2")
+    add_store_arguments(p)
+    p.add_argument("--host", help="gateway bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gateway port (default 8000)")
     p.add_argument("--prefill", type=int, default=None, help="prefill nodes (default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode nodes (default 1)")
     p.add_argument("--both", type=int, default=None, help="colocated nodes (instead of a prefill/decode split)")
-    p.add_argument("--kv-transport", default="tcp", choices=["nixl", "tcp"])
-    p.add_argument("--threads-per-node", type=int, default=1)
-    p.add_argument("--kv-blocks", type=int, default=1024)
-    p.add_argument("--autoscale", action="store_true", help="run the autoscaling loop (local actuator)")
+    p.add_argument("--kv-transport", choices=["nixl", "tcp"], help="default: [node] kv_transport, else tcp")
+    p.add_argument("--threads-per-node", type=int, help="default: [node] threads, else 1")
+    p.add_argument("--kv-blocks", type=int, help="per node (default: [node] kv_blocks, else 1024)")
+    p.add_argument("--autoscale", action="store_true", help="run the autoscaling loop (local actuator, [autoscaler])")
     p.add_argument("--log-dir", default=".pdserve/logs")
     p.add_argument("--log-level", default="info")
+
+
+def local_service(args, token: str):
+    """(gateway, LocalConfig, AutoscalerConfig) from flags > environment > the config file > defaults."""
+    from autoscaler import AutoscalerConfig
+    from autoscaler.local import LocalConfig
+    from paramstore.config import ConfigError, config_path, read_config, store_config
+
+    from .main import gateway_config, open_gateway
+
+    path = config_path(args.config)
+    tables = read_config(path)
+    store_cfg = store_config(args, tables=tables)
+    gw = open_gateway(gateway_config(args, tables, path, store=list(store_cfg.locations)), store_cfg)
+    node = tables.get("node", {})
+    extra = (["--config", path] if path else []) + (["--hmac-key-file", args.hmac_key_file] if args.hmac_key_file else [])
+    local = LocalConfig(model=gw.config.model, store=list(store_cfg.locations), internal_token=token,
+                        kv_transport=args.kv_transport or node.get("kv_transport", "tcp"),
+                        threads=args.threads_per_node or node.get("threads") or 1,
+                        kv_blocks=args.kv_blocks or node.get("kv_blocks", 1024), weights=node.get("weights", "int8"),
+                        log_dir=args.log_dir, cache_dir=os.environ.get("PDSERVE_CACHE_DIR") or node.get("cache_dir"),
+                        extra_args=tuple(extra))  # fmt: skip
+    policy = {k: v for k, v in tables.get("autoscaler", {}).items() if k not in ("actuator", "local", "kubernetes")}
+    try:
+        auto = AutoscalerConfig.from_mapping(policy)
+    except ValueError as e:
+        raise ConfigError(f"config {path}: [autoscaler]: {e}") from None
+    return gw, local, auto
 
 
 def plan(args) -> dict[str, int]:
@@ -43,36 +74,33 @@ def plan(args) -> dict[str, int]:
 def main(args) -> int:
     import uvicorn
 
-    from autoscaler.local import LocalActuator, LocalConfig
+    from autoscaler.local import LocalActuator
 
     from .app import create_app
-    from .main import announce, build_gateway
+    from .main import announce
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     roles = plan(args)
     token = os.environ.get("PDSERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)
     os.environ["PDSERVE_INTERNAL_TOKEN"] = token
-    gw = build_gateway(args.model, args.store, host=args.host, port=args.port)
+    gw, local, auto = local_service(args, token)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
 
-    actuator = LocalActuator(LocalConfig(model=args.model, store=args.store, internal_token=token,
-                                         kv_transport=args.kv_transport, threads=args.threads_per_node,
-                                         kv_blocks=args.kv_blocks, log_dir=args.log_dir),
-                             **registry_hooks(gw, loop))  # fmt: skip
+    actuator = LocalActuator(local, **registry_hooks(gw, loop))
     control = None
     try:
         for role, n in roles.items():
             actuator.scale(role, n)
         if args.autoscale:
-            control = _autoscale(gw, actuator, roles)
+            control = autoscale_in_process(gw, actuator, roles, auto)
         announce(gw, args.host)
         split = " + ".join(f"{n} {r}" for r, n in roles.items())
         print(f"pdserve up: starting {split} node(s); logs in {args.log_dir}/\n"
               f"  try:  pdserve chat \"What is the capital of France?\"\n"
               f"  or:   curl http://{gw.config.host}:{gw.config.port}/v1/chat/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'\n"
+              f"-d '{{\"model\": \"{gw.config.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'\n"
               f"  stop: Ctrl-C (or SIGTERM to pid {os.getpid()})", file=sys.stderr, flush=True)  # fmt: skip
         server = uvicorn.Server(uvicorn.Config(create_app(gw), host=gw.config.host, port=gw.config.port,
                                                log_level="warning", loop="asyncio"))  # fmt: skip
@@ -118,29 +146,17 @@ def registry_hooks(gw, loop) -> dict:
     return {"on_ready": on_ready, "on_draining": on_draining, "on_gone": on_gone}
 
 
-def _autoscale(gw, actuator, roles: dict[str, int], config=None):
-    """The control loop in a thread: observe the gateway and nodes, decide, scale locally."""
-    from autoscaler import AutoscalerConfig, ControlLoop, RoleLoad
+def autoscale_in_process(gw, actuator, roles: dict[str, int], config=None):
+    """The control loop in a thread of this process: the same observer as `pdserve autoscale`
+    (autoscaler/observer.py), fed the gateway's status snapshot in-process; each report is stored
+    where `pdserve status` reads it."""
+    from autoscaler import AutoscalerConfig
+    from autoscaler.observer import control_loop
 
-    def observe():
-        loads = {}
-        views = list(gw.registry.nodes.values())  # a copy: the gateway's loop changes the dict meanwhile
-        for role in roles:
-            nodes = [n for n in views if n.role == role]
-            ld = [n.load for n in nodes if n.healthy]
-            used = sum(x.get("kv_blocks_used", 0) for x in ld)
-            total = sum(x.get("kv_blocks_total", 0) for x in ld) or 1
-            loads[role] = RoleLoad(
-                replicas=len(nodes), ready=len(ld), starting=0, queue_depth=gw.admission.waiting,
-                queue_wait_p99_s=gw.admission.wait_p99(),
-                queued_prompt_tokens=sum(x.get("queued_prompt_tokens", 0) for x in ld),
-                running_streams=sum(x.get("running", 0) for x in ld), kv_utilisation=used / total,
-            )  # fmt: skip
-        return loads
+    from .internal import snapshot
 
-    def publish(report, nodes):
-        gw.autoscaler_status = report.to_dict()
+    def publish(body: dict) -> None:
+        gw.autoscaler_status = body  # one assignment: the gateway's loop reads it without a lock
 
-    if "both" in roles:
-        raise ValueError("--autoscale scales prefill and decode independently: use --prefill N --decode M")
-    return ControlLoop(config or AutoscalerConfig(), observe=observe, actuator=actuator, publish=publish).start()
+    return control_loop(config or AutoscalerConfig(), lambda: snapshot(gw), publish, actuator, "local",
+                        roles=tuple(roles)).start()  # fmt: skip

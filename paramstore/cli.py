@@ -1,6 +1,7 @@
 """`paramstore`: the admin CLI of the parameter store.
 
     paramstore [--store URL ...] [--config FILE] [--hmac-key-file F] COMMAND ...
+    (the [store] table of the config file: --config, $PDSERVE_CONFIG or $PARAMSTORE_CONFIG)
     import SRC --name NAME [--dtype int8|bf16|fp32] [--k 8 --m 3] [--shard-mb 128]
     ls | show REF | verify REF [--deep] | repair REF | rm REF | gc [--grace S] | warm REF | stats
 
@@ -15,48 +16,11 @@ import argparse
 import json
 import os
 import sys
-import tomllib
 
-from .config import DEFAULT_ROOT, StoreConfig
+from .config import add_store_arguments, store_config
 from .errors import StoreError
 
 EXIT_USAGE, EXIT_FAIL, EXIT_UNHEALTHY = 2, 1, 3
-
-
-def add_store_arguments(p: argparse.ArgumentParser) -> None:
-    """--store/--config/--hmac-key-file, as every `pdserve` command that opens the store takes them."""
-    p.add_argument("--store", action="append", metavar="URL",
-                   help=f"a store location URL (repeat for each); default: k+m local directories under {DEFAULT_ROOT}")
-    p.add_argument("--config", metavar="FILE", help="TOML file with a [store] table (or $PARAMSTORE_CONFIG)")
-    p.add_argument("--hmac-key-file", metavar="FILE", help="sign manifests on write and require signatures on read")
-
-
-def store_config(args, k: int | None = None, m: int | None = None) -> StoreConfig:
-    """--store/--config/env -> StoreConfig; the local default when nothing is given."""
-    file_cfg: dict = {}
-    path = args.config or os.environ.get("PARAMSTORE_CONFIG")
-    if path:
-        try:
-            with open(path, "rb") as f:
-                file_cfg = tomllib.load(f).get("store", {})
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise SystemExit(_fail(f"cannot read config {path}: {e}"))
-    key = None
-    key_file = args.hmac_key_file or file_cfg.get("hmac_key_file")
-    if key_file:
-        try:
-            key = open(key_file, "rb").read().strip()
-        except OSError as e:
-            raise SystemExit(_fail(f"cannot read HMAC key file {key_file}: {e}"))
-    k = k if k is not None else int(file_cfg.get("k", 8))
-    m = m if m is not None else int(file_cfg.get("m", 3))
-    kw = dict(k=k, m=m, hmac_key=key, storage_options=file_cfg.get("storage_options", {}))
-    if "shard_mb" in file_cfg:
-        kw["shard_bytes"] = int(float(file_cfg["shard_mb"]) * 2**20)
-    locations = args.store or file_cfg.get("locations")
-    if locations:
-        return StoreConfig(locations=list(locations), **kw)
-    return StoreConfig.local_default(file_cfg.get("root", DEFAULT_ROOT), **kw)
 
 
 def _fail(msg: str) -> int:
@@ -219,10 +183,7 @@ def cmd_stats(store, args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paramstore", description="Admin CLI of the pdserve parameter store")
-    p.add_argument("--store", action="append", metavar="URL", help="a location URL (repeat for each); default: "
-                   f"k+m local directories under {DEFAULT_ROOT}")  # fmt: skip
-    p.add_argument("--config", metavar="FILE", help="TOML file with a [store] table (or $PARAMSTORE_CONFIG)")
-    p.add_argument("--hmac-key-file", metavar="FILE", help="sign manifests on write and require signatures on read")
+    add_store_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -262,10 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "import":
-            cfg = store_config(args, args.k, args.m)
-            if args.shard_mb is not None:
-                cfg.shard_bytes = int(args.shard_mb * 2**20)
-                cfg.__post_init__()
+            cfg = store_config(args, args.k, args.m, shard_mb=args.shard_mb)
         else:
             cfg = store_config(args)
         from .store import ParamStore

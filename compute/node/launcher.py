@@ -99,7 +99,7 @@ class Services:
         from autoscaler.local import free_port
 
         port = free_port()
-        cmd = [sys.executable, "-m", "compute.cli", *args, "--port", str(port), "--model", self.model]
+        cmd = [sys.executable, "-m", "autoscaler.cli", *args, "--port", str(port), "--model", self.model]
         for url in self.store:
             cmd += ["--store", url]
         p = ServiceProc(f"{name}-{port}", cmd, f"http://127.0.0.1:{port}", self.log_dir,

@@ -47,7 +47,7 @@ def workdir(tmp_path_factory):
 
 def pdserve(workdir, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.getcwd(), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "compute.cli", "generate", *argv]
+    cmd = [sys.executable, "-m", "autoscaler.cli", "generate", *argv]
     p = subprocess.run(cmd, check=False, cwd=workdir, env=env, capture_output=True, text=True, timeout=60)
     if check:
         assert p.returncode == 0, p.stderr

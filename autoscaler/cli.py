@@ -1,10 +1,21 @@
-"""`pdserve`: the service CLI. Each subcommand lives in its own module, imported only when used.
+"""`pdserve`: the service CLI — the one place commands are parsed and processes wired.
 
-    pdserve generate --model NAME (--prompt T | --chat T) [...]   offline generation (compute.generate)
-    pdserve node --role prefill|decode|both --model NAME [...]     a compute node (compute.node.server)
+It sits in the top package of the stack (paramstore < compute < gateway < autoscaler), so
+it may dispatch into any of them; each subcommand lives in its own module, imported only
+when that subcommand runs:
+
+    pdserve node --role prefill|decode|both --model NAME [...]     a compute node (compute.node.main)
     pdserve gateway [...]                                          the OpenAI-compatible gateway (gateway.main)
-    pdserve up [...] / pdserve chat "question" / pdserve status     the local service (gateway.up)
-    pdserve bench store|engine|quality|pd|gateway|burst                   benchmarks (print a table, write JSON)
+    pdserve up [...]                                               the local service: nodes + gateway (gateway.up)
+    pdserve autoscale --actuator local|kubernetes [...]            the control loop as a process (autoscaler.main)
+    pdserve chat "question" / pdserve status                       clients of a running gateway
+    pdserve generate --model NAME (--prompt T | --chat T) [...]    offline generation (compute.generate)
+    pdserve bench NAME [...]                                       benchmarks (print a table, write JSON)
+
+Every command that runs a component reads the one config file (--config FILE or
+$PDSERVE_CONFIG; see paramstore/config.py): flags > environment > file > defaults.
+Errors: bad input (flags, config, store) is one line on stderr and exit 2; anything
+unexpected one line and exit 1; never a traceback unless PDSERVE_DEBUG=1.
 """
 
 from __future__ import annotations
@@ -14,15 +25,17 @@ import importlib
 import os
 import sys
 
-# subcommand -> module providing add_arguments(parser) and main(args) -> int
+# subcommand -> (module providing add_arguments(parser) and main(args) -> int, help)
 COMMANDS = {
     "generate": ("compute.generate", "offline one-shot generation from the store"),
     "node": ("compute.node.main", "run a compute node (prefill, decode or both)"),
     "gateway": ("gateway.main", "run the OpenAI-compatible gateway"),
     "up": ("gateway.up", "start the local service: nodes + gateway"),
+    "autoscale": ("autoscaler.main", "run the autoscaling loop against a gateway (local or kubernetes actuator)"),
     "chat": ("gateway.chat", "send one chat request through the gateway and stream the answer"),
     "status": ("gateway.status", "nodes per role, their state and load, the autoscaler's last decision"),
 }
+# `pdserve bench NAME` -> (module, help); one row per benchmark, nothing else refers to these modules
 BENCHES = {
     "store": ("paramstore.bench", "parameter store import/load throughput vs its limits"),
     "engine": ("compute.bench_engine", "engine decode/prefill/spawn vs HF transformers"),
@@ -31,6 +44,11 @@ BENCHES = {
     "gateway": ("gateway.bench", "gateway overhead vs a node served directly"),
     "burst": ("autoscaler.bench", "autoscaling under a 10x burst"),
 }
+
+
+def command(*args: str) -> list[str]:
+    """The argv that runs `pdserve ARGS...` with this interpreter (for the processes pdserve starts)."""
+    return [sys.executable, "-m", "autoscaler.cli", *args]
 
 
 def _lazy(sub, name: str, module: str, help_: str):

@@ -1,0 +1,153 @@
+"""`pdserve autoscale`: the control loop as a process of its own.
+
+Lifecycle: settings (flags > environment > the config file's [autoscaler], [gateway], [node],
+[store] > defaults) -> a GatewayClient for every --gateway URL (else [gateway] url) with
+$PDSERVE_INTERNAL_TOKEN -> the actuator (`kubernetes`: the node Deployments' scale
+subresource; `local`: `pdserve node` processes on this machine, registered with the gateway
+as they become ready) -> tick (observe the gateway over HTTP, decide, act, publish the
+report to the gateway for `pdserve status`) every tick_s until SIGTERM/SIGINT or
+--max-ticks -> the actuator is closed (local: every node it started is drained and stopped).
+
+[autoscaler] takes AutoscalerConfig's fields (autoscaler/config.py), `actuator`
+(local | kubernetes), and two sub-tables: [autoscaler.local] (LocalConfig, autoscaler/local.py)
+and [autoscaler.kubernetes] (KubernetesConfig, autoscaler/kubernetes.py; not `backoff`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+
+ACTUATORS = ("local", "kubernetes", "fake")
+OWN_KEYS = ("actuator", "local", "kubernetes")
+NODE_KEYS = ("kv_transport", "weights", "threads", "kv_blocks", "cache_dir")  # LocalConfig fields [node] also sets  # [autoscaler] keys that are not AutoscalerConfig fields
+_SECRETS = {"internal_token": "set $PDSERVE_INTERNAL_TOKEN", "store": "set the locations in [store]",
+            "backoff": "not configurable from the file"}  # fmt: skip
+
+
+def add_arguments(p) -> None:
+    from paramstore.config import add_store_arguments
+
+    p.add_argument("--actuator", choices=ACTUATORS, help="what runs the nodes ([autoscaler] actuator; default local)")
+    p.add_argument("--gateway", action="append", default=None, metavar="URL",
+                   help="a gateway to observe and report to (repeat; else [gateway] url, else http://127.0.0.1:8000)")
+    add_store_arguments(p)
+    p.add_argument("--model", help="local actuator: the model its nodes serve (else [node] / [gateway] model)")
+    p.add_argument("--tick-s", type=float, help="seconds between ticks ([autoscaler] tick_s)")
+    p.add_argument("--max-ticks", type=int, default=None, help="stop after this many ticks (default: run until SIGTERM)")
+    p.add_argument("--kubeconfig", default=None, help="kubernetes actuator outside a pod (else $KUBECONFIG)")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--print-config", action="store_true", help="print the resolved configuration as JSON and exit")
+
+
+def settings(args) -> dict:
+    """Everything `pdserve autoscale` runs with: AutoscalerConfig, actuator kind and its config, gateways."""
+    import dataclasses
+    import os
+
+    from paramstore.config import ConfigError, config_path, env_secret, read_config, resolve, store_config
+
+    from .config import AutoscalerConfig
+
+    path = config_path(args.config)
+    tables = read_config(path)
+    a = dict(tables.get("autoscaler", {}))
+    policy = {k: v for k, v in a.items() if k not in OWN_KEYS}
+    try:
+        config = AutoscalerConfig.from_mapping(policy)
+    except ValueError as e:
+        raise ConfigError(f"config {path}: [autoscaler]: {e}") from None
+    if args.tick_s is not None:
+        config = dataclasses.replace(config, tick_s=args.tick_s)
+    kind = args.actuator or a.get("actuator", "local")
+    if kind not in ACTUATORS:
+        raise ConfigError(f"config {path}: [autoscaler] actuator = {kind!r}: one of {', '.join(ACTUATORS)}")
+    g = tables.get("gateway", {})
+    urls = args.gateway or [g.get("url") or f"http://127.0.0.1:{g.get('port', 8000)}"]
+    token = env_secret("PDSERVE_INTERNAL_TOKEN") or ""
+    out = {"config": config, "actuator": kind, "gateways": [u.rstrip("/") for u in urls], "token": token,
+           "path": path}  # fmt: skip
+    if kind == "local":
+        from .local import LocalConfig
+
+        store_cfg = store_config(args, tables=tables)
+        sub = {"autoscaler.local": a.get("local", {})}
+        model = args.model or sub["autoscaler.local"].get("model") or tables.get("node", {}).get("model") or g.get("model")
+        env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None}
+        kw = resolve(LocalConfig, "autoscaler.local", sub, path, {"model": model}, env, hints=_SECRETS)
+        node = tables.get("node", {})  # the nodes' own settings, unless [autoscaler.local] sets them
+        for key in NODE_KEYS:
+            if key in node:
+                kw.setdefault(key, node[key])
+        extra = list(kw.pop("extra_args", ()))
+        if path:
+            extra += ["--config", path]  # the nodes read [node] and [store] (HMAC key included) themselves
+        if args.hmac_key_file:
+            extra += ["--hmac-key-file", args.hmac_key_file]
+        out["local"] = LocalConfig(store=list(store_cfg.locations), internal_token=token or "unset",
+                                   extra_args=tuple(extra), **kw)  # fmt: skip
+    elif kind == "kubernetes":
+        from .kubernetes import KubernetesConfig
+
+        sub = {"autoscaler.kubernetes": a.get("kubernetes", {})}
+        kw = resolve(KubernetesConfig, "autoscaler.kubernetes", sub, path, {}, hints=_SECRETS)
+        out["kubernetes"] = KubernetesConfig(**kw)
+    return out
+
+
+def _public(s: dict) -> dict:
+    import dataclasses
+
+    out = {"actuator": s["actuator"], "gateways": s["gateways"], "internal_token_set": bool(s["token"]),
+           "autoscaler": dataclasses.asdict(s["config"])}  # fmt: skip
+    if "local" in s:
+        out["local"] = {k: v for k, v in dataclasses.asdict(s["local"]).items() if k != "internal_token"}
+    if "kubernetes" in s:
+        k = s["kubernetes"]
+        out["kubernetes"] = {"namespace": k.namespace, "deployments": k.deployments, "services": k.services}
+    return out
+
+
+def make(s: dict, client, kubeconfig: str | None = None):
+    """The actuator `s` names, wired to `client` (local nodes are registered with the gateways)."""
+    from .actuator import make_actuator
+
+    if s["actuator"] == "local":
+        return make_actuator("local", config=s["local"], on_ready=client.register, on_draining=client.draining,
+                             on_gone=client.deregister)  # fmt: skip
+    if s["actuator"] == "kubernetes":
+        return make_actuator("kubernetes", config=s["kubernetes"], kubeconfig=kubeconfig)
+    return make_actuator("fake")
+
+
+def main(args) -> int:
+    from .observer import GatewayClient, control_loop
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    s = settings(args)
+    if args.print_config:
+        print(json.dumps(_public(s), indent=1))
+        return 0
+    if args.max_ticks is not None and args.max_ticks < 1:
+        raise ValueError("--max-ticks must be >= 1")
+    client = GatewayClient(s["gateways"], s["token"])
+    actuator = None
+    try:
+        actuator = make(s, client, args.kubeconfig)
+        loop = control_loop(s["config"], client.status, client.publish, actuator, s["actuator"])
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: loop.stop(timeout=0))
+        print(f"pdserve autoscale: {s['actuator']} actuator, observing {', '.join(s['gateways'])} every "
+              f"{s['config'].tick_s:g} s", file=sys.stderr, flush=True)  # fmt: skip
+        ticks = loop.run(max_ticks=args.max_ticks)
+        last = loop.last
+        print(f"pdserve autoscale: stopped after {ticks} tick(s)"
+              + (f"; last error: {last.error}" if last and last.error else ""), file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        if actuator is not None:
+            actuator.close()
+        client.close()
+    return 0

@@ -1,0 +1,73 @@
+"""The gateway's internal API: what the autoscaler (and the local actuator) read and write.
+
+Every route needs the internal token (``Authorization: Bearer $PDSERVE_INTERNAL_TOKEN``), the
+same secret the gateway sends to its nodes; a gateway without one refuses them all (401). They are
+left out of /openapi.json: the public contract is /v1.
+
+  GET    /internal/status           snapshot(): queue depth, running, p99 queue wait, the node
+                                    registry (role, state, last /load of each node), the last
+                                    published autoscaler report — the autoscaler's observation
+  POST   /internal/autoscaler       publish a control-loop report (what `pdserve status` shows)
+  POST   /internal/nodes            {"url", "role", "source"?}: register a node (checked at once)
+  POST   /internal/nodes/draining   {"url"}: route nothing new to it (it is about to drain)
+  DELETE /internal/nodes?url=URL    deregister a node
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+
+ROLES = ("prefill", "decode", "both")
+
+
+def snapshot(gw) -> dict:
+    """What the gateway knows about load, now. Safe to call from another thread (copies the registry)."""
+    nodes = list(gw.registry.nodes.values())
+    return {"model": gw.config.model, "t": time.time(), "queue_depth": gw.admission.waiting,
+            "running": gw.admission.running, "queue_wait_p99_s": gw.admission.wait_p99(),
+            "nodes": [n.as_dict() for n in nodes], "autoscaler": gw.autoscaler_status}  # fmt: skip
+
+
+def add_internal_routes(app: FastAPI, gw) -> None:
+    token = (gw.config.internal_token or "").encode()
+
+    def internal(request: Request) -> None:
+        auth = request.headers.get("authorization", "")
+        got = auth[7:].strip().encode() if auth.lower().startswith("bearer ") else b""
+        if not token or not hmac.compare_digest(got, token):
+            raise HTTPException(401, "missing or invalid internal token")
+
+    guard = [Depends(internal)]
+
+    @app.get("/internal/status", dependencies=guard, include_in_schema=False)
+    async def status():
+        return snapshot(gw)
+
+    @app.post("/internal/autoscaler", dependencies=guard, include_in_schema=False)
+    async def autoscaler(body: dict):
+        gw.autoscaler_status = {**body, "received": time.time()}
+        return {"ok": True}
+
+    @app.post("/internal/nodes", dependencies=guard, include_in_schema=False)
+    async def add(body: dict):
+        url, role = body.get("url"), body.get("role")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")) or role not in ROLES:
+            raise HTTPException(400, "body needs url (http[s]://...) and role (prefill|decode|both)")
+        gw.registry.add(url, role, source=str(body.get("source", "autoscaler")))
+        await gw.registry.refresh(url)
+        return {"added": url.rstrip("/")}
+
+    @app.post("/internal/nodes/draining", dependencies=guard, include_in_schema=False)
+    async def draining(body: dict):
+        url = body.get("url")
+        if not isinstance(url, str):
+            raise HTTPException(400, "body needs url")
+        gw.registry.mark_draining(url)
+        return {"draining": url.rstrip("/")}
+
+    @app.delete("/internal/nodes", dependencies=guard, include_in_schema=False)
+    async def remove(url: str):
+        return {"removed": gw.registry.remove(url)}
