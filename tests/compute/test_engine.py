@@ -86,13 +86,21 @@ def test_failed_step_fails_its_requests_and_frees_blocks(model):
     assert any(o.seq_id == a and o.finish_reason == "error" and "injected" in o.error for o in outs)
     assert eng.scheduler.blocks.num_free == 32
     eng.runner.model.forward = real_forward
-    b = eng.add_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
+    # the engine lives on: a new request runs to its end with the tokens a fresh engine gives, and one
+    # aborted after its first step gets nothing more
+    short = SamplingParams(max_tokens=3, temperature=0)
+    b = eng.add_request([5, 6, 7], short)
     c = eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0))
-    eng.step()
+    first = eng.step()
     eng.abort(c)
+    rest = []
     while eng.has_unfinished():
-        eng.step()
-    assert eng.scheduler.blocks.num_free == 32 and b != c
+        rest += eng.step()
+    tokens_b = [t for o in first + rest if o.seq_id == b for t in o.new_token_ids]
+    assert tokens_b == Engine.for_model(model, num_blocks=32, block_size=8).generate([[5, 6, 7]], short)[0]
+    assert [o.finish_reason for o in first + rest if o.seq_id == b and o.finished] == ["length"]
+    assert [len(o.new_token_ids) for o in first if o.seq_id == c] == [1] and all(o.seq_id != c for o in rest)
+    assert eng.scheduler.blocks.num_free == 32
 
 
 def test_kv_blocks_exported_and_imported_continue_decoding(model):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -130,9 +131,21 @@ def test_text_stream_holds_back_split_stop_strings(workdir):
     assert "".join(e.text for e in events) == text[: text.index(stop)]
     assert all(stop not in e.text for e in events) and events[-1].finished and events[-1].finish_reason == "stop"
     assert eng.scheduler.blocks.num_free == 32 and not eng.has_unfinished()
-    # EOS from the bundle: a request that may stop at EOS never outputs text past it
-    r = stream.result(stream.add(prompt, SamplingParams(max_tokens=200, temperature=1.0, seed=0)))
+    # EOS from the bundle: a seeded draw is a pure function of (seed, position), so a draw that ignores EOS
+    # shows where EOS comes; the same draw that may stop there ends at it, with no text past it
+    for seed in range(32):
+        may_stop = SamplingParams(max_tokens=200, temperature=1.5, seed=seed)
+        probe = stream.result(stream.add(prompt, replace(may_stop, ignore_eos=True)))
+        list(stream.run())
+        if END in probe.token_ids[4:] and END not in probe.token_ids[:4]:  # text first, then EOS
+            break
+    else:
+        pytest.fail("no seed in 0..31 draws the EOS token after 4 others within 200 tokens")
+    k = probe.token_ids.index(END)
+    r = stream.result(stream.add(prompt, may_stop))
     list(stream.run())
-    assert r.finish_reason in ("stop", "length") and (r.finish_reason == "length" or r.token_ids[-1] == END)
+    assert r.finish_reason == "stop" and r.token_ids == probe.token_ids[: k + 1], (seed, k, r.token_ids)
+    assert r.text and probe.text.startswith(r.text) and "<|end|>" not in r.text
+    assert eng.scheduler.blocks.num_free == 32 and not eng.has_unfinished()
     with pytest.raises(ValueError):
         stream.add(prompt, greedy, stop=[""])
