@@ -90,4 +90,4 @@ def pytest_terminal_summary(terminalreporter):
     if _missing:
         terminalreporter.section("required components missing", sep="=", red=True, bold=True)
         for name, ids in sorted(_missing.items()):
-            terminalreporter.line(f"{name}: {len(ids)} test(s), e.g. {sorted(ids)[0]}")
+            terminalreporter.line(f"{name}: {len(ids)} test(s), e.g. {min(ids)}")
