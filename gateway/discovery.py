@@ -5,8 +5,9 @@
   kubernetes  the EndpointSlices of the node Services, listed then watched (this module)
 
 Lifecycle of the Kubernetes source (one thread per role, label-selected by that role's Service):
- 1. ``start()`` (on the gateway's event loop): the API client comes from the pod's service account
-    in a cluster, else from a kubeconfig ($KUBECONFIG); one thread per role starts;
+ 1. construction: the API client comes from the pod's service account in a cluster, else from a
+    kubeconfig ($KUBECONFIG) — neither is a one-line error before the gateway serves; ``start()``
+    (on the gateway's event loop) starts one thread per role;
  2. the thread LISTs ``endpointslices?labelSelector=kubernetes.io/service-name=<service>`` and
     WATCHes from the list's resourceVersion: each ADDED / MODIFIED / DELETED slice replaces that
     slice's endpoints, and the role's union of endpoints is handed to the event loop;
@@ -84,7 +85,8 @@ class KubernetesSource:
     def __init__(self, config: DiscoveryConfig, registry, *, api_client=None):
         self.config = config
         self.registry = registry
-        self._api_client = api_client
+        self._api_client = api_client if api_client is not None else self._load_client()  # fails here, not later
+        self.namespace = config.namespace or self._own_namespace()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._watches: set = set()  # open kubernetes.watch.Watch objects, closed by stop()
@@ -98,9 +100,6 @@ class KubernetesSource:
         from kubernetes import client as k8s
 
         self._loop = asyncio.get_running_loop()
-        if self._api_client is None:
-            self._api_client = self._load_client()
-        self.namespace = self.config.namespace or self._own_namespace()
         api = k8s.DiscoveryV1Api(self._api_client)
         pending = set(self.config.services)
         for role, service in self.config.services.items():

@@ -18,7 +18,7 @@ SECRETS = {"api_keys": "set $PDSERVE_API_KEYS (or $PDSERVE_API_KEYS_FILE)",
            "admin_key": "set $PDSERVE_ADMIN_KEY (or $PDSERVE_ADMIN_KEY_FILE)",
            "internal_token": "set $PDSERVE_INTERNAL_TOKEN (or $PDSERVE_INTERNAL_TOKEN_FILE)",
            "store": "set the locations in [store]"}  # fmt: skip
-CLIENT_KEYS = ("url", "nodes")  # [gateway] keys that are not GatewayConfig fields as such
+CLIENT_KEYS = ("url", "nodes", "discovery")  # [gateway] keys that are not GatewayConfig fields as such
 
 
 def add_arguments(p) -> None:
@@ -104,6 +104,21 @@ def build_gateway(model: str, store: list[str], store_cfg=None, **kw):
     return open_gateway(cfg, store_cfg)
 
 
+def add_discovery(gw, tables: dict, path: str | None) -> None:
+    """[gateway.discovery] (gateway.discovery.DiscoveryConfig): the registry source that finds the nodes."""
+    from paramstore.config import ConfigError
+
+    from .discovery import DiscoveryConfig, make_source
+
+    table = tables.get("gateway", {}).get("discovery", {})
+    try:
+        source = make_source(DiscoveryConfig(**table), gw.registry)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config {path}: [gateway.discovery]: {e}") from None
+    if source is not None:
+        gw.sources.append(source)
+
+
 def public(cfg, store_cfg) -> dict:
     """The resolved settings, secrets left out (for --print-config)."""
     out = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("api_keys", "admin_key", "internal_token")}
@@ -139,6 +154,7 @@ def main(args) -> int:
         print(json.dumps(public(cfg, store_cfg), indent=1))
         return 0
     gw = open_gateway(cfg, store_cfg)
+    add_discovery(gw, tables, path)
     announce(gw, requested_host)
     uvicorn.run(create_app(gw), host=gw.config.host, port=gw.config.port, log_level="warning")
     return 0
