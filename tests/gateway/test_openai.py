@@ -54,7 +54,9 @@ def test_chat_streaming_with_usage(svc):
 def test_completions_and_stop_strings(svc):
     c = client(svc)
     r = c.completions.create(model=svc["name"], prompt="The capital of France is", max_tokens=8, temperature=0)
-    assert r.choices[0].text and r.usage.completion_tokens <= 8
+    assert "Paris" in r.choices[0].text, r.choices[0].text  # the real model's greedy continuation
+    assert 0 < r.usage.completion_tokens <= 8 and r.choices[0].finish_reason in ("stop", "length")
+    assert (r.choices[0].finish_reason == "length") == (r.usage.completion_tokens == 8)
     r = c.chat.completions.create(model=svc["name"], messages=Q, max_tokens=20, temperature=0, stop=[" Paris"])
     assert r.choices[0].message.content == "The capital of France is" and r.choices[0].finish_reason == "stop"
 
@@ -78,10 +80,24 @@ def test_async_client_concurrent_streams(svc):
 
 
 def test_seeded_sampling_is_reproducible(svc):
+    """Sampling at temperature 1 (no top-p cut), so the seed decides the draw: the same seed gives the same
+    text, and of a few other seeds at least one gives another (a seed that is dropped fails the first, a
+    draw that is greedy in effect fails the second)."""
     c = client(svc)
-    kw = dict(model=svc["name"], messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=12,
-              temperature=0.9, top_p=0.9, seed=1234)  # fmt: skip
-    assert c.chat.completions.create(**kw).choices[0].message.content == c.chat.completions.create(**kw).choices[0].message.content
+    kw = {"model": svc["name"], "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12,
+          "temperature": 1.0, "top_p": 1.0}  # fmt: skip
+
+    def text(seed: int) -> str:
+        return c.chat.completions.create(seed=seed, **kw).choices[0].message.content
+
+    first = text(1234)
+    assert [text(1234) for _ in range(2)] == [first, first]
+    others = []
+    for seed in (1, 2, 3, 4):
+        others.append(text(seed))
+        if others[-1] != first:
+            break
+    assert others[-1] != first, (first, others)
 
 
 @pytest.mark.parametrize(
@@ -135,7 +151,7 @@ def test_client_disconnect_aborts_and_frees_blocks(svc):
 
 def test_kill_decode_mid_stream_continues_the_same_stream(svc):
     msgs = [{"role": "user", "content": "Explain how a bicycle works, step by step."}]
-    kw = dict(model=svc["name"], messages=msgs, max_tokens=60, temperature=0)
+    kw = {"model": svc["name"], "messages": msgs, "max_tokens": 60, "temperature": 0}
     c = client(svc)
     want = c.chat.completions.create(**kw).choices[0].message.content
     stream = c.chat.completions.create(stream=True, **kw)

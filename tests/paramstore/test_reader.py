@@ -11,13 +11,15 @@ from paramstore import ParamStore, ReaderConfig
 
 
 class SlowTwin:
-    """A named fake beside a real location: the same object, but every read stalls first."""
+    """A named fake beside a real location: the same object, but every read stalls first (or finds nothing)."""
 
-    def __init__(self, inner, delay: float):
-        self.inner, self.delay, self.url = inner, delay, inner.url
+    def __init__(self, inner, delay: float, gone: bool = False):
+        self.inner, self.delay, self.gone, self.url = inner, delay, gone, inner.url
 
     def readinto(self, rel, buf):
         time.sleep(self.delay)
+        if self.gone:
+            raise FileNotFoundError(rel)
         return self.inner.readinto(rel, buf)
 
 
@@ -27,15 +29,22 @@ def test_slow_data_fragment_is_raced_by_parity(memory_store_config, tiny_hf):
         shard = m.shards[1]
         with store.reader(m) as r:
             want = r.read(shard).tensors()[0]
-        with store.reader(m, ReaderConfig(hedge_s=0.05, verify_digest="always")) as r:
-            slow = shard.fragments[0].location
-            r.locations[slow] = SlowTwin(r.locations[slow], delay=1.5)
+        cfg = ReaderConfig(hedge_s=0.05, verify_digest="always")
+        slow = shard.fragments[0].location
+        with store.reader(m, cfg) as r:  # the control, in this run: fragment 0 gone, rebuilt from parity
+            r.locations[slow] = SlowTwin(r.locations[slow], delay=0.0, gone=True)
+            t0 = time.perf_counter()
+            assert r.read(shard).degraded == 1
+            control_s = time.perf_counter() - t0
+        delay = 1.0 + 20 * control_s  # a stall long against anything a read takes on this machine
+        with store.reader(m, cfg) as r:
+            r.locations[slow] = SlowTwin(r.locations[slow], delay=delay)
             t0 = time.perf_counter()
             read = r.read(shard)
             took = time.perf_counter() - t0
             got = read.tensors()[0]
         assert read.degraded == 1  # fragment 0 was rebuilt from parity instead of waited for
-        assert took < 1.5
+        assert took < delay / 2, (took, control_s)
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
