@@ -152,15 +152,21 @@ def test_prepare_failure_does_not_block_scale_up():
 
 
 def test_run_in_a_thread_stops_promptly():
+    """A stop interrupts the wait between ticks: it returns in a small part of a tick (a loop that slept out
+    its tick would take the whole 30 s), whatever this machine's speed."""
     act = FakeActuator({"prefill": 1, "decode": 1})
-    loop = ControlLoop(cfg(tick_s=0.02), Gateway(), act).start()
+    tick_s = 30.0
+    loop = ControlLoop(cfg(tick_s=tick_s), Gateway(), act).start()
     with pytest.raises(RuntimeError, match="already running"):
         loop.start()
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while loop.last is None and time.monotonic() < deadline:  # the first tick ran: now it waits
+        time.sleep(0.01)
+    assert loop.last is not None
     started = time.monotonic()
     loop.stop()
-    assert time.monotonic() - started < 1.0
-    assert loop.last is not None and not any(t.name == "pdserve-autoscaler" for t in threading.enumerate())
+    assert time.monotonic() - started < tick_s / 10
+    assert not any(t.name == "pdserve-autoscaler" for t in threading.enumerate())
 
 
 def test_factory_registers_backends_lazily():

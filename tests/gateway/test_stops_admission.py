@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -58,19 +59,30 @@ def test_admission_bounds_queue_and_deadline():
 
         h = asyncio.create_task(holder())
         await entered.wait()
+        t0 = time.monotonic()
         waiter = asyncio.create_task(_try(adm))
-        await asyncio.sleep(0.01)
+        await _yield_until(lambda: adm.waiting == 1)
         with pytest.raises(Overloaded, match="queue full"):  # one running, one waiting: the third is refused
             async with adm.slot():
                 pass
         assert isinstance(await waiter, Overloaded)  # the waiter hit its deadline
+        queued_s = time.monotonic() - t0  # the control, in this run: a wait that ran out its deadline
         release.set()
         await h
-        async with adm.slot() as waited:
-            assert waited < 0.1 and adm.running == 1
+        async with adm.slot() as waited:  # a free slot: taken without waiting
+            assert waited < queued_s / 10 and adm.running == 1
         assert adm.running == 0 and adm.waiting == 0
 
     asyncio.run(main())
+
+
+async def _yield_until(cond, tries: int = 1000) -> None:
+    """Let the other tasks run (no sleeping: no window to guess) until ``cond()``; bounded."""
+    for _ in range(tries):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    assert cond()
 
 
 async def _try(adm):
@@ -97,7 +109,7 @@ def test_a_burst_fills_free_slots_before_the_queue():
                 return "refused"
 
         tasks = [asyncio.create_task(req()) for _ in range(16)]
-        await asyncio.sleep(0.05)
+        await _yield_until(lambda: sum(t.done() for t in tasks) == 4)  # the refused ones are done at once
         assert (adm.running, adm.waiting) == (8, 4)
         gate.set()
         return sorted(await asyncio.gather(*tasks))
