@@ -148,6 +148,24 @@ def main(args) -> int:
               + (f"; last error: {last.error}" if last and last.error else ""), file=sys.stderr, flush=True)  # fmt: skip
     finally:
         if actuator is not None:
-            actuator.close()
+            stop(actuator, client, s["actuator"])
         client.close()
     return 0
+
+
+def stop(actuator, client, kind: str) -> None:
+    """Close the actuator; local nodes (which end with this process) leave the gateways first.
+
+    A Kubernetes actuator only closes its API client: the Deployments keep their nodes.
+    """
+    nodes = []
+    if kind == "local":
+        try:
+            nodes = [n for ns in actuator.current().values() for n in ns]
+        except Exception:  # noqa: BLE001 - stopping goes on without the list
+            pass
+        for n in nodes:
+            client.draining(n)  # route nothing new to them while they drain
+    actuator.close()
+    for n in nodes:
+        client.deregister(n)

@@ -1,0 +1,160 @@
+"""`pdserve autoscale --actuator local` as its own process, against a running `pdserve gateway`.
+
+Real processes on 127.0.0.1: a gateway with no nodes; the autoscaler observes it over HTTP
+(GET /internal/status), starts the minimum of each role itself and registers them with the
+gateway; a chat request gets an answer; concurrent streams make it add a decode node, never
+beyond the configured maximum; `pdserve status` shows its decisions; SIGTERM stops it and
+every node it started.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from autoscaler.local import free_port
+from compute.node.launcher import ServiceProc, service_env
+
+pytestmark = pytest.mark.slow
+TOKEN = "autoscale-test-token"
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+PDSERVE = [sys.executable, "-m", "autoscaler.cli"]
+
+
+def write_config(tmp_path, locations: list[str], model: str, port: int) -> str:
+    path = tmp_path / "pdserve.toml"
+    path.write_text(f"""
+[store]
+locations = [{", ".join(f'"{u}"' for u in locations)}]
+[node]
+model = "{model}"
+threads = 1
+kv_blocks = 256
+[gateway]
+model = "{model}"
+port = {port}
+url = "http://127.0.0.1:{port}"
+[autoscaler]
+tick_s = 0.5
+target_running_streams_per_replica = 1
+stable_window_s = 4.0
+panic_window_s = 1.0
+scale_down_delay_s = 600.0
+prefill_min_replicas = 1
+prefill_max_replicas = 1
+decode_min_replicas = 1
+decode_max_replicas = 2
+[autoscaler.local]
+log_dir = "{tmp_path / "nodes"}"
+ready_timeout_s = 180.0
+""")
+    return str(path)
+
+
+def status(url: str) -> dict:
+    r = httpx.get(url + "/internal/status", headers=HEADERS, timeout=5)
+    r.raise_for_status()
+    return r.json()
+
+
+def ready_nodes(st: dict, role: str) -> list[str]:
+    return [n["url"] for n in st["nodes"] if n["role"] == role and n["state"] == "ready"]
+
+
+def wait_for(fn, timeout: float, what: str, every: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = fn()
+        if out:
+            return out
+        time.sleep(every)
+    raise TimeoutError(f"{what} not within {timeout:g} s")
+
+
+def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(tmp_path, real_model_store):
+    import openai
+
+    locations, model = real_model_store
+    port = free_port()
+    cfg = write_config(tmp_path, locations, model, port)
+    env = service_env(TOKEN, PDSERVE_CONFIG=cfg)
+    gw = ServiceProc("gateway", PDSERVE + ["gateway", "--log-level", "warning"], f"http://127.0.0.1:{port}",
+                     str(tmp_path), env)  # fmt: skip
+    scaler = None
+    try:
+        gw.wait_ready(60, path="/health")  # no nodes yet: /ready is 503 until the autoscaler starts some
+        assert httpx.get(gw.url + "/internal/status", timeout=5).status_code == 401  # internal token required
+        scaler = ServiceProc("autoscale", PDSERVE + ["autoscale", "--actuator", "local", "--log-level", "info"],
+                             gw.url, str(tmp_path), env)  # fmt: skip
+
+        # the minimum of each role, started by the autoscaler and registered with the gateway
+        st = wait_for(lambda: (s := status(gw.url)) and ready_nodes(s, "prefill") and ready_nodes(s, "decode") and s,
+                      240, "one ready prefill and decode node")  # fmt: skip
+        assert all(n["source"] == "autoscaler" for n in st["nodes"])
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        answer = client.chat.completions.create(model=model, max_tokens=16, temperature=0,
+                                                messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in answer.choices[0].message.content
+
+        # load: 3 streams on one decode node, 1 stream per replica wanted -> 2 decode nodes (the maximum)
+        seen = {"decode_nodes": 0, "asked": 0}
+        done = threading.Event()
+
+        def stream():
+            s = client.chat.completions.create(model=model, max_tokens=400, stream=True, extra_body={"ignore_eos": True},
+                                               messages=[{"role": "user", "content": "Tell me a long story."}])  # fmt: skip
+            for _ in s:
+                if done.is_set():
+                    break
+            s.close()
+
+        streams = [threading.Thread(target=stream, daemon=True) for _ in range(3)]
+        for t in streams:
+            t.start()
+
+        def scaled():
+            s = status(gw.url)
+            seen["decode_nodes"] = max(seen["decode_nodes"], len([n for n in s["nodes"] if n["role"] == "decode"]))
+            a = s.get("autoscaler") or {}
+            seen["asked"] = max([seen["asked"], *[v for r, v in (a.get("asked") or {}).items() if r == "decode"]])
+            return len(ready_nodes(s, "decode")) == 2 and s
+
+        st = wait_for(scaled, 180, "a second ready decode node")
+        done.set()
+        for t in streams:
+            t.join(60)
+        for _ in range(8):  # a few more ticks at full load: still bounded at the maximum
+            scaled()
+            time.sleep(0.5)
+        assert seen == {"decode_nodes": 2, "asked": 2}, seen
+
+        # `pdserve status` shows the autoscaler's decision, fresh
+        r = subprocess.run(PDSERVE + ["status", "--json"], env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        a = json.loads(r.stdout)["autoscaler"]
+        assert a["actuator"] == "local" and time.time() - a["received"] < 10
+        assert a["decision"]["roles"]["decode"]["replicas"] == 2 and a["reason"]
+        r = subprocess.run(PDSERVE + ["status"], env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and "autoscaler (local" in r.stdout, r.stdout
+
+        # SIGTERM: the loop stops and every node it started is stopped and deregistered
+        nodes = [n["url"] for n in st["nodes"]]
+        assert len(nodes) == 3
+        scaler.p.send_signal(signal.SIGTERM)
+        assert scaler.p.wait(60) == 0, scaler.log()
+        assert "stopped after" in scaler.log()
+        for url in nodes:
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(url + "/health", timeout=2)
+        assert status(gw.url)["nodes"] == []
+    finally:
+        if scaler is not None:
+            scaler.stop()
+        gw.stop()

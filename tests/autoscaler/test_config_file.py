@@ -1,0 +1,148 @@
+"""One config file for every command, run as the user runs it: `pdserve …` / `paramstore …` subprocesses.
+
+Precedence for each setting is flag > environment variable > config file > default, checked with
+`--print-config` (what a command resolved); a bad file is one line on stderr and exit 2, never a
+traceback, for every command that reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PDSERVE = [sys.executable, "-m", "autoscaler.cli"]
+PARAMSTORE = [sys.executable, "-m", "paramstore.cli"]
+_VARS = ("PDSERVE_CONFIG", "PARAMSTORE_CONFIG", "PDSERVE_CACHE_DIR", "PDSERVE_INTERNAL_TOKEN", "PDSERVE_API_KEYS",
+         "PDSERVE_ADMIN_KEY", "PDSERVE_INTERNAL_TOKEN_FILE", "PDSERVE_API_KEYS_FILE", "PDSERVE_ADMIN_KEY_FILE",
+         "PDSERVE_DEBUG")  # fmt: skip
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in _VARS}
+    return subprocess.run(cmd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+def resolved(cmd: list[str], env: dict | None = None) -> dict:
+    r = run(cmd + ["--print-config"], env)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture
+def config(tmp_path):
+    """A config file with every table; returns its path."""
+    path = tmp_path / "pdserve.toml"
+    locs = ", ".join(f'"{tmp_path / f"loc{i}"}"' for i in range(3))
+    path.write_text(f"""
+[store]
+locations = [{locs}]
+k = 2
+m = 1
+[node]
+model = "from-file"
+kv_blocks = 77
+cache_dir = "/file/cache"
+[gateway]
+model = "from-file"
+port = 18901
+url = "http://gateway.example:18901"
+nodes = ["decode=http://127.0.0.1:1"]
+[autoscaler]
+decode_max_replicas = 3
+tick_s = 2.0
+[autoscaler.local]
+ready_timeout_s = 33.0
+""")
+    return str(path)
+
+
+def test_node_precedence_flag_over_env_over_file_over_default(config):
+    node = PDSERVE + ["node", "--role", "decode"]
+    token = {"PDSERVE_INTERNAL_TOKEN": "t"}
+    bare = resolved(node + ["--model", "m"], token)
+    assert bare["kv_blocks"] == 2048 and bare["cache_dir"] is None and bare["store"]["k"] == 8  # defaults
+    f = resolved(node + ["--config", config], token)
+    assert (f["model"], f["kv_blocks"], f["cache_dir"]) == ("from-file", 77, "/file/cache")
+    assert f["store"]["k"] == 2 and len(f["store"]["locations"]) == 3 and f["internal_token_set"]
+    e = resolved(node, {**token, "PDSERVE_CONFIG": config, "PDSERVE_CACHE_DIR": "/env/cache"})
+    assert e["cache_dir"] == "/env/cache" and e["kv_blocks"] == 77  # env over file, file still read
+    fl = resolved(node + ["--cache-dir", "/flag", "--kv-blocks", "5", "--model", "m"],
+                  {**token, "PDSERVE_CONFIG": config, "PDSERVE_CACHE_DIR": "/env/cache"})  # fmt: skip
+    assert (fl["cache_dir"], fl["kv_blocks"], fl["model"]) == ("/flag", 5, "m")
+    alias = resolved(node, {**token, "PARAMSTORE_CONFIG": config})  # the older variable still names the file
+    assert alias["model"] == "from-file"
+
+
+def test_gateway_and_autoscale_read_their_tables(config, tmp_path):
+    g = resolved(PDSERVE + ["gateway", "--config", config])
+    assert (g["port"], g["model"], g["nodes"]) == (18901, "from-file", [["decode", "http://127.0.0.1:1"]])
+    keys = tmp_path / "keys"
+    keys.write_text("k1,k2\n")
+    g = resolved(PDSERVE + ["gateway", "--config", config, "--port", "18902"],
+                 {"PDSERVE_API_KEYS_FILE": str(keys), "PDSERVE_ADMIN_KEY": "adm", "PDSERVE_INTERNAL_TOKEN": "t"})
+    assert g["port"] == 18902 and g["api_keys"] == 2 and g["admin_key_set"] and g["internal_token_set"]
+    a = resolved(PDSERVE + ["autoscale"], {"PDSERVE_CONFIG": config, "PDSERVE_INTERNAL_TOKEN": "t"})
+    assert a["gateways"] == ["http://gateway.example:18901"] and a["actuator"] == "local"
+    assert a["autoscaler"]["decode_max_replicas"] == 3 and a["autoscaler"]["tick_s"] == 2.0
+    assert a["local"]["model"] == "from-file" and a["local"]["kv_blocks"] == 77  # [node] fills LocalConfig
+    assert a["local"]["ready_timeout_s"] == 33.0 and a["local"]["extra_args"] == ["--config", config]
+    a = resolved(PDSERVE + ["autoscale", "--config", config, "--tick-s", "0.5", "--gateway", "http://127.0.0.1:9"],
+                 {"PDSERVE_INTERNAL_TOKEN": "t"})  # fmt: skip
+    assert a["autoscaler"]["tick_s"] == 0.5 and a["gateways"] == ["http://127.0.0.1:9"]
+
+
+def test_paramstore_reads_store_table_and_flags_win(config, tmp_path, tiny_hf):
+    r = run(PARAMSTORE + ["-q", "import", tiny_hf[0], "--name", "tiny", "--json"], {"PDSERVE_CONFIG": config})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["codec"] == "zfec k=2 m=1"  # k, m and locations from [store]
+    r = run(PARAMSTORE + ["ls", "--json"], {"PARAMSTORE_CONFIG": config})
+    assert r.returncode == 0 and json.loads(r.stdout)[0]["name"] == "tiny"
+    other = [str(tmp_path / f"other{i}") for i in range(3)]
+    r = run(PARAMSTORE + sum((["--store", u] for u in other), []) + ["ls", "--json"], {"PDSERVE_CONFIG": config})
+    assert r.returncode == 0 and json.loads(r.stdout) == []  # --store replaces [store] locations
+
+
+BAD = {
+    "unknown key": ("[node]\nkv_blockz = 3\n", "unknown key 'kv_blockz' in [node]"),
+    "unknown table": ("[nodes]\nmodel = 'x'\n", "unknown table or key 'nodes'"),
+    "wrong type": ("[store]\nk = 'eight'\n", "[store] k = 'eight': expected int"),
+    "secret in file": ("[gateway]\napi_keys = ['k']\n", "PDSERVE_API_KEYS"),
+    "bad policy key": ("[autoscaler]\ntick = 1\n", "unknown autoscaler config keys: tick"),
+    "not toml": ("[gateway\n", "is not valid TOML"),
+}
+COMMANDS = {  # each reads the tables the bad files above touch
+    "node": PDSERVE + ["node", "--role", "decode", "--model", "m"],
+    "gateway": PDSERVE + ["gateway"],
+    "up": PDSERVE + ["up"],
+    "autoscale": PDSERVE + ["autoscale"],
+    "generate": PDSERVE + ["generate", "--model", "m", "--prompt", "hi"],
+    "paramstore": PARAMSTORE + ["ls"],
+}
+# every command reads the file (unknown table); the other cases go through the same reader and table checks
+WHO_READS = {"unknown key": ("node",), "unknown table": tuple(COMMANDS), "wrong type": ("generate", "paramstore"),
+             "secret in file": ("gateway", "up"), "bad policy key": ("autoscale", "up"), "not toml": ("node", "up")}  # fmt: skip
+
+
+@pytest.mark.parametrize("case,command", [(c, m) for c, ms in WHO_READS.items() for m in ms])
+def test_bad_config_is_one_line_and_exit_2(tmp_path, case, command):
+    text, expect = BAD[case]
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    r = run(COMMANDS[command], {"PDSERVE_CONFIG": str(path), "PDSERVE_INTERNAL_TOKEN": "t"})
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert expect in lines[0] and str(path) in lines[0], lines[0]
+
+
+def test_missing_file_and_missing_settings_are_one_line(tmp_path):
+    r = run(PDSERVE + ["node", "--role", "decode", "--config", str(tmp_path / "nope.toml")])
+    assert r.returncode == 2 and "cannot read config" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = run(PDSERVE + ["node", "--role", "decode"], {"PDSERVE_INTERNAL_TOKEN": "t"})
+    assert r.returncode == 2 and "no model: pass --model" in r.stderr and "Traceback" not in r.stderr
+    r = run(PDSERVE + ["autoscale", "--gateway", "http://127.0.0.1:9", "--max-ticks", "1"])
+    assert r.returncode == 2 and "PDSERVE_INTERNAL_TOKEN" in r.stderr and "Traceback" not in r.stderr
