@@ -37,9 +37,21 @@ def _prefill_retries(gw) -> float:
 
 def test_kill_prefill_mid_prompt_retries_on_the_other_prefill_node(svc):
     c = openai.OpenAI(base_url=svc["gw"].url + "/v1", api_key=API_KEY, max_retries=0, timeout=180)
-    kw = dict(model=svc["name"], messages=MSGS, max_tokens=16, temperature=0)
-    want = c.chat.completions.create(**kw).choices[0].message.content
+    kw = {"model": svc["name"], "messages": MSGS, "max_tokens": 16, "temperature": 0}
     prefills = svc["nodes"][:2]
+    # the controls, in this run: how long the prompt's prefill runs (time to the first streamed token) and
+    # one look at the nodes' load; the look must be short against the prefill, and is repeated at a
+    # fraction of it, so the kill lands mid-prefill on a fast machine as on a slow one
+    t0 = time.monotonic()
+    with c.chat.completions.create(stream=True, **kw) as stream:
+        next(ch for ch in stream if ch.choices and ch.choices[0].delta.content)
+    prefill_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    for n in prefills:
+        n.load()
+    look_s = time.monotonic() - t0
+    assert look_s < prefill_s / 5, f"a look at the load ({look_s:.3f} s) is not short against the prefill ({prefill_s:.3f} s)"
+    want = c.chat.completions.create(**kw).choices[0].message.content
     retries = _prefill_retries(svc["gw"])
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(lambda: c.chat.completions.create(**kw))
@@ -48,7 +60,7 @@ def test_kill_prefill_mid_prompt_retries_on_the_other_prefill_node(svc):
             assert time.monotonic() < deadline and not pending.done(), "no prefill node ever ran the prompt"
             busy = [n for n in prefills if n.load()["active_requests"] > 0]
             victim = busy[0] if busy else None
-            time.sleep(0.02)
+            time.sleep(prefill_s / 50)
         victim.kill9()  # mid-prefill: the gateway's call to it fails with a dropped connection
         got = pending.result(timeout=180)
     assert got.choices[0].message.content == want

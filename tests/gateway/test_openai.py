@@ -153,13 +153,20 @@ def test_kill_decode_mid_stream_continues_the_same_stream(svc):
     msgs = [{"role": "user", "content": "Explain how a bicycle works, step by step."}]
     kw = {"model": svc["name"], "messages": msgs, "max_tokens": 60, "temperature": 0}
     c = client(svc)
-    want = c.chat.completions.create(**kw).choices[0].message.content
+    t0 = time.monotonic()
+    r = c.chat.completions.create(**kw)
+    want, n_tokens = r.choices[0].message.content, r.usage.completion_tokens
+    token_s = (time.monotonic() - t0) / n_tokens  # the control, in this run: one token's time, prefill shared
     stream = c.chat.completions.create(stream=True, **kw)
     text, killed = [], None
     for ch in stream:
         text.append(ch.choices[0].delta.content or "" if ch.choices else "")
-        if killed is None and len(text) >= 8:
+        if killed is None and len(text) >= 4:
+            t0 = time.monotonic()
             decoding = [n for n in svc["nodes"][1:] if n.load()["running"] > 0]
+            look_s = time.monotonic() - t0
+            # the kill must land while the stream still runs: the look is short against what is left of it
+            assert look_s < (n_tokens - len(text)) * token_s / 3, (look_s, token_s, len(text))
             assert decoding, "no decode node is streaming"
             killed = decoding[0]
             killed.kill9()
