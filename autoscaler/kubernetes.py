@@ -108,6 +108,10 @@ class KubernetesActuator(Actuator):
         """(role, url, ready) for every node endpoint — what the gateway's node registry takes."""
         return [(n.role, n.url, n.ready) for nodes in self.current().values() for n in nodes]
 
+    def endpoints_of(self, service: str, role: str = "") -> list[NodeInfo]:
+        """The endpoints of another Service of the namespace (`pdserve autoscale` finds the gateway pods so)."""
+        return self._nodes(role, service)
+
     def close(self) -> None:
         self.api_client.close()
 

@@ -21,8 +21,8 @@ import signal
 import sys
 
 ACTUATORS = ("local", "kubernetes", "fake")
-OWN_KEYS = ("actuator", "local", "kubernetes")
-NODE_KEYS = ("kv_transport", "weights", "threads", "kv_blocks", "cache_dir")  # LocalConfig fields [node] also sets  # [autoscaler] keys that are not AutoscalerConfig fields
+OWN_KEYS = ("actuator", "local", "kubernetes")  # [autoscaler] keys that are not AutoscalerConfig fields
+NODE_KEYS = ("kv_transport", "weights", "threads", "kv_blocks", "cache_dir")  # LocalConfig fields [node] also sets
 _SECRETS = {"internal_token": "set $PDSERVE_INTERNAL_TOKEN", "store": "set the locations in [store]",
             "backoff": "not configurable from the file"}  # fmt: skip
 
@@ -36,7 +36,7 @@ def add_arguments(p) -> None:
     add_store_arguments(p)
     p.add_argument("--model", help="local actuator: the model its nodes serve (else [node] / [gateway] model)")
     p.add_argument("--tick-s", type=float, help="seconds between ticks ([autoscaler] tick_s)")
-    p.add_argument("--max-ticks", type=int, default=None, help="stop after this many ticks (default: run until SIGTERM)")
+    p.add_argument("--max-ticks", type=int, default=None, help="stop after this many ticks (default: until SIGTERM)")
     p.add_argument("--kubeconfig", default=None, help="kubernetes actuator outside a pod (else $KUBECONFIG)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as JSON and exit")
@@ -74,7 +74,8 @@ def settings(args) -> dict:
 
         store_cfg = store_config(args, tables=tables)
         sub = {"autoscaler.local": a.get("local", {})}
-        model = args.model or sub["autoscaler.local"].get("model") or tables.get("node", {}).get("model") or g.get("model")
+        model = (args.model or sub["autoscaler.local"].get("model") or tables.get("node", {}).get("model")
+                 or g.get("model"))  # fmt: skip
         env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None}
         kw = resolve(LocalConfig, "autoscaler.local", sub, path, {"model": model}, env, hints=_SECRETS)
         node = tables.get("node", {})  # the nodes' own settings, unless [autoscaler.local] sets them
@@ -92,8 +93,13 @@ def settings(args) -> dict:
         from .kubernetes import KubernetesConfig
 
         sub = {"autoscaler.kubernetes": a.get("kubernetes", {})}
-        kw = resolve(KubernetesConfig, "autoscaler.kubernetes", sub, path, {}, hints=_SECRETS)
+        kw = resolve(KubernetesConfig, "autoscaler.kubernetes", sub, path, {}, hints=_SECRETS,
+                     skip=("gateway_service",))  # fmt: skip
         out["kubernetes"] = KubernetesConfig(**kw)
+        service = sub["autoscaler.kubernetes"].get("gateway_service")
+        if service is not None and not isinstance(service, str):
+            raise ConfigError(f"config {path}: [autoscaler.kubernetes] gateway_service must be a Service name")
+        out["gateway_service"] = None if args.gateway else service  # --gateway wins
     return out
 
 
@@ -106,7 +112,8 @@ def _public(s: dict) -> dict:
         out["local"] = {k: v for k, v in dataclasses.asdict(s["local"]).items() if k != "internal_token"}
     if "kubernetes" in s:
         k = s["kubernetes"]
-        out["kubernetes"] = {"namespace": k.namespace, "deployments": k.deployments, "services": k.services}
+        out["kubernetes"] = {"namespace": k.namespace, "deployments": k.deployments, "services": k.services,
+                             "gateway_service": s.get("gateway_service")}  # fmt: skip
     return out
 
 
@@ -133,7 +140,10 @@ def main(args) -> int:
         return 0
     if args.max_ticks is not None and args.max_ticks < 1:
         raise ValueError("--max-ticks must be >= 1")
-    client = GatewayClient(s["gateways"], s["token"])
+    def gateway_pods() -> list[str]:  # every ready gateway pod: their queues add up, each shows the report
+        return [n.url for n in actuator.endpoints_of(s["gateway_service"], "gateway") if n.ready]
+
+    client = GatewayClient(gateway_pods if s.get("gateway_service") else s["gateways"], s["token"])
     actuator = None
     try:
         actuator = make(s, client, args.kubeconfig)
@@ -144,8 +154,8 @@ def main(args) -> int:
               f"{s['config'].tick_s:g} s", file=sys.stderr, flush=True)  # fmt: skip
         ticks = loop.run(max_ticks=args.max_ticks)
         last = loop.last
-        print(f"pdserve autoscale: stopped after {ticks} tick(s)"
-              + (f"; last error: {last.error}" if last and last.error else ""), file=sys.stderr, flush=True)  # fmt: skip
+        error = f"; last error: {last.error}" if last and last.error else ""
+        print(f"pdserve autoscale: stopped after {ticks} tick(s){error}", file=sys.stderr, flush=True)
     finally:
         if actuator is not None:
             stop(actuator, client, s["actuator"])

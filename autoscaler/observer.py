@@ -87,16 +87,22 @@ def report_body(report: TickReport, nodes: Mapping[str, list[NodeInfo]], actuato
 class GatewayClient:
     """The internal API of one or more gateways, with the internal token (see gateway/internal.py)."""
 
-    def __init__(self, urls: Sequence[str], token: str, timeout_s: float = 5.0):
+    def __init__(self, urls: Sequence[str] | Callable[[], Sequence[str]], token: str, timeout_s: float = 5.0):
+        """`urls`: the gateways, or a function giving them (e.g. every ready gateway pod), asked once per status()."""
         if not urls:
             raise ValueError("no gateway URL given")
         if not token:
             raise ValueError("no internal token: set $PDSERVE_INTERNAL_TOKEN (the gateway's)")
-        self.urls = [u.rstrip("/") for u in urls]
+        fixed = [] if callable(urls) else [u.rstrip("/") for u in urls]
+        self._urls = urls if callable(urls) else (lambda: fixed)
+        self.urls: list[str] = fixed  # as of the last status()
         self._http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
 
     def status(self) -> dict:
         """The merged snapshot of every gateway; TemporaryActuatorError if any cannot be read."""
+        self.urls = [u.rstrip("/") for u in self._urls()]
+        if not self.urls:
+            raise TemporaryActuatorError("no gateway to observe (no ready gateway endpoint)")
         snaps = []
         for url in self.urls:
             try:

@@ -122,7 +122,8 @@ def add_discovery(gw, tables: dict, path: str | None) -> None:
 def public(cfg, store_cfg) -> dict:
     """The resolved settings, secrets left out (for --print-config)."""
     out = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("api_keys", "admin_key", "internal_token")}
-    out.update(api_keys=len(cfg.api_keys), admin_key_set=bool(cfg.admin_key), internal_token_set=bool(cfg.internal_token))
+    out.update(api_keys=len(cfg.api_keys), admin_key_set=bool(cfg.admin_key),
+               internal_token_set=bool(cfg.internal_token))  # fmt: skip
     out["store"] = {"locations": store_cfg.locations, "k": store_cfg.k, "m": store_cfg.m,
                     "hmac": store_cfg.hmac_key is not None}  # fmt: skip
     return out
@@ -131,7 +132,8 @@ def public(cfg, store_cfg) -> dict:
 def announce(gw, requested_host: str | None) -> None:
     cfg = gw.config
     if cfg.open:
-        note = " (no API key configured: listening on 127.0.0.1 only)" if (requested_host or cfg.host) != cfg.host else ""
+        moved = (requested_host or cfg.host) != cfg.host
+        note = " (no API key configured: listening on 127.0.0.1 only)" if moved else ""
         print(f"pdserve gateway: no API key set — open to local clients{note}", file=sys.stderr)
     print(f"pdserve gateway: model {cfg.model} on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
 

@@ -167,7 +167,8 @@ def check_keys(table: Mapping[str, Any], known, section: str, path: str | None, 
         if key in hints:
             raise ConfigError(f"config {path}: [{section}] {key} is not a file setting: {hints[key]}")
         if key not in known:
-            raise ConfigError(f"config {path}: unknown key {key!r} in [{section}] (known: {', '.join(sorted(set(known) - set(hints)))})")
+            names = ", ".join(sorted(set(known) - set(hints)))
+            raise ConfigError(f"config {path}: unknown key {key!r} in [{section}] (known: {names})")
 
 
 def table_kwargs(cls, table: Mapping[str, Any], section: str, path: str | None, hints: Mapping[str, str] = {},
@@ -191,7 +192,8 @@ def table_kwargs(cls, table: Mapping[str, Any], section: str, path: str | None, 
 
 
 def resolve(cls, section: str, tables: Mapping[str, dict], path: str | None, flags: Mapping[str, Any],
-            env: Mapping[str, Any] = {}, hints: Mapping[str, str] = {}, skip: tuple[str, ...] = ()) -> dict:  # fmt: skip
+            env: Mapping[str, Any] = {}, hints: Mapping[str, str] = {},
+            skip: tuple[str, ...] = ()) -> dict:  # fmt: skip
     """Keyword arguments for dataclass `cls`: flags > env > the file's [section] > (cls's defaults).
 
     `flags` and `env` map field names to values, None where not given.

@@ -99,8 +99,8 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
                       240, "one ready prefill and decode node")  # fmt: skip
         assert all(n["source"] == "autoscaler" for n in st["nodes"])
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        answer = client.chat.completions.create(model=model, max_tokens=16, temperature=0,
-                                                messages=[{"role": "user", "content": "What is the capital of France?"}])
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        answer = client.chat.completions.create(model=model, max_tokens=16, temperature=0, messages=question)
         assert "Paris" in answer.choices[0].message.content
 
         # load: 3 streams on one decode node, 1 stream per replica wanted -> 2 decode nodes (the maximum)
@@ -108,8 +108,9 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
         done = threading.Event()
 
         def stream():
-            s = client.chat.completions.create(model=model, max_tokens=400, stream=True, extra_body={"ignore_eos": True},
-                                               messages=[{"role": "user", "content": "Tell me a long story."}])  # fmt: skip
+            story = [{"role": "user", "content": "Tell me a long story."}]
+            s = client.chat.completions.create(model=model, max_tokens=400, stream=True, messages=story,
+                                               extra_body={"ignore_eos": True})  # fmt: skip
             for _ in s:
                 if done.is_set():
                     break

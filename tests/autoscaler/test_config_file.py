@@ -124,7 +124,8 @@ COMMANDS = {  # each reads the tables the bad files above touch
 }
 # every command reads the file (unknown table); the other cases go through the same reader and table checks
 WHO_READS = {"unknown key": ("node",), "unknown table": tuple(COMMANDS), "wrong type": ("generate", "paramstore"),
-             "secret in file": ("gateway", "up"), "bad policy key": ("autoscale", "up"), "not toml": ("node", "up")}  # fmt: skip
+             "secret in file": ("gateway", "up"), "bad policy key": ("autoscale", "up"),
+             "not toml": ("node", "up")}  # fmt: skip
 
 
 @pytest.mark.parametrize("case,command", [(c, m) for c, ms in WHO_READS.items() for m in ms])
