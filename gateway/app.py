@@ -10,15 +10,18 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from compute.tokenizer import TemplateError
 
 from .admission import Overloaded
 from .internal import add_internal_routes
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from . import protocol as p
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body, errors
 from .relay import Unavailable
 from .service import REQUESTS, REQUEST_SECONDS, BadRequest, Gateway
 
@@ -47,6 +50,19 @@ def create_app(gw: Gateway) -> FastAPI:
     app = FastAPI(title="pdserve gateway", lifespan=lifespan)
     cfg = gw.config
 
+    def openapi() -> dict:
+        """FastAPI's document, completed by ``protocol.describe`` with what this gateway serves."""
+        if app.openapi_schema is None:
+            bearer = {"api_key": ["/v1/"]} if cfg.api_keys else {}
+            if not (cfg.open and not cfg.admin_key):
+                bearer["admin_key"] = ["/admin/"]
+            vocab = gw.bundle.tokenizer.get_vocab_size(with_added_tokens=True)
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = p.describe(doc, cfg.model, gw.max_tokens_maximum, vocab, bearer)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
     @app.middleware("http")
     async def auth(request: Request, call_next):
         path = request.url.path
@@ -70,29 +86,35 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return _err(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Allow: every method of every route on this path (RFC 9110)
+            methods = {m for r in app.router.routes if r.matches(request.scope)[0] != Match.NONE
+                       for m in getattr(r, "methods", None) or ()}  # fmt: skip
+            headers = {**(headers or {}), "Allow": ", ".join(sorted(methods))}
+        return _err(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error",
+                    headers=headers)  # fmt: skip
 
-    @app.get("/health")
+    @app.get("/health", response_model=p.Health)
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={200: {"model": p.Ready}, 503: {"model": p.Ready, "description": "no route to a node"}})
     async def ready():
         from .router import pick
 
         ok = pick(gw.registry.views()) is not None
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/load")
+    @app.get("/load", response_model=p.Load)
     async def load():
         return {"queue_depth": gw.admission.waiting, "running": gw.admission.running,
-                "queue_wait_p99_s": gw.admission.wait_p99()}  # fmt: skip
+                "queue_wait_p99_s": gw.admission.wait_p99(), "drain_rate_per_s": gw.admission.drain_rate()}  # fmt: skip
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=p.ModelList, responses=errors(401))
     async def models():
         return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "pdserve"}]}
 
@@ -101,25 +123,29 @@ def create_app(gw: Gateway) -> FastAPI:
             return _err(404, f"model {name!r} does not exist; this gateway serves {cfg.model!r}", "not_found_error", "model")
         return None
 
-    @app.post("/v1/chat/completions")
+    generation_errors = errors(400, 401, 404, 429, 503)
+
+    @app.post("/v1/chat/completions", responses={200: {"model": p.ChatCompletion, "content": p.SSE}, **generation_errors})
     async def chat(req: ChatCompletionRequest):
         if (bad := _model_ok(req.model)) is not None:
             return bad
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             prompt = gw.chat_prompt(messages)
+            if req.max_completion_tokens and req.max_tokens:  # both given: both are checked
+                gw.check_len(prompt, req.max_tokens)
             max_tokens = gw.check_len(prompt, req.limit())
         except (BadRequest, TemplateError, ValueError) as e:
             return _err(400, str(e), param=getattr(e, "param", None))
         return await _respond(req, prompt, max_tokens, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={200: {"model": p.Completion, "content": p.SSE}, **generation_errors})
     async def completions(req: CompletionRequest):
         if (bad := _model_ok(req.model)) is not None:
             return bad
         try:
             prompt = req.prompt if isinstance(req.prompt, list) else gw.bundle.encode(req.prompt)
-            max_tokens = gw.check_len(prompt, req.limit() or 16)
+            max_tokens = gw.check_len(prompt, req.limit(), default=16)  # the OpenAI default for completions
         except BadRequest as e:
             return _err(400, str(e), param=e.param)
         return await _respond(req, prompt, max_tokens, chat=False)
@@ -207,30 +233,30 @@ def create_app(gw: Gateway) -> FastAPI:
         yield "data: [DONE]\n\n"
 
     # --- admin ---------------------------------------------------------------------------
-    @app.get("/admin/nodes")
+    admin_errors = errors(400, 401)
+
+    @app.get("/admin/nodes", response_model=p.NodeList, responses=errors(401))
     async def list_nodes():
         return {"nodes": [n.as_dict() for n in gw.registry.nodes.values()]}
 
-    @app.post("/admin/nodes")
-    async def add_node(body: dict):
-        url, role = body.get("url"), body.get("role")
-        if not isinstance(url, str) or role not in ("prefill", "decode", "both"):
-            return _err(400, "body needs url (string) and role (prefill|decode|both)")
-        gw.registry.add(url, role, source=str(body.get("source", "admin")))
+    @app.post("/admin/nodes", response_model=p.NodeAdded, responses=admin_errors)
+    async def add_node(body: p.NodeSpec):
+        gw.registry.add(body.url, body.role, source=body.source)
         await gw.registry.poll_once()
-        return {"added": url}
+        return {"added": body.url}
 
-    @app.delete("/admin/nodes")
+    @app.delete("/admin/nodes", response_model=p.NodeRemoved, responses=admin_errors)
     async def remove_node(url: str):
         return {"removed": gw.registry.remove(url)}
 
-    @app.get("/admin/status")
+    @app.get("/admin/status", responses={200: {"model": p.AdminStatus}, **errors(401)})  # documented, not filtered
     async def status():
         return {"model": cfg.model, "nodes": [n.as_dict() for n in gw.registry.nodes.values()],
                 "queue_depth": gw.admission.waiting, "running": gw.admission.running,
-                "autoscaler": gw.autoscaler_status}  # fmt: skip
+                "autoscaler": gw.autoscaler_status,
+                "supervisor": gw.supervisor() if gw.supervisor else None}  # fmt: skip
 
-    @app.post("/admin/autoscaler")
+    @app.post("/admin/autoscaler", response_model=p.Ok, responses=admin_errors)
     async def autoscaler_report(body: dict):
         gw.autoscaler_status = body
         return {"ok": True}

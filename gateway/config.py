@@ -20,7 +20,7 @@ class GatewayConfig:
     nodes: list[tuple[str, str]] = field(default_factory=list)  # static (role, url) pairs
     max_running: int = 64  # requests in flight to nodes at once
     max_queue: int = 256  # requests waiting for admission; beyond: 429 at once
-    queue_timeout_s: float = 30.0  # longest wait for admission (or for a node to exist); then 429/503
+    queue_timeout_s: float = 30.0  # longest wait before a request starts (admission, then a node); then 429/503
     retry_attempts: int = 3  # extra attempts after a node failure (prefill or decode)
     backoff_base_s: float = 0.05  # exponential backoff base, with full jitter
     backoff_max_s: float = 1.0
@@ -28,6 +28,7 @@ class GatewayConfig:
     health_failures: int = 2  # consecutive failures before a node is evicted
     node_timeout_s: float = 60.0  # longest silence from a node mid-request
     max_model_len: int | None = None  # context limit (default: the model's)
+    max_tokens_limit: int | None = None  # most tokens one request may generate: max_tokens' maximum and default
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536 and self.port != 0:
@@ -35,6 +36,8 @@ class GatewayConfig:
         for name in ("max_running", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError("max_tokens_limit must be >= 1 (or unset: up to the context)")
         if self.retry_attempts < 0 or self.queue_timeout_s <= 0 or self.node_timeout_s <= 0:
             raise ValueError("retry_attempts >= 0, queue_timeout_s > 0, node_timeout_s > 0")
         for role, _ in self.nodes:

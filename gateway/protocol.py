@@ -1,29 +1,43 @@
-"""OpenAI-compatible request bodies (pydantic: only at the HTTP boundary) and error shapes."""
+"""The HTTP contract: OpenAI-compatible request bodies, response and error shapes (pydantic: only at
+the HTTP boundary), and ``describe``, which fills in what /openapi.json can only know at run time."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, field_validator
+
+NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+# strict models (JSON types as the schema says: no 0 for false, no "1" for 1), except that 1.0 is an
+# integer in JSON Schema: a whole float is taken as an int
+_whole = BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)
+
+
+def Int(**bounds) -> type:  # noqa: N802 - a type
+    """int with `bounds` (ge/le: in the schema as minimum/maximum), taking a whole float as the int."""
+    return Annotated[int, Field(**bounds), _whole]  # bounds before the validator, or the schema loses them
+
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # see Int
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int(ge=1) | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # extension (vLLM): 0 or -1 disables
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
+    top_k: Int(ge=-1) = 0  # extension (vLLM): 0 or -1 disables
+    seed: Int(ge=0) | None = None  # any size: the gateway passes it on modulo 2**63
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Int(json_schema_extra={"minimum": 1, "maximum": 1}) = 1  # only 1 (the validator's message)
     user: str | None = None
     ignore_eos: bool = False  # extension (vLLM)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -39,10 +53,7 @@ class _Sampling(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 16 or any(not s for s in stops):
-            raise ValueError("stop: at most 16 non-empty strings")
-        return stops
+        return [v] if isinstance(v, str) else (v or [])
 
     def stop_list(self) -> list[str]:
         return list(self.stop or [])
@@ -52,11 +63,18 @@ class _Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # see Int
+
+    type: Literal["text"]  # the only content part supported
+    text: str
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # see Int
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -64,36 +82,27 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(p["text"])
-        return "".join(parts)
+        return "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int(ge=1) | None = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
+    # one prompt: text, token ids, or a list of exactly one text
+    prompt: (NonEmpty | Annotated[list[Int(ge=0)], Field(min_length=1)]
+             | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)])  # fmt: skip
     echo: bool = False
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return v[0]
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
-        return v
+        return v[0] if isinstance(v, list) and isinstance(v[0], str) else v
 
     def limit(self) -> int | None:
         return self.max_tokens
@@ -102,3 +111,167 @@ class CompletionRequest(_Sampling):
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:  # fmt: skip
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# --- responses ----------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str  # invalid_request_error | authentication_error | not_found_error | rate_limit_error | server_error
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None  # stop | length
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Ready(BaseModel):
+    ready: bool  # a route to a node exists (200), or not (503)
+
+
+class Load(BaseModel):
+    queue_depth: int  # requests waiting for admission
+    running: int  # requests admitted and in flight
+    queue_wait_p99_s: float  # p99 wait for admission over the last minute
+    drain_rate_per_s: float | None  # starts per second out of the queue, measured (None: not yet)
+
+
+class NodeSpec(BaseModel):
+    url: Annotated[str, StringConstraints(pattern=r"^https?://[^\s/]+")]
+    role: Literal["prefill", "decode", "both"]
+    source: str = "admin"
+
+
+class NodeList(BaseModel):
+    nodes: list[dict]
+
+
+class NodeAdded(BaseModel):
+    added: str
+
+
+class NodeRemoved(BaseModel):
+    removed: bool
+
+
+class AdminStatus(BaseModel):
+    model: str
+    nodes: list[dict]
+    queue_depth: int
+    running: int
+    autoscaler: dict
+    supervisor: dict | None = None  # `pdserve up`: the local actuator's supervised slots
+    supervisor: dict | None = None  # `pdserve up`: the local actuator's slots (restarts, crash loops, last log lines)
+
+
+class Ok(BaseModel):
+    ok: bool
+
+
+SSE = {"text/event-stream": {"schema": {  # one event (schemathesis and OpenAPI 3.2 validate each)
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a chunk (chat.completion.chunk or text_completion) "
+                            "or an error body as JSON; the last event is [DONE]"}}}}}  # fmt: skip
+RETRY_AFTER = {"Retry-After": {"required": True, "schema": {"type": "integer", "minimum": 1},
+                               "description": "seconds: the queue now waiting drains in about this long"}}  # fmt: skip
+
+
+def errors(*codes: int) -> dict:
+    """FastAPI ``responses=`` for these error statuses, each with the error body (429 with Retry-After)."""
+    what = {400: "invalid request (message and param say what)", 401: "missing or invalid key",
+            404: "no such model", 429: "cannot start in time: retry after Retry-After seconds",
+            503: "no node could serve the request"}  # fmt: skip
+    out = {}
+    for c in codes:
+        out[c] = {"model": ErrorResponse, "description": what[c]}
+        if c == 429:
+            out[c]["headers"] = RETRY_AFTER
+    return out
+
+
+def describe(schema: dict, model: str, max_tokens: int, vocab: int, bearer: dict[str, list[str]]) -> dict:
+    """What only the running gateway knows, written into its OpenAPI document: the one model it serves,
+    the largest max_tokens, the token id range; 400 (not FastAPI's 422) for invalid bodies; and the
+    bearer schemes (`bearer`: scheme name -> path prefixes it guards; empty: open)."""
+    comp = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        comp.pop(name, None)
+    for req in ("ChatCompletionRequest", "CompletionRequest"):
+        props = comp.get(req, {}).get("properties", {})
+        if "model" in props:
+            props["model"] = {"type": "string", "enum": [model], "title": "Model"}
+        for key in ("max_tokens", "max_completion_tokens"):
+            for alt in props.get(key, {}).get("anyOf", []):
+                if alt.get("type") == "integer":
+                    alt["maximum"] = max_tokens
+        for alt in props.get("prompt", {}).get("anyOf", []):
+            if alt.get("type") == "array" and alt.get("items", {}).get("type") == "integer":
+                alt["items"]["maximum"] = vocab - 1
+    if bearer:
+        schema["components"]["securitySchemes"] = {n: {"type": "http", "scheme": "bearer"} for n in bearer}
+    for path, ops in schema.get("paths", {}).items():
+        for op in ops.values():
+            op.get("responses", {}).pop("422", None)
+            for name, prefixes in bearer.items():
+                if path.startswith(tuple(prefixes)):
+                    op["security"] = [{name: []}]
+    return schema

@@ -80,8 +80,9 @@ class Gateway:
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         return self.bundle.encode(self.bundle.render_chat(messages))
 
-    def check_len(self, prompt: list[int], max_tokens: int | None) -> int:
-        """-> max_tokens to use; BadRequest when the prompt (plus max_tokens) exceeds the context."""
+    def check_len(self, prompt: list[int], max_tokens: int | None, default: int | None = None) -> int:
+        """-> max_tokens to use (unset: `default`, else up to the context; never beyond max_tokens_limit);
+        BadRequest when the prompt (plus max_tokens) exceeds the context."""
         if not prompt:
             raise BadRequest("the prompt is empty", "prompt")
         if any(not 0 <= t < self.bundle.tokenizer.get_vocab_size(with_added_tokens=True) for t in prompt):
@@ -97,7 +98,7 @@ class Gateway:
         if max_tokens is not None and limit is not None and max_tokens > limit:
             raise BadRequest(f"max_tokens is {max_tokens}; this gateway generates at most {limit} tokens "
                              "per request", "max_tokens")  # fmt: skip
-        return min(max_tokens or room, limit or room)
+        return min(max_tokens or default or room, limit or room, room)
 
     @property
     def max_tokens_maximum(self) -> int:
@@ -105,8 +106,9 @@ class Gateway:
         return min(self.config.max_tokens_limit or self.max_model_len, self.max_model_len)
 
     def node_params(self, req) -> dict:
+        seed = None if req.seed is None else req.seed % 2**63
         return {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(0, req.top_k),
-                "seed": req.seed, "ignore_eos": req.ignore_eos}  # fmt: skip
+                "seed": seed, "ignore_eos": req.ignore_eos}  # fmt: skip
 
     # --- generation ------------------------------------------------------------------
     async def generate(self, prompt: list[int], max_tokens: int, params: dict, stops: list[str],
