@@ -159,3 +159,51 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
         if scaler is not None:
             scaler.stop()
         gw.stop()
+
+
+def test_autoscale_kubernetes_finds_gateway_pods_and_patches_deployments(tmp_path, real_model_store):
+    """`--actuator kubernetes` against the API twin: gateway pods from their EndpointSlices, scale by PATCH."""
+    from tests import kubeapi
+
+    locations, model = real_model_store
+    port, ns = free_port(), "pdserve-test"
+    gateway_pod = kubeapi.endpoint_slice("pdserve-gateway", "gw", [("127.0.0.1", True, False, "gateway-0")], ns, port)
+    api = kubeapi.KubeApiTwin(ns, {"pdserve-prefill": 1, "pdserve-decode": 1}, [gateway_pod])
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "twin",
+        "clusters": [{"name": "twin", "cluster": {"server": api.url}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "twin", "context": {"cluster": "twin", "user": "u", "namespace": ns}}]}))  # fmt: skip
+    cfg = tmp_path / "pdserve.toml"
+    cfg.write_text(f"""
+[store]
+locations = [{", ".join(f'"{u}"' for u in locations)}]
+[gateway]
+model = "{model}"
+port = {port}
+[autoscaler]
+actuator = "kubernetes"
+tick_s = 0.3
+prefill_min_replicas = 2
+[autoscaler.kubernetes]
+namespace = "{ns}"
+gateway_service = "pdserve-gateway"
+""")
+    env = service_env(TOKEN, PDSERVE_CONFIG=str(cfg))
+    gw = ServiceProc("gateway", PDSERVE + ["gateway", "--log-level", "warning"], f"http://127.0.0.1:{port}",
+                     str(tmp_path), env)  # fmt: skip
+    try:
+        gw.wait_ready(60, path="/health")
+        r = subprocess.run(PDSERVE + ["autoscale", "--kubeconfig", str(kubeconfig), "--max-ticks", "6"], env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert r.returncode == 0 and "stopped after 6 tick(s)" in r.stderr, r.stderr
+        assert api.replicas == {"pdserve-prefill": 2, "pdserve-decode": 1}  # min 2 prefill: one PATCH
+        patches = [q for q in api.requests if q["method"] == "PATCH"]
+        assert [q["path"].rsplit("/", 2)[-2] for q in patches] == ["pdserve-prefill"]
+        assert all(kubeapi.SCALE.match(q["path"]) or kubeapi.SLICES.match(q["path"]) for q in api.requests)
+        a = status(gw.url)["autoscaler"]  # published to the gateway pod it found
+        assert a["actuator"] == "kubernetes" and a["decision"]["roles"]["prefill"]["replicas"] == 2
+    finally:
+        gw.stop()
+        api.close()
