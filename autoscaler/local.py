@@ -1,20 +1,32 @@
-"""The local actuator: `pdserve node` processes on this machine (what `pdserve up` runs).
+"""The local actuator: `pdserve node` processes on this machine (what `pdserve up` runs), supervised.
 
 Lifecycle of one local node:
  1. ``scale`` up -> ``start``: a free port is picked, ``pdserve node --role R`` is spawned with
     the internal token in its environment and its output in ``<log_dir>/<role>-<port>.log``;
+    the node is tied to this process (compute/node/lifeline.py: it ends when we end, even on
+    SIGKILL), so every spawn happens on one long-lived thread (the parent-death signal follows
+    the thread that forked);
  2. a watcher thread polls ``/ready`` (weights are injected lazily; seconds) and calls
-    ``on_ready(NodeInfo)`` — the gateway registers it and starts routing to it;
+    ``on_ready(NodeInfo)`` — the gateway registers it and starts routing to it; a node not
+    ready after ``ready_timeout_s`` is killed (and counts as a crash, below);
  3. ``scale`` down -> the newest node of the role is drained: ``on_draining`` tells the gateway
     to route nothing new to it, ``POST /internal/drain`` makes it refuse new work (in case) and
     returns once its requests are finished; then ``on_gone`` deregisters it, SIGTERM, and
     SIGKILL after ``stop_timeout_s``;
- 4. a node process that dies on its own is reported not ready and dropped at the next
-    ``current()``; the control loop starts a replacement if the policy still wants one.
+ 4. a node that exits on its own is restarted, like the kubelet restarts a container: each node
+    has a slot (``decode-0``) that lives across its restarts; a supervisor thread reaps the exit
+    (``on_gone``), keeps the log's last lines, and starts the slot again after a
+    ``RestartBackoff`` delay (1 s, 2 s, 4 s ... capped; forgotten once a restart has stayed ready
+    for ``restart_reset_s``) — as long as the role still wants that many nodes (``scale`` sets
+    the count; nodes made by a bare ``start`` are not replaced). ``status()`` shows the slots and
+    their crash loops for `pdserve status`;
+ 5. ``close`` stops everything: drain (bounded), SIGTERM, SIGKILL after ``stop_timeout_s``
+    (at once after ``hurry()``), and says which nodes it stopped.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import secrets
@@ -25,18 +37,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
 
+from compute.node.lifeline import spawn_kwargs
+
 from .actuator import Actuator, NodeInfo, TemporaryActuatorError
+from .backoff import Backoff, RestartBackoff
 
 log = logging.getLogger("pdserve.autoscaler")
+LOG_TAIL_LINES = 10  # of a node that exited, kept for `pdserve status`
 
 
 @dataclass(slots=True)
 class LocalConfig:
-    """How local nodes are started."""
+    """How local nodes are started and supervised."""
 
     model: str = "smollm2"  # paramstore reference the nodes serve
     store: list[str] = field(default_factory=list)  # store locations (empty: the local default)
@@ -48,25 +65,48 @@ class LocalConfig:
     kv_blocks: int = 1024
     log_dir: str = ".pdserve/logs"
     cache_dir: str | None = None  # node-local shard cache shared by the local nodes
-    ready_timeout_s: float = 120.0  # a node not ready by then is killed and reported
+    ready_timeout_s: float = 120.0  # a node not ready by then is killed (and restarted, backing off)
     drain_timeout_s: float = 60.0
     stop_timeout_s: float = 10.0
     extra_args: tuple[str, ...] = ()
+    restart_backoff_s: float = 1.0  # first restart of a node that exited on its own, then doubling
+    restart_backoff_max_s: float = 60.0  # cap of the restart delay
+    restart_reset_s: float = 60.0  # a restart ready this long ends the crash loop (delays start again at 1 s)
+    supervise_interval_s: float = 0.25  # how often the supervisor looks for exits and due restarts
 
     def __post_init__(self) -> None:
         if self.threads < 0 or self.kv_blocks < 1 or self.ready_timeout_s <= 0:
             raise ValueError("threads >= 0, kv_blocks >= 1, ready_timeout_s > 0")
+        if not 0 <= self.restart_backoff_s <= self.restart_backoff_max_s or self.restart_reset_s <= 0:
+            raise ValueError("0 <= restart_backoff_s <= restart_backoff_max_s, restart_reset_s > 0")
+        if self.supervise_interval_s <= 0 or self.stop_timeout_s < 0:
+            raise ValueError("supervise_interval_s > 0, stop_timeout_s >= 0")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
+class _Slot:
+    """A supervised place for one node of a role, across its restarts (a pod, to the kubelet)."""
+
+    name: str  # e.g. "decode-0"
+    role: str
+    backoff: RestartBackoff
+    last_exit: str = ""  # how its last node ended, in words
+    last_log: tuple[str, ...] = ()  # the last lines of that node's log
+
+
+@dataclass(slots=True, eq=False)
 class _Proc:
     role: str
     port: int
     proc: subprocess.Popen
     url: str
+    slot: _Slot
+    log_path: str
     ready: bool = False
-    state: str = "loading"
+    state: str = "loading"  # loading | ready | stopping
     started: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    why: str = ""  # why we killed it ourselves (not ready in time), else "": its exit status says
 
     def info(self) -> NodeInfo:
         return NodeInfo(self.role, self.url, self.ready, name=f"pid {self.proc.pid}", state=self.state)
@@ -85,30 +125,51 @@ class LocalActuator(Actuator):
         self.config = config or LocalConfig(**kw)
         self.on_ready, self.on_gone, self.on_draining = on_ready, on_gone, on_draining
         self.nodes: list[_Proc] = []
-        self._lock = threading.Lock()
+        self._desired: dict[str, int] = {}  # role -> nodes asked for by scale()
+        self._waiting: list[_Slot] = []  # slots whose node exited, waiting for their restart time
+        self._names = itertools.count()
+        self._lock = threading.Lock()  # nodes, _desired, _waiting
+        self._converge = threading.Lock()  # one scale() or supervision pass at a time (no double starts)
+        self._closing, self._hurry = threading.Event(), threading.Event()
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="pdserve-spawn")  # the nodes' parent thread
+        self._supervisor: threading.Thread | None = None
         self._headers = {"Authorization": f"Bearer {self.config.internal_token}"}
         os.makedirs(self.config.log_dir, exist_ok=True)
 
     # --- the contract ----------------------------------------------------------------
     def current(self) -> dict[str, list[NodeInfo]]:
         with self._lock:
-            for p in [p for p in self.nodes if p.proc.poll() is not None and p.state != "stopping"]:
-                log.warning("node %s (%s) exited with %s", p.url, p.role, p.proc.returncode)
-                self.nodes.remove(p)
-                self._gone(p)
+            self._reap(time.monotonic())
             out: dict[str, list[NodeInfo]] = {}
             for p in self.nodes:
                 if p.state != "stopping":
                     out.setdefault(p.role, []).append(p.info())
             return out
 
-    def scale(self, role: str, replicas: int) -> None:
+    def replicas(self, role: str) -> int:
+        """Nodes asked for (running, starting, or waiting to be restarted)."""
         with self._lock:
-            live = [p for p in self.nodes if p.role == role and p.state != "stopping"]
-        for _ in range(replicas - len(live)):
-            self.start(role)
-        for p in sorted(live, key=lambda p: p.started, reverse=True)[: max(0, len(live) - replicas)]:
-            p.state = "stopping"
+            if role in self._desired:
+                return self._desired[role]
+            return sum(1 for p in self.nodes if p.role == role and p.state != "stopping")
+
+    def scale(self, role: str, replicas: int) -> None:
+        with self._converge:
+            with self._lock:
+                self._desired[role] = replicas
+                live = [p for p in self.nodes if p.role == role and p.state != "stopping"]
+                waiting = [s for s in self._waiting if s.role == role]
+                excess = len(live) + len(waiting) - replicas
+                for s in waiting[::-1][: max(0, excess)]:  # fewer wanted: forget pending restarts first
+                    self._waiting.remove(s)
+                    excess -= 1
+                leaving = sorted(live, key=lambda p: p.started, reverse=True)[: max(0, excess)]
+                for p in leaving:
+                    p.state = "stopping"
+                missing = replicas - len(live) - len(waiting)
+            for _ in range(missing):
+                self.start(role)
+        for p in leaving:
             threading.Thread(target=self.stop, args=(p,), name=f"drain-{p.port}", daemon=True).start()
 
     def prepare(self, role: str, replicas: int) -> None:
@@ -123,20 +184,110 @@ class LocalActuator(Actuator):
             store.warm(self.config.model, NodeCache(CacheConfig(dir=self.config.cache_dir, disk_bytes=16 << 30,
                                                                  memory_bytes=0)))  # fmt: skip
 
-    def close(self) -> None:
-        with self._lock:
+    def close(self, drain_s: float = 0.0) -> list[str]:
+        """Stop every node: drain the ready ones at once (bounded by drain_s), SIGTERM, SIGKILL after
+        stop_timeout_s (at once after hurry()). Returns them in words ("decode pid 123"), in start order."""
+        self._closing.set()
+        if self._supervisor is not None:
+            self._supervisor.join(5.0)
+        with self._converge, self._lock:  # a scale() in progress finishes its starts first
             procs = list(self.nodes)
+            self._waiting.clear()
+            self._desired.clear()
         for p in procs:
             p.state = "stopping"
-            _signal(p.proc, signal.SIGTERM)
+        if drain_s > 0:
+            self._drain_all([p for p in procs if p.ready and p.proc.poll() is None], drain_s)
         for p in procs:
-            _wait_or_kill(p.proc, self.config.stop_timeout_s)
+            _signal(p.proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.stop_timeout_s
+        killed = {id(p) for p in procs if not self._wait(p.proc, deadline)}
+        for p in procs:
+            if id(p) in killed:
+                _signal(p.proc, signal.SIGKILL)
+                p.proc.wait(5)
         with self._lock:
             self.nodes.clear()
+        self._spawner.shutdown(wait=False)
+        return [f"{p.role} pid {p.proc.pid}" + (" (killed)" if id(p) in killed else "") for p in procs]
+
+    def hurry(self) -> None:
+        """Make a close() in progress stop waiting: no more drain, SIGKILL what SIGTERM has not ended."""
+        self._hurry.set()
+
+    def status(self) -> dict:
+        """The supervised slots for `pdserve status`: each one's node (pid, url, state) or pending restart
+        (restart_in_s), its restarts, its crash count, how its last node ended and that node's last log lines."""
+        now = time.monotonic()
+        rows = []
+        with self._lock:
+            for p in self.nodes:
+                rows.append(_row(p.slot, p.state, p.proc.pid, p.url, now))
+            for s in self._waiting:
+                rows.append(_row(s, "crash-loop" if s.backoff.repeated else "restarting", None, "", now))
+            desired = dict(self._desired)
+        return {"desired": desired, "nodes": sorted(rows, key=lambda r: (r["role"], r["slot"]))}
+
+    # --- supervision --------------------------------------------------------------------
+    def reconcile(self) -> None:
+        """One supervision pass: reap nodes that exited on their own, forget crash loops that have
+        healed, start the slots whose restart time has come."""
+        with self._converge:
+            now = time.monotonic()
+            with self._lock:
+                if self._closing.is_set():
+                    return
+                self._reap(now)
+                for p in self.nodes:
+                    if p.state == "ready" and p.ready_at is not None:
+                        p.slot.backoff.healthy(p.ready_at, now)
+                due = [s for s in self._waiting if s.backoff.ready(now)]
+                for s in due:
+                    self._waiting.remove(s)
+            for s in due:
+                try:
+                    self.start(s.role, s)
+                except TemporaryActuatorError as e:
+                    with self._lock:
+                        s.backoff.failure(now, e)
+                        self._waiting.append(s)
+
+    def _reap(self, now: float) -> None:
+        """(holding _lock) Nodes that exited on their own: deregistered; their slot waits for a restart
+        if the role still wants it."""
+        for p in [p for p in self.nodes if p.proc.poll() is not None and p.state != "stopping"]:
+            self.nodes.remove(p)
+            s = p.slot
+            s.last_exit, s.last_log = p.why or _describe(p.proc.returncode), _tail(p.log_path)
+            have = sum(1 for q in self.nodes if q.role == p.role and q.state != "stopping")
+            have += sum(1 for w in self._waiting if w.role == p.role)
+            if have < self._desired.get(p.role, 0):
+                delay = s.backoff.failure(now, s.last_exit)
+                self._waiting.append(s)
+                log.warning("%s node %s (%s, pid %d) %s: restarting in %.1f s (exit %d in a row)", p.role, p.url,
+                            s.name, p.proc.pid, s.last_exit, delay, s.backoff.failures)  # fmt: skip
+            else:
+                log.warning("%s node %s (pid %d) %s", p.role, p.url, p.proc.pid, s.last_exit)
+            self._hook(self.on_gone, p)
+
+    def _supervise(self) -> None:
+        while not self._closing.wait(self.config.supervise_interval_s):  # until close()
+            try:
+                self.reconcile()
+            except Exception:  # noqa: BLE001 - the next pass tries again
+                log.exception("supervision pass failed")
 
     # --- process management ------------------------------------------------------------
-    def start(self, role: str) -> _Proc:
+    def start(self, role: str, slot: _Slot | None = None) -> _Proc:
+        """Spawn one node of `role` (in `slot` when restarting one; a new slot otherwise)."""
         c = self.config
+        if self._closing.is_set():
+            raise TemporaryActuatorError("the local actuator is closing")
+        if slot is None:
+            backoff = Backoff(base_s=c.restart_backoff_s, max_s=c.restart_backoff_max_s)
+            slot = _Slot(f"{role}-{next(self._names)}", role, RestartBackoff(backoff, reset_after_s=c.restart_reset_s))
+        else:
+            slot.backoff.started()
         port = free_port(c.host)
         cmd = [sys.executable, "-m", "autoscaler.cli", "node", "--role", role, "--model", c.model, "--host", c.host,
                "--port", str(port), "--weights", c.weights, "--kv-blocks", str(c.kv_blocks),
@@ -145,19 +296,25 @@ class LocalActuator(Actuator):
             cmd += ["--store", url]
         if c.cache_dir:
             cmd += ["--cache-dir", c.cache_dir]
-        env = dict(os.environ, PDSERVE_INTERNAL_TOKEN=c.internal_token, PYTHONUNBUFFERED="1")
-        logf = open(os.path.join(c.log_dir, f"{role}-{port}.log"), "ab")
+        kw = spawn_kwargs(dict(os.environ, PDSERVE_INTERNAL_TOKEN=c.internal_token, PYTHONUNBUFFERED="1"),
+                          pdeathsig=True)  # the spawner thread lives until close()  # fmt: skip
+        log_path = os.path.join(c.log_dir, f"{role}-{port}.log")
+        logf = open(log_path, "ab")
         try:
-            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        except OSError as e:
+            proc = self._spawner.submit(subprocess.Popen, cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                        start_new_session=True, **kw).result()  # fmt: skip
+        except (OSError, RuntimeError) as e:  # RuntimeError: the spawner is shut down (closing)
             raise TemporaryActuatorError(f"cannot start a {role} node: {e}") from None
         finally:
             logf.close()
-        p = _Proc(role, port, proc, f"http://{c.host}:{port}")
+        p = _Proc(role, port, proc, f"http://{c.host}:{port}", slot, log_path)
         with self._lock:
             self.nodes.append(p)
+            if self._supervisor is None and not self._closing.is_set():
+                self._supervisor = threading.Thread(target=self._supervise, name="pdserve-supervise", daemon=True)
+                self._supervisor.start()
         threading.Thread(target=self._watch, args=(p,), name=f"watch-{port}", daemon=True).start()
-        log.info("started %s node pid %d on %s", role, proc.pid, p.url)
+        log.info("started %s node %s pid %d on %s", role, slot.name, proc.pid, p.url)
         return p
 
     def _watch(self, p: _Proc) -> None:
@@ -166,39 +323,56 @@ class LocalActuator(Actuator):
             while time.monotonic() < deadline and p.proc.poll() is None and p.state != "stopping":
                 try:
                     if client.get(p.url + "/ready").status_code == 200:
-                        p.ready, p.state = True, "ready"
-                        log.info("%s node %s ready in %.1f s", p.role, p.url, time.monotonic() - p.started)
+                        p.ready, p.state, p.ready_at = True, "ready", time.monotonic()
+                        log.info("%s node %s ready in %.1f s", p.role, p.url, p.ready_at - p.started)
                         if self.on_ready:
                             self.on_ready(p.info())
                         return
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.1)
-        if not p.ready and p.state != "stopping":
-            log.error("%s node %s not ready after %.0f s: stopping it", p.role, p.url, self.config.ready_timeout_s)
-            p.state = "stopping"
-            self.stop(p)
+        if not p.ready and p.state != "stopping" and p.proc.poll() is None:
+            log.error("%s node %s not ready after %.0f s: killing it", p.role, p.url, self.config.ready_timeout_s)
+            p.why = f"not ready after {self.config.ready_timeout_s:g} s"
+            _signal(p.proc, signal.SIGKILL)  # reaped by the supervisor: a crash of its slot
 
     def stop(self, p: _Proc) -> None:
         """Drain (bounded), deregister, SIGTERM, SIGKILL after the stop timeout."""
         p.state = "stopping"
         if p.proc.poll() is None and p.ready:
             self._hook(self.on_draining, p)
-            try:
-                httpx.post(p.url + "/internal/drain", params={"timeout_s": self.config.drain_timeout_s},
-                           headers=self._headers, timeout=self.config.drain_timeout_s + 5)  # fmt: skip
-            except httpx.HTTPError as e:
-                log.warning("drain of %s failed: %s", p.url, e)
-        self._gone(p)
+            self._drain(p, self.config.drain_timeout_s)
+        self._hook(self.on_gone, p)
         _signal(p.proc, signal.SIGTERM)
-        _wait_or_kill(p.proc, self.config.stop_timeout_s)
+        if not self._wait(p.proc, time.monotonic() + self.config.stop_timeout_s):
+            _signal(p.proc, signal.SIGKILL)
+            p.proc.wait(5)
         with self._lock:
             if p in self.nodes:
                 self.nodes.remove(p)
         log.info("stopped %s node %s", p.role, p.url)
 
-    def _gone(self, p: _Proc) -> None:
-        self._hook(self.on_gone, p)
+    def _drain(self, p: _Proc, timeout: float) -> None:
+        try:
+            httpx.post(p.url + "/internal/drain", params={"timeout_s": timeout}, headers=self._headers,
+                       timeout=timeout + 5)  # fmt: skip
+        except httpx.HTTPError as e:
+            log.warning("drain of %s failed: %s", p.url, e)
+
+    def _drain_all(self, procs: list[_Proc], timeout: float) -> None:
+        """Drain these nodes in parallel; back after all are drained, `timeout` or hurry(), whichever first."""
+        threads = [threading.Thread(target=self._drain, args=(p, timeout), daemon=True) for p in procs]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline and not self._hurry.is_set():
+            self._hurry.wait(0.05)
+
+    def _wait(self, proc: subprocess.Popen, deadline: float) -> bool:
+        """Wait until the process ends, `deadline` passes or hurry(); True if it ended."""
+        while proc.poll() is None and time.monotonic() < deadline and not self._hurry.is_set():
+            self._hurry.wait(0.05)
+        return proc.poll() is not None
 
     def _hook(self, fn: Callable[[NodeInfo], None] | None, p: _Proc) -> None:
         if fn:
@@ -208,16 +382,34 @@ class LocalActuator(Actuator):
                 log.exception("%s for %s", fn, p.url)
 
 
+def _row(s: _Slot, state: str, pid: int | None, url: str, now: float) -> dict:
+    crashes = s.backoff.failures
+    return {"slot": s.name, "role": s.role, "state": state, "pid": pid, "url": url, "restarts": s.backoff.restarts,
+            "crashes": crashes, "restart_in_s": round(s.backoff.waiting(now), 1) if pid is None else None,
+            "last_exit": s.last_exit, "last_log": list(s.last_log) if crashes else []}  # fmt: skip
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def _tail(path: str, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ()
+    return tuple(ln for ln in text.splitlines() if ln.strip())[-lines:]
+
+
 def _signal(proc: subprocess.Popen, sig: int) -> None:
     try:
         proc.send_signal(sig)
     except ProcessLookupError:
         pass
-
-
-def _wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)

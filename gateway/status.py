@@ -1,4 +1,6 @@
-"""`pdserve status`: the nodes per role with state and load, and the autoscaler's last decision."""
+"""`pdserve status`: the nodes per role with state and load, the local nodes' restarts and crash loops
+(`pdserve up`: the actuator's supervised slots, with a crashing node's last log lines), and the
+autoscaler's last decision."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def main(args) -> int:
         ld = n.get("load", {})
         print(f"{n['role']:8} {n['state']:10} {n['url']:28} {ld.get('running', 0):>4} "
               f"{ld.get('queued_prompt_tokens', 0):>10} {ld.get('kv_blocks_used', 0):>4}/{ld.get('kv_blocks_total', 0)}")  # fmt: skip
+    _print_supervised(st.get("supervisor"))
     a = st.get("autoscaler") or {}
     if not a:
         print("autoscaler: not running")
@@ -46,3 +49,17 @@ def main(args) -> int:
     print(f"autoscaler ({a.get('actuator', '?')}{age}): {a.get('reason') or a.get('note') or 'no decision yet'}"
           + (f"; error: {a['error']} ({a.get('failures', 0)} in a row)" if a.get("error") else ""))  # fmt: skip
     return 0
+
+
+def _print_supervised(sup: dict | None) -> None:
+    """The local actuator's slots (`pdserve up`): restarts, crash loops, and a crashing node's last log lines."""
+    if not sup or not sup.get("nodes"):
+        return
+    print(f"{'SLOT':11} {'STATE':11} {'PID':>7} {'RESTARTS':>8}  LAST EXIT")
+    for n in sup["nodes"]:
+        pid = n["pid"] if n.get("pid") else "-"
+        state = n["state"] + (f" ({n['crashes']} exits)" if n.get("crashes", 0) > 1 and n["pid"] else "")
+        wait = f"; restart in {n['restart_in_s']:.1f} s" if n.get("restart_in_s") is not None else ""
+        print(f"{n['slot']:11} {state:11} {pid:>7} {n.get('restarts', 0):>8}  {n.get('last_exit') or '-'}{wait}")
+        for line in n.get("last_log") or []:
+            print(f"    | {line}")

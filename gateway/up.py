@@ -3,7 +3,10 @@
 Lifecycle: parse -> internal token (generated unless $PDSERVE_INTERNAL_TOKEN) -> gateway
 built from the store (tokenizer, chat template) -> the local actuator starts the nodes;
 each registers with the gateway once ready -> optional autoscaling loop (``--autoscale``)
--> serve until Ctrl-C/SIGTERM -> every node process this command started is stopped.
+-> serve until SIGTERM/SIGINT (Ctrl-C) -> the gateway finishes its open requests (bounded) ->
+every node it started is drained (bounded) and stopped -> one line says what was stopped.
+Nodes that exit on their own meanwhile are restarted by the actuator (backing off); nodes end
+with this process even if it is SIGKILLed (compute/node/lifeline.py).
 """
 
 from __future__ import annotations
@@ -12,8 +15,13 @@ import asyncio
 import logging
 import os
 import secrets
+import signal
 import sys
 import threading
+import time
+
+STOP_GRACE_S = 30.0  # on SIGTERM/SIGINT: the gateway's open requests may finish for this long
+NODE_DRAIN_S = 10.0  # then each node may drain for this long before SIGTERM (stop_timeout_s, then SIGKILL)
 
 
 def add_arguments(p) -> None:
@@ -75,10 +83,13 @@ def main(args) -> int:
     import uvicorn
 
     from autoscaler.local import LocalActuator
+    from compute.node.lifeline import hold
 
     from .app import create_app
     from .main import announce
 
+    stop = _StopSignals().install()  # first: a signal while starting up stops what was started
+    hold(grace_s=STOP_GRACE_S + NODE_DRAIN_S + 20)  # started by a launcher (tests): end with it, cleaning up
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     roles = plan(args)
@@ -89,8 +100,11 @@ def main(args) -> int:
     asyncio.set_event_loop(loop)
 
     actuator = LocalActuator(local, **registry_hooks(gw, loop))
+    stop.actuator, gw.supervisor = actuator, actuator.status
     control = None
     try:
+        if stop.names:
+            return 0
         for role, n in roles.items():
             actuator.scale(role, n)
         if args.autoscale:
@@ -103,14 +117,52 @@ def main(args) -> int:
               f"-d '{{\"model\": \"{gw.config.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'\n"
               f"  stop: Ctrl-C (or SIGTERM to pid {os.getpid()})", file=sys.stderr, flush=True)  # fmt: skip
         server = uvicorn.Server(uvicorn.Config(create_app(gw), host=gw.config.host, port=gw.config.port,
-                                               log_level="warning", loop="asyncio"))  # fmt: skip
+                                               log_level="warning", loop="asyncio",
+                                               timeout_graceful_shutdown=STOP_GRACE_S))  # fmt: skip
+        stop.server = server  # a signal from now on: the server finishes its open requests, then returns
+        server.should_exit = bool(stop.names)  # one that came since the check above: serve() returns at once
         loop.run_until_complete(server.serve())
     finally:
+        t0 = stop.at or time.monotonic()
         if control is not None:
             control.stop()
-        actuator.close()
-        print("pdserve up: stopped every node it started", file=sys.stderr)
+        stopped = actuator.close(drain_s=NODE_DRAIN_S)
+        cause = f" on {stop.names[0]}" if stop.names else ""
+        what = f"{len(stopped)} node(s) ({', '.join(stopped)})" if stopped else "no nodes"
+        print(f"pdserve up: stopped{cause}: the gateway and {what} in {time.monotonic() - t0:.1f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
     return 0
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT for the whole life of `pdserve up`: any stop runs the cleanup in main().
+
+    uvicorn captures both while it serves and, once serve() returns, restores the handlers it
+    found and raises the signal again — with the default SIGTERM action that ended the process
+    before the cleanup, leaving every node running. These handlers are the ones it finds: the
+    first signal asks the server to finish its open requests (bounded by STOP_GRACE_S; before it
+    serves, it makes serve() return at once), a second one makes the node cleanup hurry (no
+    drain, SIGKILL). They never raise, so the `finally` in main() always runs.
+    """
+
+    def __init__(self) -> None:
+        self.names: list[str] = []  # the signals received (uvicorn's re-raise included), in order
+        self.at: float | None = None  # monotonic time of the first
+        self.server = None  # the uvicorn.Server once there is one
+        self.actuator = None  # the LocalActuator once there is one
+
+    def install(self) -> _StopSignals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, sig: int, frame) -> None:
+        self.names.append(signal.Signals(sig).name)
+        self.at = self.at or time.monotonic()
+        if self.server is not None:
+            self.server.should_exit = True
+        if len(self.names) > 1 and self.actuator is not None:
+            self.actuator.hurry()
 
 
 def registry_hooks(gw, loop) -> dict:

@@ -2,10 +2,11 @@
 
 Used by the benchmarks and the end-to-end tests (the local actuator, which also drains and
 re-registers nodes, is ``autoscaler.local``). Lifecycle of one process: ``Services.node`` /
-``Services.gateway`` picks a free loopback port and spawns the command in its own process group
-with its output in ``<log_dir>/<name>-<port>.log`` -> ``wait_ready`` polls ``/ready`` (bounded; a
-process that exits early raises with the tail of its log) -> ``stop`` (SIGTERM, then SIGKILL to the
-group after 10 s) or ``kill9``; ``Services.stop_all`` ends every one still running.
+``Services.gateway`` picks a free loopback port and spawns the command in its own process group,
+tied to this process (``lifeline``: it ends when we do, even on SIGKILL), with its output in
+``<log_dir>/<name>-<port>.log`` -> ``wait_ready`` polls ``/ready`` (bounded; a process that exits
+early raises with the tail of its log) -> ``stop`` (SIGTERM, then SIGKILL to the group after 10 s)
+or ``kill9``; ``Services.stop_all`` ends every one still running.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
+
+from .lifeline import spawn_kwargs
 
 SERVICE_ENV = {"PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN",
                "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
@@ -38,7 +42,9 @@ class ServiceProc:
         self.name, self.url, self.headers = name, url, headers or {}
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self._log = open(self.log_path, "wb")
-        self.p = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # the parent-death signal only from the main thread: it follows the forking thread, not the process
+        kw = spawn_kwargs(env, pdeathsig=threading.current_thread() is threading.main_thread())
+        self.p = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, **kw)
         self.started = time.monotonic()
         self.ready_s: float | None = None  # seconds from spawn to the first 200 on /ready
 

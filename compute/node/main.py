@@ -129,7 +129,9 @@ def build(cfg, loop, store_cfg=None):
 def main(args) -> int:
     import uvicorn
 
+    from .lifeline import hold
 
+    hold()  # first: a node whose parent (`pdserve up`, the launcher) ends, even by SIGKILL, ends too
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg, store_cfg = node_config(args)
