@@ -81,7 +81,7 @@ class KubernetesActuator(Actuator):
         self.api_client = api_client
         self.apps = k8s.AppsV1Api(api_client)
         self.discovery = k8s.DiscoveryV1Api(api_client)
-        self.namespace = self.config.namespace or _own_namespace()
+        self.namespace = self.config.namespace or _own_namespace(None if configuration else kubeconfig, context)
         self._sleep = sleep
 
     # --- the contract ---
@@ -173,9 +173,16 @@ def _port(ports: list, name: str) -> int | None:
     return int(ports[0].port) if ports and ports[0].port else None
 
 
-def _own_namespace() -> str:
+def _own_namespace(kubeconfig: str | None = None, context: str | None = None) -> str:
+    """The pod's namespace (service account), else the kubeconfig context's, else "default"."""
     try:
         with open(SA_NAMESPACE_FILE) as f:
             return f.read().strip() or "default"
     except OSError:
+        pass
+    try:
+        contexts, active = k8s_config.list_kube_config_contexts(config_file=kubeconfig)
+        chosen = next((c for c in contexts if c["name"] == context), active) if context else active
+        return (chosen or {}).get("context", {}).get("namespace") or "default"
+    except Exception:  # noqa: BLE001 - no kubeconfig: the default namespace
         return "default"

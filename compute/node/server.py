@@ -16,7 +16,7 @@ from . import prefill as prefill_role
 from .service import BadNodeRequest, NodeBusy, NodeService, new_sequence, parse, sampling_params
 
 log = logging.getLogger("pdserve.node")
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/ready")  # what a kubelet probes, without credentials (no state beyond ready/draining)
 
 
 def create_app(svc: NodeService, injector) -> FastAPI:

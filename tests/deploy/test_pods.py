@@ -1,0 +1,123 @@
+"""Each overlay's containers, run: their exact command lines start, get ready, answer, drain and stop.
+
+tests/deploy/pods.py runs every container of the pdserve image as a local process (paths, Services and
+ports remapped to loopback, Secrets with test values, tests/kubeapi.py as the API server); the store is a
+local one with the real model, signed with the Secret's manifest key. A manifest that names a command,
+flag, file, route or port the code lacks fails here.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deploy.pods import PodFailed, PodRunner
+from tests.deploy.test_manifests import render
+
+pytestmark = pytest.mark.slow
+HMAC_KEY = secrets.token_hex(32)
+
+
+@pytest.fixture(scope="module")
+def signed_store(real_model_store, tmp_path_factory):
+    """The real model's store (shared with the other real-model tests), its manifests signed with the test
+    Secret's key: fragments hard-linked, each manifest rewritten signed (what an operator's re-sign does)."""
+    from paramstore import StoreConfig
+    from paramstore.manifest import Manifest
+
+    locations, _ = real_model_store
+    root = tmp_path_factory.mktemp("signed-store")
+    signed = []
+    for loc in locations:
+        dst = root / Path(loc).name
+        shutil.copytree(loc, dst, copy_function=os.link)
+        for mf in (dst / "models").rglob("*.json"):
+            raw = mf.read_bytes()
+            mf.unlink()  # a hard link: write a new file, never through the link into the shared store
+            mf.write_bytes(Manifest.from_json(raw, where=str(mf)).to_json(HMAC_KEY.encode()))
+        signed.append(str(dst))
+    return StoreConfig(locations=signed, k=8, m=3, hmac_key=HMAC_KEY.encode())
+
+
+def runner(docs, tmp_path, store, **kw) -> PodRunner:
+    values = {("pdserve-secrets", "manifest-hmac-key"): HMAC_KEY, ("pdserve-secrets", "api-keys"): "sk-test-one,sk-test-two"}
+    return PodRunner(docs, tmp_path, list(store.locations), values, store.k, store.m, **kw)
+
+
+@pytest.mark.parametrize("overlay", ["local", "production"])
+def test_every_container_starts_answers_drains_and_stops(overlay, signed_store, tmp_path):
+    from openai import OpenAI
+
+    docs = render(overlay)
+    t0 = time.monotonic()
+    with runner(docs, tmp_path, signed_store) as run:
+        assert set(run.pods) == {"pdserve-gateway", "pdserve-prefill", "pdserve-decode", "pdserve-autoscaler"}
+        run.start()
+        ready_s = run.wait_ready(timeout_s=150)
+        gw = run.pods["pdserve-gateway"]
+        url = f"http://127.0.0.1:{gw.local_port('http')}"
+        # the gateway found both nodes through the EndpointSlice watch, not a static list
+        status = httpx.get(url + "/internal/status", timeout=5,
+                           headers={"Authorization": f"Bearer {run.secret('pdserve-secrets', 'internal-token')}"})  # fmt: skip
+        assert status.status_code == 200, status.text
+        deadline = time.monotonic() + 30
+        while {n["role"] for n in status.json()["nodes"] if n["source"] == "kubernetes"} != {"prefill", "decode"}:
+            assert time.monotonic() < deadline, f"gateway never registered both nodes: {status.json()['nodes']}"
+            time.sleep(0.25)
+            status = httpx.get(url + "/internal/status", timeout=5, headers=status.request.headers)
+        client = OpenAI(base_url=url + "/v1", api_key="sk-test-two", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16, temperature=0,
+        )  # fmt: skip
+        assert "Paris" in reply.choices[0].message.content, reply
+        # the autoscaler (its own process, the Kubernetes actuator) read the Deployments' scale
+        deadline = time.monotonic() + 30
+        while not any("/scale" in r["path"] for r in run.api.requests):
+            assert run.pods["pdserve-autoscaler"].proc.poll() is None, run.pods["pdserve-autoscaler"].log_tail()
+            assert time.monotonic() < deadline, "the autoscaler never read a Deployment's scale"
+            time.sleep(0.25)
+        # scale-down of the decode pod: its preStop drains it
+        hook = run.prestop("pdserve-decode")
+        assert hook.returncode == 0, f"preStop failed: {hook.stderr[-2000:]}"
+        node = run.pods["pdserve-decode"]
+        ready = httpx.get(f"http://127.0.0.1:{node.local_port('http')}/ready", timeout=5)
+        assert ready.status_code == 503 and ready.json()["draining"] is True, ready.text
+        killed = run.stop()
+        assert killed == [], f"needed SIGKILL after the grace period: {killed}"
+    for pod in run.pods.values():
+        assert pod.proc.poll() is not None, f"{pod.deployment} still running"
+    print(f"{overlay}: ready in {ready_s:.1f} s, whole run {time.monotonic() - t0:.1f} s")
+
+
+def _gateway_only(docs, mutate) -> list[dict]:
+    docs = copy.deepcopy(docs)
+    for o in docs:
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "pdserve-gateway":
+            mutate(o["spec"]["template"]["spec"]["containers"][0])
+    return docs
+
+
+@pytest.mark.parametrize("what, mutate, match", [
+    ("a flag the command lacks", lambda c: c["args"].append("--no-such-flag"), "exited with 2"),
+    ("a command that does not exist", lambda c: c["args"].__setitem__(0, "serve"), "exited with 2"),
+    ("a route the gateway does not serve", lambda c: c["readinessProbe"]["httpGet"].__setitem__("path", "/drain"),
+     "not ready"),
+    ("a port no container declares", lambda c: c["readinessProbe"]["httpGet"].__setitem__("port", "metrics"),
+     "no containerPort"),
+    ("a config file that is not mounted", lambda c: c["args"].__setitem__(-1, "/etc/pdserve/other.toml"),
+     "exited with 2"),
+])  # fmt: skip
+def test_a_manifest_naming_what_the_code_lacks_fails(what, mutate, match, signed_store, tmp_path):
+    docs = _gateway_only(render("local"), mutate)
+    with runner(docs, tmp_path, signed_store, only={"pdserve-gateway"}) as run:
+        with pytest.raises(PodFailed, match=match):
+            run.start()
+            run.wait_ready(timeout_s=12)  # the unchanged gateway is ready in a few seconds
