@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 STORE ?= ./.pdserve/store
 MODEL ?= smollm2
 
-.PHONY: venv constraints demo stop test bench-store clean
+.PHONY: venv constraints demo stop test test-deploy bench-store clean
 
 venv: $(STAMP)
 
@@ -64,6 +64,11 @@ stop:
 REQUIRE_ALL ?= 1
 test: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" PDSERVE_REQUIRE_ALL=$(REQUIRE_ALL) $(PY) -m pytest -q -x -rs --durations=15 tests
+
+# minutes, not part of `make test`: build deploy/Dockerfile with podman, run the local overlay (podman kube play),
+# ask the gateway container a question (needs: apt-get install -y podman buildah debootstrap runc; see README)
+test-deploy: $(STAMP)
+	deploy/podman/test-deploy.sh
 
 bench-store: $(STAMP)
 	$(VENV)/bin/pdserve bench store
