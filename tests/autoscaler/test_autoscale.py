@@ -207,3 +207,30 @@ gateway_service = "pdserve-gateway"
     finally:
         gw.stop()
         api.close()
+
+
+def test_up_autoscale_runs_the_same_observer_in_process(tmp_path, real_model_store):
+    """`pdserve up --autoscale`: the loop observes the gateway's own snapshot; `pdserve status` shows each tick."""
+    locations, model = real_model_store
+    port = free_port()
+    cfg = write_config(tmp_path, locations, model, port)
+    env = service_env(TOKEN, PDSERVE_CONFIG=cfg)
+    up = ServiceProc("up", PDSERVE + ["up", "--autoscale", "--log-dir", str(tmp_path / "up-nodes")],
+                     f"http://127.0.0.1:{port}", str(tmp_path), env)  # fmt: skip
+    try:
+        up.wait_ready(240)  # a prefill and a decode node, registered
+
+        def published():
+            r = subprocess.run(PDSERVE + ["status", "--json"], env=env, capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, r.stderr
+            return json.loads(r.stdout).get("autoscaler") or None
+
+        first = wait_for(published, 30, "an autoscaler report")
+        assert first["actuator"] == "local" and first["reason"], first
+        assert set(first["decision"]["roles"]) == {"prefill", "decode"}
+        later = wait_for(lambda: (a := published()) and a["t"] > first["t"] and a, 30, "a later tick's report")
+        assert {r: d["replicas"] for r, d in later["decision"]["roles"].items()} == {"prefill": 1, "decode": 1}
+        assert {n["url"] for ns in later["nodes"].values() for n in ns} == {
+            n["url"] for n in status(up.url)["nodes"]}  # the actuator's nodes are the gateway's
+    finally:
+        up.stop()
