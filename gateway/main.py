@@ -106,13 +106,16 @@ def build_gateway(model: str, store: list[str], store_cfg=None, **kw):
 
 def add_discovery(gw, tables: dict, path: str | None) -> None:
     """[gateway.discovery] (gateway.discovery.DiscoveryConfig): the registry source that finds the nodes."""
-    from paramstore.config import ConfigError
+    from paramstore.config import ConfigError, table_kwargs
 
     from .discovery import DiscoveryConfig, make_source
 
     table = tables.get("gateway", {}).get("discovery", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"config {path}: [gateway] discovery must be a table [gateway.discovery]")
+    kw = table_kwargs(DiscoveryConfig, table, "gateway.discovery", path)  # unknown keys, wrong types: one line
     try:
-        source = make_source(DiscoveryConfig(**table), gw.registry)
+        source = make_source(DiscoveryConfig(**kw), gw.registry)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config {path}: [gateway.discovery]: {e}") from None
     if source is not None:
