@@ -13,7 +13,7 @@ NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 _whole = BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)
 
 
-def Int(**bounds) -> type:  # noqa: N802 - a type
+def Int(**bounds) -> type:
     """int with `bounds` (ge/le: in the schema as minimum/maximum), taking a whole float as the int."""
     return Annotated[int, Field(**bounds), _whole]  # bounds before the validator, or the schema loses them
 
@@ -219,7 +219,6 @@ class AdminStatus(BaseModel):
     queue_depth: int
     running: int
     autoscaler: dict
-    supervisor: dict | None = None  # `pdserve up`: the local actuator's supervised slots
     supervisor: dict | None = None  # `pdserve up`: the local actuator's slots (restarts, crash loops, last log lines)
 
 

@@ -214,3 +214,121 @@ def test_waiter_cancelled_just_as_it_is_handed_the_slot_passes_it_on():
 async def _enter_and_exit(adm):
     async with adm.slot():
         return "ran"
+
+
+# --- real overload: real nodes and model, real HTTP, the real `openai` client ------------------------
+STREAM = dict(messages=[{"role": "user", "content": "Count from one to fifty."}], max_tokens=8, temperature=0,
+              stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def overload_nodes(tmp_path_factory, real_model_store):
+    """A prefill and a decode node on the real model, ready: (tmp, locations, name, [(role, node)])."""
+    from tests.services import start_node
+
+    locations, name = real_model_store
+    tmp = tmp_path_factory.mktemp("overload")
+    nodes = [(role, start_node(tmp, locations, name, role)) for role in ("prefill", "decode")]
+    try:
+        for _, n in nodes:
+            n.wait_ready()
+        yield tmp, locations, name, nodes
+    finally:
+        for _, n in nodes:
+            n.stop()
+
+
+def _stream_one(openai, client, model: str):
+    async def one() -> dict:
+        t0 = time.monotonic()
+        try:
+            stream = await client.chat.completions.create(model=model, **STREAM)
+            ttft, usage, reason = None, None, None
+            async for ch in stream:
+                ttft = ttft if ttft is not None else time.monotonic() - t0
+                if ch.choices and ch.choices[0].finish_reason:
+                    reason = ch.choices[0].finish_reason
+                usage = ch.usage or usage
+            return {"status": 200, "ttft": ttft, "tokens": usage.completion_tokens, "reason": reason,
+                    "took": time.monotonic() - t0}  # fmt: skip
+        except openai.RateLimitError as e:
+            err = e.response.json()["error"]
+            return {"status": 429, "took": time.monotonic() - t0, "retry_after": int(e.response.headers["retry-after"]),
+                    "message": err["message"], "type": err["type"]}  # fmt: skip
+
+    return one
+
+
+def _run_waves(openai, url: str, model: str, plan) -> list:
+    """Run `plan(wave)` (a coroutine function given `wave(n)` -> results of n concurrent streams)."""
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        one = _stream_one(openai, client, model)
+        try:
+            return await plan(lambda n: asyncio.gather(*(one() for _ in range(n))))
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_overload_refuses_early_with_retry_after_and_completes_every_accepted_stream(overload_nodes):
+    """2 slots, a queue of 64 and a bound of 4 streams' time (one stream measured first, through a
+    gateway with the defaults, on the same nodes). A warm-up lets the gateway measure its drain rate,
+    then a burst of 3x what can start within the bound at that rate. Every stream that starts completes;
+    the surplus gets 429 + Retry-After, mostly on arrival (position / rate > bound), and nobody waits
+    much past the bound."""
+    openai = pytest.importorskip("openai")
+    import httpx
+
+    from tests.services import start_gateway
+
+    tmp, locations, name, nodes = overload_nodes
+    gw = start_gateway(tmp, locations, name, nodes).wait_ready()
+    try:
+        (control,) = _run_waves(openai, gw.url, name, lambda wave: wave(1))
+    finally:
+        gw.stop()
+    assert control["status"] == 200 and control["tokens"] == 8
+    bound = max(2.0, 4 * control["took"])
+    gw = start_gateway(tmp, locations, name, nodes, ("--max-running", "2", "--max-queue", "64",
+                                                     "--queue-timeout", f"{bound:.2f}")).wait_ready()  # fmt: skip
+    try:
+        async def plan(wave):
+            warm = await wave(4)  # 2 run, 2 wait and are handed slots: the gateway measures its drain rate
+            rate = httpx.get(gw.url + "/load").json()["drain_rate_per_s"]
+            n = min(200, 3 * (2 + math.ceil(bound * rate)))  # 3x what can start within the bound
+            t0 = time.monotonic()
+            burst = await wave(n)
+            return warm, rate, n, burst, time.monotonic() - t0
+
+        warm, rate, n, burst, wall = _run_waves(openai, gw.url, name, plan)
+        load = httpx.get(gw.url + "/load").json()
+    finally:
+        gw.stop()
+    assert [r["status"] for r in warm] == [200] * 4, warm
+    assert rate is not None and rate > 0
+    ok = [r for r in burst if r["status"] == 200]
+    refused = [r for r in burst if r["status"] == 429]
+    assert len(ok) + len(refused) == n and len(ok) >= 2, burst
+    # nothing accepted is lost: every started stream ran to its full length
+    assert all(r["tokens"] == 8 and r["reason"] == "length" for r in ok), ok
+    # the surplus is refused, with a Retry-After from the drain rate (1 s .. the bound)
+    assert len(refused) >= n // 3, (rate, n, [r["status"] for r in burst])
+    assert all(r["type"] == "rate_limit_error" and 1 <= r["retry_after"] <= math.ceil(bound) for r in refused)
+    early = [r for r in refused if "predicted wait" in r["message"]]
+    late = [r for r in refused if "no capacity within" in r["message"]]
+    print(f"overload: one stream {control['took']:.2f} s, bound {bound:.2f} s, drain {rate:.2f}/s, burst {n}: "
+          f"{len(ok)} ok, {len(early)} refused on arrival, {len(late)} at the deadline, wall {wall:.2f} s, "
+          f"Retry-After {sorted({r['retry_after'] for r in refused})}")  # fmt: skip
+    assert len(early) + len(late) == len(refused)  # the queue (64) never filled: memory stays bounded below it
+    assert len(early) > len(late), [(r["message"], round(r["took"], 2)) for r in refused]
+    assert all(r["took"] < bound / 2 for r in early)  # refused on arrival, not after waiting
+    # the wait before the start is bounded: first token within the bound plus one stream's time
+    slowest = max(r["took"] for r in warm)
+    assert all(r["ttft"] <= bound + slowest for r in ok), ([round(r["ttft"], 2) for r in ok], bound)
+    assert all(r["took"] <= bound + slowest for r in late)
+    assert wall <= bound + 2 * slowest + 1, (wall, bound, slowest)
+    assert load["queue_depth"] == 0 and load["running"] == 0
