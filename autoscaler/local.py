@@ -127,7 +127,7 @@ class LocalActuator(Actuator):
         self.nodes: list[_Proc] = []
         self._desired: dict[str, int] = {}  # role -> nodes asked for by scale()
         self._waiting: list[_Slot] = []  # slots whose node exited, waiting for their restart time
-        self._names = itertools.count()
+        self._names: dict[str, itertools.count] = {}  # role -> slot numbers: decode-0, decode-1 ...
         self._lock = threading.Lock()  # nodes, _desired, _waiting
         self._converge = threading.Lock()  # one scale() or supervision pass at a time (no double starts)
         self._closing, self._hurry = threading.Event(), threading.Event()
@@ -264,7 +264,7 @@ class LocalActuator(Actuator):
             if have < self._desired.get(p.role, 0):
                 delay = s.backoff.failure(now, s.last_exit)
                 self._waiting.append(s)
-                log.warning("%s node %s (%s, pid %d) %s: restarting in %.1f s (exit %d in a row)", p.role, p.url,
+                log.warning("%s node %s (%s, pid %d) %s: restarting in %.1f s (%d exits in a row)", p.role, p.url,
                             s.name, p.proc.pid, s.last_exit, delay, s.backoff.failures)  # fmt: skip
             else:
                 log.warning("%s node %s (pid %d) %s", p.role, p.url, p.proc.pid, s.last_exit)
@@ -285,7 +285,8 @@ class LocalActuator(Actuator):
             raise TemporaryActuatorError("the local actuator is closing")
         if slot is None:
             backoff = Backoff(base_s=c.restart_backoff_s, max_s=c.restart_backoff_max_s)
-            slot = _Slot(f"{role}-{next(self._names)}", role, RestartBackoff(backoff, reset_after_s=c.restart_reset_s))
+            n = next(self._names.setdefault(role, itertools.count()))
+            slot = _Slot(f"{role}-{n}", role, RestartBackoff(backoff, reset_after_s=c.restart_reset_s))
         else:
             slot.backoff.started()
         port = free_port(c.host)

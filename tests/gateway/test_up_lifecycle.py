@@ -6,6 +6,8 @@ node killed under it (real processes, the real model, the real `openai` client, 
 - SIGTERM while a stream is in flight: the stream completes, `pdserve up` exits 0 with one line
   saying what it stopped, and no process it ever started (the replaced node too) is left;
 - SIGINT while its nodes are still starting: it exits 0, none left;
+- a node that cannot start (a bad [node] setting in the config file) crash-loops, backing off, and
+  `pdserve status` shows the loop with the node's own error line; SIGTERM still stops everything;
 - SIGKILL: nothing in it can clean up, yet its nodes end within seconds (compute/node/lifeline.py).
 """
 
@@ -201,5 +203,30 @@ def test_sigkill_of_pdserve_up_ends_its_nodes_within_seconds(tmp_path, real_mode
         u.proc.p.wait(10)
         took = wait_gone(nodes, LIFELINE_GRACE_S + 10)  # SIGTERM at once; os._exit after the grace
         print(f"node gone {took:.2f} s after SIGKILL of pdserve up")
+    finally:
+        u.close()
+
+
+def test_a_node_that_cannot_start_crash_loops_in_pdserve_status(tmp_path, real_model_store):
+    locations, name = real_model_store
+    (tmp_path / "pdserve.toml").write_text("[node]\nmax_num_seqs = 0\n")  # the node refuses it; `up` passes it on
+    u = Up(tmp_path, list(locations), name, "--both", "1", "--config", str(tmp_path / "pdserve.toml"))
+    try:
+        u.proc.wait_ready(timeout=60, path="/health")
+        deadline = time.monotonic() + 60
+        while not [n for n in u.status()["supervisor"]["nodes"] if n["crashes"] >= 2 and n["pid"] is None]:
+            assert time.monotonic() < deadline, u.status()
+            u.nodes()
+            time.sleep(0.1)
+        out = subprocess.run([sys.executable, "-m", "autoscaler.cli", "status", "--url", u.url], capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        (row,) = [i for i, ln in enumerate(lines) if ln.startswith("both-0 ")]
+        assert "exited with code 2; restart in" in lines[row], out.stdout
+        assert "max_num_seqs" in "\n".join(lines[row + 1 :]), out.stdout  # the node's last log lines
+        u.proc.p.send_signal(signal.SIGTERM)
+        assert u.proc.p.wait(60) == 0
+        assert not alive(u.seen)
     finally:
         u.close()
