@@ -130,8 +130,11 @@ def make(s: dict, client, kubeconfig: str | None = None):
 
 
 def main(args) -> int:
+    from compute.node.lifeline import hold
+
     from .observer import GatewayClient, control_loop
 
+    hold()  # started by pdserve up, a launcher or a test: end with that parent, even on SIGKILL
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     s = settings(args)

@@ -144,10 +144,12 @@ def announce(gw, requested_host: str | None) -> None:
 def main(args) -> int:
     import uvicorn
 
+    from compute.node.lifeline import hold
     from paramstore.config import config_path, read_config, store_config
 
     from .app import create_app
 
+    hold()  # started by pdserve up, a launcher or a test: end with that parent, even on SIGKILL
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     path = config_path(args.config)
