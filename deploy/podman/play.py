@@ -10,8 +10,8 @@ driver stands in for those parts of a cluster — nothing else about the manifes
     path, its manifests signed with the test key; the ConfigMap's [store] table points there;
  3. convert (podman.yaml): configMap / secret / emptyDir volumes become hostPath files and directories
     materialised under the work directory, secretKeyRef env gets test values, the image is the local
-    build (imagePullPolicy Never), the gateway's port is published on a free host port (hostPort, on
-    127.0.0.1) — podman has no Service for it; pods that mount a service-account token get $KUBECONFIG,
+    build (imagePullPolicy Never), every containerPort is published on its own free host port on
+    127.0.0.1 (podman 4.3 publishes them all; the gateway's is how the client reaches it — no Service); pods that mount a service-account token get $KUBECONFIG,
     pointing at the API twin (tests/kubeapi.py) on the bridge's gateway address;
  4. play; then the endpoints controller: poll each pod's readinessProbe (httpGet, at the pod's IP) and
     publish it as an EndpointSlice of its Service — the gateway's registry watches them as in a cluster;
@@ -124,9 +124,9 @@ def convert(docs: list[dict], work: Path, image: str, locations: list[str], valu
             if ref:
                 e.pop("valueFrom")
                 e["value"] = values[(ref["name"], ref["key"])]
-        if name == "pdserve-gateway":
-            for p in c.get("ports", []):
-                p["hostPort"], p["hostIP"] = gateway_port, "127.0.0.1"
+        for p in c.get("ports", []):  # podman 4.3 publishes every containerPort: each gets its own host port
+            p["hostPort"] = gateway_port if name == "pdserve-gateway" else free_port()
+            p["hostIP"] = "127.0.0.1"
         for k in ("serviceAccountName", "automountServiceAccountToken"):
             spec.pop(k, None)
         out.append(dep)
