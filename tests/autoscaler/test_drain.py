@@ -26,6 +26,7 @@ TOKEN = "drain-test-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 STREAMS = 4
 MAX_TOKENS = 200  # the tiny model's context is 256
+DRAIN_TIMEOUT_S, STOP_TIMEOUT_S = 30, 5  # the actuator's bounds on a drain and on a process's exit
 
 
 def _actuator(tmp_path, tiny_model_store, **hooks):
@@ -33,7 +34,8 @@ def _actuator(tmp_path, tiny_model_store, **hooks):
 
     locations, name = tiny_model_store
     cfg = LocalConfig(model=name, store=list(locations), internal_token=TOKEN, threads=1, kv_blocks=256,
-                      log_dir=str(tmp_path / "logs"), ready_timeout_s=60, drain_timeout_s=30, stop_timeout_s=5)  # fmt: skip
+                      log_dir=str(tmp_path / "logs"), ready_timeout_s=60, drain_timeout_s=DRAIN_TIMEOUT_S,
+                      stop_timeout_s=STOP_TIMEOUT_S)  # fmt: skip
     return LocalActuator(cfg, **hooks)
 
 
@@ -139,7 +141,9 @@ def test_scale_down_drains_without_losing_a_request(tmp_path, tiny_model_store):
     assert seen["gone"].get("active_requests") == 0, seen
     assert seen["gone"]["kv_blocks_used"] == 0, seen
     assert seen["gone"]["draining"] is True
-    assert drained_s < 60
+    # bounded by what the actuator promises (drain, then stop), not by a figure fitted to one machine; the
+    # streams completing in full (above) shows the drain ended with them, not at its timeout
+    assert drained_s < DRAIN_TIMEOUT_S + STOP_TIMEOUT_S, drained_s
 
 
 def test_node_that_dies_on_its_own_is_dropped(tmp_path, tiny_model_store):
