@@ -117,7 +117,45 @@ def _gateway_only(docs, mutate) -> list[dict]:
 ])  # fmt: skip
 def test_a_manifest_naming_what_the_code_lacks_fails(what, mutate, match, signed_store, tmp_path):
     docs = _gateway_only(render("local"), mutate)
-    with runner(docs, tmp_path, signed_store, only={"pdserve-gateway"}) as run:
-        with pytest.raises(PodFailed, match=match):
-            run.start()
-            run.wait_ready(timeout_s=12)  # the unchanged gateway is ready in a few seconds
+    with runner(docs, tmp_path, signed_store, only={"pdserve-gateway"}) as run, pytest.raises(PodFailed, match=match):
+        run.start()
+        run.wait_ready(timeout_s=12)  # the unchanged gateway is ready in a few seconds
+
+
+def test_a_prestop_hook_naming_a_route_the_node_lacks_fails(signed_store, tmp_path):
+    """The hook the manifests first shipped (POST /drain): the node serves /internal/drain only."""
+
+    def old_route(docs):
+        for o in docs:
+            if o["kind"] == "Deployment" and o["metadata"]["name"] == "pdserve-decode":
+                cmd = o["spec"]["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+                cmd[-1] = cmd[-1].replace("/internal/drain", "/drain")
+        return docs
+
+    docs = old_route(copy.deepcopy(render("local")))
+    with runner(docs, tmp_path, signed_store, only={"pdserve-decode"}) as run:
+        run.start()
+        run.wait_ready(timeout_s=120)
+        hook = run.prestop("pdserve-decode")
+        assert hook.returncode != 0 and "404" in hook.stderr, hook
+
+
+# variables read by libraries, not by pdserve's own code
+LIBRARY_ENV = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "KUBECONFIG", "PATH", "PYTHONUNBUFFERED",
+               "PYTHONDONTWRITEBYTECODE", "TOKENIZERS_PARALLELISM"}  # fmt: skip
+
+
+@pytest.mark.parametrize("overlay", ["local", "production"])
+def test_every_environment_variable_set_is_read_by_the_code(overlay):
+    """An env var the manifests (or the image) set must be one the code reads: else it configures nothing."""
+    from tests.deploy.pods import ROOT, image_config
+
+    source = "\n".join(p.read_text() for pkg in ("paramstore", "compute", "gateway", "autoscaler")
+                       for p in (ROOT / pkg).rglob("*.py"))  # fmt: skip
+    names = set(image_config()[1])
+    for o in render(overlay):
+        if o["kind"] == "Deployment":
+            for c in o["spec"]["template"]["spec"]["containers"]:
+                names |= {e["name"] for e in c.get("env", [])}
+    unread = {n for n in names - LIBRARY_ENV if f'"{n}"' not in source and f"'{n}'" not in source}
+    assert not unread, f"set but read by no pdserve code: {sorted(unread)}"
