@@ -138,22 +138,10 @@ class KubernetesSource:
                     self.synced.set()
                 w = watch.Watch()
                 self._watches.add(w)
-                for ev in w.stream(api.list_namespaced_endpoint_slice, self.namespace, label_selector=selector,
-                                   resource_version=listed.metadata.resource_version, allow_watch_bookmarks=True,
-                                   timeout_seconds=self.config.watch_timeout_s,
-                                   _request_timeout=(5, self.config.watch_timeout_s + 5)):  # fmt: skip
-                    if self._stop.is_set():
-                        w.stop()
-                        break
-                    kind, sl = ev["type"], ev["object"]
-                    if kind in ("ADDED", "MODIFIED"):
-                        slices[sl.metadata.name] = self._endpoints(sl)
-                    elif kind == "DELETED":
-                        slices.pop(sl.metadata.name, None)
-                    else:  # BOOKMARK, or ERROR the client did not raise
-                        continue
-                    self._publish(role, slices)
-                self._watches.discard(w)
+                try:
+                    self._follow(api, w, role, selector, listed.metadata.resource_version, slices)
+                finally:
+                    self._watches.discard(w)
                 delay = self.config.backoff_s  # a watch that ran its course: re-list at once
             except Exception as e:  # noqa: BLE001 - the source outlives any API error
                 if self._stop.is_set():
@@ -162,6 +150,24 @@ class KubernetesSource:
                             str(e).splitlines()[0] if str(e) else "", delay)  # fmt: skip
                 self._stop.wait(delay)
                 delay = min(delay * 2, self.config.backoff_max_s)
+
+    def _follow(self, api, w, role: str, selector: str, since: str, slices: dict) -> None:
+        """One WATCH from resourceVersion `since`: apply each event to `slices`, publish the role's union."""
+        for ev in w.stream(api.list_namespaced_endpoint_slice, self.namespace, label_selector=selector,
+                           resource_version=since, allow_watch_bookmarks=True,
+                           timeout_seconds=self.config.watch_timeout_s,
+                           _request_timeout=(5, self.config.watch_timeout_s + 5)):  # fmt: skip
+            if self._stop.is_set():
+                w.stop()
+                return
+            kind, sl = ev["type"], ev["object"]
+            if kind in ("ADDED", "MODIFIED"):
+                slices[sl.metadata.name] = self._endpoints(sl)
+            elif kind == "DELETED":
+                slices.pop(sl.metadata.name, None)
+            else:  # BOOKMARK, or an ERROR the client did not raise
+                continue
+            self._publish(role, slices)
 
     def _endpoints(self, sl) -> dict[str, str]:
         """url -> ready | loading | draining, for one EndpointSlice (unset ready means ready)."""
