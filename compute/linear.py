@@ -5,9 +5,10 @@ INT8 is the store's ``int8-absmax-per-row`` scheme: ``weight: int8 [N, K]``,
 (``assign``), never copied twice: an int8 weight stays int8 in memory; a float
 weight is converted at most once, to the activation dtype.
 
-Kernel choice per phase (measured on this 2-core AVX2 box, torch 2.13 CPU,
-2 threads, min of 15 runs, microseconds; ``int8mm`` is
-``torch.ops.aten._weight_int8pack_mm`` with bf16 activations):
+Kernel choice per phase (measured on a 2-core AVX2 box without AVX-512, torch 2.13
+CPU, 2 threads, min of 15 runs, microseconds; ``int8mm`` is
+``torch.ops.aten._weight_int8pack_mm`` with bf16 activations; every figure below is
+from that CPU, and the AVX-512 picture that follows differs):
 
     shape N x K    M     bf16 F.linear  int8mm(bf16)  fp32 F.linear  int8mm(fp32 x)
     576 x 576      1            43          22            32            239
@@ -21,7 +22,7 @@ Kernel choice per phase (measured on this 2-core AVX2 box, torch 2.13 CPU,
     49152 x 576    1          3570        2648          8962          23234
     49152 x 576    8         26726        9528         51895         268438
 
-This CPU (AVX2, no AVX512-BF16/AMX) has no native bf16 GEMM, so bf16 ``F.linear``
+That CPU (AVX2, no AVX512-BF16/AMX) has no native bf16 GEMM, so bf16 ``F.linear``
 loses everywhere and fp32 ``F.linear`` wins from M ~ 32 on; ``int8mm`` wins for
 decode-sized M with bf16 activations and is 10-30x slower with fp32 activations.
 Per decoder layer of SmolLM2-135M (its 7 linears, int8 weights, bf16 activations,
@@ -36,7 +37,28 @@ takes 38 ms with int8 weights (int8mm), 47 ms with bf16 weights, 73 ms with fp32
 a 512-token prefill 1.57 s with int8 weights (dequant path), 1.48 s with fp32
 weights, 2.69 s if int8mm were used, 7.1 s with bf16 weights.
 
-Hence (crossover near M = 100):
+On an AVX-512 CPU with avx512_bf16 / avx512_vnni (AMD EPYC, Zen 4 class; see
+FIELD-NOTES) the picture is another one: oneDNN runs bf16 ``F.linear`` natively
+(``brg_matmul:avx512_core_bf16``), so bf16 weights win prefill there (HF transformers in
+bf16: 512-token prefill 0.54 s against our 1.47 s, 32 streams ~264 tok/s against ~151);
+``int8mm`` is no GEMM on x86 (int8 -> fp32 inside each 4x4 output tile), its cost linear
+in M (3072 x 576: ~100 us at M = 1, ~1.5 ms at M = 32). The choice below is the AVX2
+one on every CPU; choosing per machine is a later change. It is *correct* on every CPU.
+
+What ``int8mm`` needs of its inputs (torch 2.13; ``tests/compute/test_dispatch.py`` runs
+it under every ``ATEN_CPU_CAPABILITY`` the machine has), measured on the AVX-512 box:
+
+    dispatch level   weight address   input address   K            outside these
+    avx512           16-byte          32-byte         K % 16 == 0  SIGSEGV at M >= 2..4, NaN at M = 1
+    avx2             any              16-byte         K % 8 == 0   SIGSEGV at M >= 4
+    default          any              any             any          -
+
+so every tensor handed to a kernel is ``ALIGN`` (64) byte aligned (``aligned``: shards
+place tensor data at 64-byte offsets of page-aligned buffers, anything else is copied once
+at load; an unaligned activation is copied per call), and ``int8mm`` runs only for
+K % ``INT8MM_K_MULTIPLE`` == 0 (else the dequant path below, at any M).
+
+Hence (crossover near M = 100 on the AVX2 box):
 
 - int8 weight, M <= ``int8mm_max_m`` (default 64): ``int8mm`` on the input cast to
   bf16 (the kernel's fast path), output cast back to the activation dtype;
@@ -68,16 +90,19 @@ from compute.errors import WeightMismatch
 from paramstore.quant import dequantize_int8 as dequantize  # the store's scheme, (q, scale) -> w
 
 INT8MM_MAX_M = 64  # largest M that uses the int8 kernel (see the table above)
+INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: see above)
 ALIGN = 64  # bytes: every tensor handed to a kernel starts at a multiple of this (see ``aligned``)
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` if its data is ``ALIGN``-byte aligned, else an aligned copy (made once, at load).
+    """``t`` if its data is ``ALIGN``-byte aligned, else an aligned copy.
 
     ``_weight_int8pack_mm``'s AVX-512 kernel segfaults on an int8 weight at an address
-    = 8 or 40 (mod 64) once M > 1; AVX2 happens not to. Store shards place data at 64-byte
-    offsets (``paramstore.shards.pack``), but a view of an older blob, of a tensor whose size is
-    not a multiple of 64, or of a buffer with weaker alignment is copied here. PyTorch's CPU
+    = 8 or 40 (mod 64), or a bf16 input not 32-byte aligned, once M > 1 (table above).
+    Store shards place data at 64-byte offsets (``paramstore.shards.pack``), but a view of an
+    older blob, of a tensor after one whose size is not a multiple of 64, or of a buffer with
+    weaker alignment is copied here, once, at load (``Transformer.load_weights``); ``matmul``
+    passes its input through it per call (free when aligned, the usual case). PyTorch's CPU
     allocator returns 64-byte aligned memory.
     """
     if t.numel() == 0 or t.data_ptr() % ALIGN == 0:
@@ -115,9 +140,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, scale_b
     """
     if w.dtype != torch.int8:
         return F.linear(x, w, bias)
-    if x.shape[0] <= int8mm_max_m:
+    if x.shape[0] <= int8mm_max_m and w.shape[1] % INT8MM_K_MULTIPLE == 0:
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        y = torch.ops.aten._weight_int8pack_mm(xb.contiguous(), w, scale_bf16)
+        y = torch.ops.aten._weight_int8pack_mm(aligned(xb.contiguous()), w, scale_bf16)
         y = y if x.dtype == torch.bfloat16 or not cast else y.to(x.dtype)
     else:
         y = F.linear(x.to(torch.float32), dequantize_scratch(w, scale)).to(x.dtype)

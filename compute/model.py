@@ -137,6 +137,7 @@ class Transformer(nn.Module):
         self.model = DecoderStack(config, dtype, int8mm_max_m)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, int8mm_max_m)
         self.inv_freq = config.inv_freq()  # [Dh/2] fp32, a plain attribute (never on meta)
+        self.aligned_copies = 0  # tensors ``load_weights`` had to copy to 64-byte aligned memory
         self._ready = False
 
     @classmethod
@@ -163,8 +164,10 @@ class Transformer(nn.Module):
                 raise WeightMismatch(f"unknown tensor {name!r}") from None
             if not hasattr(module, "load"):
                 raise WeightMismatch(f"unknown tensor {name!r}")
+            a = aligned(t)  # a misaligned view (older shard layout) is copied once: see compute.linear
+            self.aligned_copies += a is not t
             try:
-                module.load(leaf, aligned(t))
+                module.load(leaf, a)
             except WeightMismatch as e:
                 raise WeightMismatch(f"{name}: {e}") from None
             taken += 1

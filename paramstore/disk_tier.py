@@ -104,7 +104,7 @@ class DiskTier:
             return (st.st_ino, st.st_mtime_ns)
         return None
 
-    def read(self, key: str, size: int | None) -> tuple[bytearray | mmap.mmap | None, tuple[int, int] | None]:
+    def read(self, key: str, size: int | None) -> tuple[memoryview | mmap.mmap | None, tuple[int, int] | None]:
         """(bytes, ident) of the file; (None, None) if absent; (None, ident) if of the wrong size."""
         try:
             f = open(self.path(key), "rb")
@@ -115,7 +115,7 @@ class DiskTier:
             ident = (st.st_ino, st.st_mtime_ns)
             if size is not None and st.st_size != size:
                 return None, ident
-            buf = alloc(st.st_size)  # readinto a preallocated, page-aligned buffer: no second copy
+            buf = alloc(st.st_size)  # readinto a preallocated, 64-byte aligned buffer: no second copy
             return (buf if f.readinto(buf) == len(buf) else None), ident
 
     def write(self, key: str, view: memoryview) -> None:
