@@ -35,14 +35,14 @@ COMMANDS = {
     "chat": ("gateway.chat", "send one chat request through the gateway and stream the answer"),
     "status": ("gateway.status", "nodes per role, their state and load, the autoscaler's last decision"),
 }
-# `pdserve bench NAME` -> (module, help); one row per benchmark, nothing else refers to these modules
+# `pdserve bench NAME` -> (module in benchmarks/, outside the library, help); one row per benchmark
 BENCHES = {
-    "store": ("paramstore.bench", "parameter store import/load throughput vs its limits"),
-    "engine": ("compute.bench_engine", "engine decode/prefill/spawn vs HF transformers"),
-    "quality": ("compute.bench_quality", "INT8 vs fp32 weights: perplexity, KL, top-1 on real texts"),
-    "pd": ("compute.bench_pd", "KV transfer and colocated vs disaggregated serving"),
-    "gateway": ("gateway.bench", "gateway overhead vs a node served directly"),
-    "burst": ("autoscaler.bench", "autoscaling under a 10x burst"),
+    "store": ("benchmarks.store", "parameter store import/load throughput vs its limits"),
+    "engine": ("benchmarks.engine", "engine decode/prefill/spawn vs HF transformers"),
+    "quality": ("benchmarks.quality", "INT8 vs fp32 weights: perplexity, KL, top-1 on real texts"),
+    "pd": ("benchmarks.pd", "KV transfer and colocated vs disaggregated serving"),
+    "gateway": ("benchmarks.gateway", "gateway overhead vs a node served directly"),
+    "burst": ("benchmarks.burst", "autoscaling under a 10x burst"),
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -90,6 +91,13 @@ class ServiceProc:
         self._log.close()
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now (the OS picks it; the process started next binds it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class Services:
     """Starts nodes and gateways of one model and store; ``stop_all`` ends every one still running."""
 
@@ -102,8 +110,6 @@ class Services:
         self.procs: list[ServiceProc] = []
 
     def start(self, name: str, args: list[str], env: dict | None = None) -> ServiceProc:
-        from autoscaler.local import free_port
-
         port = free_port()
         cmd = [sys.executable, "-m", "autoscaler.cli", *args, "--port", str(port), "--model", self.model]
         for url in self.store:

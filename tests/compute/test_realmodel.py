@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute.bench_quality import license_text, logprobs, perplexity, zen_of_python
+from benchmarks.quality import license_text, logprobs, perplexity, zen_of_python
 from paramstore.realmodel import gguf_path
 from tests.hf import hf_llama
 

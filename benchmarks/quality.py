@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from compute.benchkit import ensure_model
+    from benchmarks.common import ensure_model
     from compute.loader import WeightInjector
     from paramstore import ParamStore, StoreConfig
     from paramstore.config import store_config

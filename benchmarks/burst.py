@@ -33,8 +33,8 @@ import threading
 import time
 from contextlib import aclosing
 
-from compute.benchkit import ensure_model
-from gateway.loadgen import Sample, chat_stream, pct
+from benchmarks.common import ensure_model
+from benchmarks.loadgen import Sample, chat_stream, pct
 
 PROMPT = "Give me one tip for learning Python."
 ROLES = ("prefill", "decode")

@@ -16,7 +16,7 @@ import json
 import random
 import time
 
-from compute.benchkit import loadavg
+from benchmarks.common import loadavg
 
 STREAM_STAGGER_S = 0.5  # stream i starts at i * this
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",

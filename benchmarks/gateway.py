@@ -25,7 +25,7 @@ TTFT and TPOT p50/p99, the ratios gateway / direct, and the gateway's added TTFT
   admit, route, one more HTTP hop, SSE — with the model's time cancelled out.
 If the store lacks ``--model`` it is imported from the real GGUF first.
 
-The requests themselves are made by ``gateway.loadgen``.
+The requests themselves are made by ``benchmarks.loadgen``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 
-from .loadgen import chat_stream, closed_loop, node_stream, pct, summarize
+from benchmarks.loadgen import chat_stream, closed_loop, node_stream, pct, summarize
 
 PROMPT = "What is the capital of France?"
 TARGET_ADDED_TTFT_MS = 5.0
@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def chat_ids(locations: list[str], model: str, prompt: str) -> list[int]:
     """The token ids the gateway sends for this one-message chat (same bundle, same template)."""
-    from compute.benchkit import bundle
+    from benchmarks.common import bundle
 
     b = bundle(locations, model)
     return b.encode(b.render_chat([{"role": "user", "content": prompt}]))
@@ -78,7 +78,7 @@ def _ints(spec: str, n: int) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from compute.benchkit import ensure_model
+    from benchmarks.common import ensure_model
     from compute.node.launcher import Services
     from paramstore.config import store_config
 

@@ -3,7 +3,7 @@
     pdserve bench pd [--store URL ...] [--model smollm2] [--quick] [--out bench-results/pd.json]
 
 1. KV transfer of a 512-token prompt (SmolLM2 layout, the node's cache dtype) between two
-   processes, via ``compute.kv_transfer.bench.bench_transfer``: ``nixl`` / ``tcp`` beside
+   processes, via ``benchmarks.kv_transfer.bench_transfer``: ``nixl`` / ``tcp`` beside
    ``memcpy`` and a raw NIXL READ of one buffer of the same size; plus the 512-token prefill
    time of a real prefill node (``POST /internal/prefill``, max_tokens 2, median) and a real
    prefill -> decode handoff (prefill, then ``/internal/decode`` to its one-token end), so
@@ -35,8 +35,8 @@ import sys
 import tempfile
 import time
 
-from compute.benchkit import cpu_seconds, ensure_model
-from compute.mixed_workload import (
+from benchmarks.common import cpu_seconds, ensure_model
+from benchmarks.mixed_workload import (
     long_prompt,
     mixed_table,
     run_mixed,
@@ -186,7 +186,7 @@ def _analysis(result: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from compute.kv_transfer.bench import _METHODS, bench_transfer
+    from benchmarks.kv_transfer import _METHODS, bench_transfer
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -194,7 +194,7 @@ def main(args: argparse.Namespace) -> int:
     treps = args.transfer_reps or (3 if args.quick else 7)
     preps = args.prefill_reps or (2 if args.quick else 3)
     t_begin = time.perf_counter()
-    from compute.benchkit import bundle as model_bundle
+    from benchmarks.common import bundle as model_bundle
     from paramstore import StoreConfig
 
     cfg = StoreConfig(locations=args.store) if args.store else StoreConfig.local_default(SCRATCH_STORE)

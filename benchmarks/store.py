@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import StoreConfig
-from .codec import ErasureCodec
-from .reader import ReaderConfig
-from .store import ParamStore
+from paramstore.codec import ErasureCodec
+from paramstore.config import StoreConfig
+from paramstore.reader import ReaderConfig
+from paramstore.store import ParamStore
 
 GB = 1e9
 
@@ -87,8 +87,8 @@ def smollm2_checkpoint(folder: str) -> int:
     """SmolLM2-135M from the real GGUF, saved as a bf16 HF folder; returns bytes."""
     from safetensors.torch import save_file
 
-    from .realmodel import gguf_path
-    from .sources import open_source
+    from paramstore.realmodel import gguf_path
+    from paramstore.sources import open_source
 
     src = open_source(gguf_path())
     os.makedirs(folder, exist_ok=True)

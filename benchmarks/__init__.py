@@ -1,0 +1,23 @@
+"""pdserve's benchmarks: the top of the stack, outside the library (as vLLM keeps `benchmarks/`).
+
+Layout: one module per thing measured, each a `pdserve bench NAME` command with
+``add_arguments(parser)`` / ``main(args)`` (dispatched by autoscaler/cli.py's BENCHES table):
+
+    store.py         pdserve bench store     parameter store import/load vs memcpy, safetensors, zfec
+    engine.py        pdserve bench engine    engine decode/prefill/spawn vs HF transformers (llama.cpp)
+    quality.py       pdserve bench quality   INT8 vs fp32 weights: perplexity, KL, top-1
+    pd.py            pdserve bench pd        KV transfer and colocated vs disaggregated serving
+    gateway.py       pdserve bench gateway   gateway overhead vs a node served directly
+    burst.py         pdserve bench burst     autoscaling under a 10x burst
+  and what they share:
+    kv_transfer.py   two-process KV transfer rates (used by pd.py)
+    mixed_workload.py  chat streams + long prompts through a gateway (used by pd.py)
+    loadgen.py       client-side requests and closed loops (used by gateway.py, burst.py)
+    common.py        the real model in a store, host accounting
+
+Benchmarks may import any library package (paramstore, compute, gateway, autoscaler); no library
+package imports them (tests/test_layering.py checks; the CLI names them by string in its BENCHES
+table and imports one only when `pdserve bench NAME` runs). Run them through `pdserve bench NAME`,
+never as scripts: `python benchmarks/gateway.py` would put benchmarks/ first on sys.path and
+shadow the `gateway` package.
+"""
