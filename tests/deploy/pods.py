@@ -37,6 +37,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -305,8 +306,8 @@ class PodRunner:
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
                 late = [p for p in self.pods.values() if not p.ready]
-                raise PodFailed("not ready after %.0f s: %s\n%s" % (timeout_s, ", ".join(p.deployment for p in late),
-                                "\n".join(f"--- {p.deployment}\n{p.log_tail()}" for p in late)))  # fmt: skip
+                logs = "\n".join(f"--- {p.deployment}\n{p.log_tail()}" for p in late)
+                raise PodFailed(f"not ready after {timeout_s:.0f} s: {', '.join(p.deployment for p in late)}\n{logs}")
             time.sleep(0.25)
 
     def _endpoint(self, pod: Pod, ready: bool, terminating: bool = False) -> None:
@@ -333,7 +334,8 @@ class PodRunner:
         if "exec" in hook:
             cmd = [self.remap(pod, a) for a in hook["exec"]["command"]]
             cmd[0] = self._exe(cmd[0]) if cmd[0] in ("python", "python3", "pdserve") else cmd[0]
-            return subprocess.run(cmd, env=pod.env, cwd=pod.dir, capture_output=True, text=True, timeout=grace)
+            return subprocess.run(cmd, env=pod.env, cwd=pod.dir, capture_output=True, text=True, timeout=grace,
+                                  check=False)  # fmt: skip
         g = hook["httpGet"]
         return httpx.get(f"http://127.0.0.1:{pod.local_port(g['port'])}{g.get('path', '/')}", timeout=grace)
 
@@ -359,7 +361,7 @@ class PodRunner:
         self.api.close()
         return killed
 
-    def __enter__(self) -> "PodRunner":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
