@@ -6,7 +6,7 @@ when that subcommand runs:
 
     pdserve node --role prefill|decode|both --model NAME [...]     a compute node (compute.node.main)
     pdserve gateway [...]                                          the OpenAI-compatible gateway (gateway.main)
-    pdserve up [...]                                               the local service: nodes + gateway (gateway.up)
+    pdserve up [...]                                               the local service: nodes + gateway (autoscaler.up)
     pdserve autoscale --actuator local|kubernetes [...]            the control loop as a process (autoscaler.main)
     pdserve chat "question" / pdserve status                       clients of a running gateway
     pdserve generate --model NAME (--prompt T | --chat T) [...]    offline generation (compute.generate)
@@ -30,7 +30,7 @@ COMMANDS = {
     "generate": ("compute.generate", "offline one-shot generation from the store"),
     "node": ("compute.node.main", "run a compute node (prefill, decode or both)"),
     "gateway": ("gateway.main", "run the OpenAI-compatible gateway"),
-    "up": ("gateway.up", "start the local service: nodes + gateway"),
+    "up": ("autoscaler.up", "start the local service: nodes + gateway"),
     "autoscale": ("autoscaler.main", "run the autoscaling loop against a gateway (local or kubernetes actuator)"),
     "chat": ("gateway.chat", "send one chat request through the gateway and stream the answer"),
     "status": ("gateway.status", "nodes per role, their state and load, the autoscaler's last decision"),

@@ -31,7 +31,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from compute.node.launcher import free_port
 from compute.node.lifeline import spawn_kwargs
 
 from .actuator import Actuator, NodeInfo, TemporaryActuatorError
@@ -110,12 +110,6 @@ class _Proc:
 
     def info(self) -> NodeInfo:
         return NodeInfo(self.role, self.url, self.ready, name=f"pid {self.proc.pid}", state=self.state)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class LocalActuator(Actuator):

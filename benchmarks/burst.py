@@ -5,7 +5,7 @@
 
 What runs is `pdserve up --prefill 1 --decode 1 --autoscale` in this process — the gateway, the
 LocalActuator starting `pdserve node` processes (1 torch thread each), the ControlLoop with
-gateway/up.py's observe() — but with an AutoscalerConfig sized for a seconds-scale demo
+autoscaler/up.py's observe() — but with an AutoscalerConfig sized for a seconds-scale demo
 (``demo_config``: 0.5 s ticks, 10 s stable / 2 s panic windows, 8 s cooldown, max 2 per role on
 this 2-core box). An open-loop client (arrivals at a fixed rate, each a streaming chat of
 ``--max-tokens`` tokens) sends: ``--rate`` req/s for ``--steady-s``, ``--burst-x`` times that for
@@ -82,9 +82,9 @@ class Service:
         import uvicorn
 
         from autoscaler.local import LocalActuator, LocalConfig, free_port
+        from autoscaler.up import registry_hooks
         from gateway.app import create_app
         from gateway.main import build_gateway
-        from gateway.up import registry_hooks
 
         token = secrets.token_urlsafe(24)
         os.environ["PDSERVE_INTERNAL_TOKEN"] = token
@@ -136,7 +136,7 @@ class Service:
     def start(self) -> None:
         import httpx
 
-        from gateway.up import autoscale_in_process
+        from autoscaler.up import autoscale_in_process
 
         self.thread.start()
         for role in ROLES:

@@ -11,19 +11,24 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from compute.tokenizer import TemplateError
 
+from . import protocol as p
 from .admission import Overloaded
 from .internal import add_internal_routes
-from . import protocol as p
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, errors
 from .relay import Unavailable
-from .service import REQUESTS, REQUEST_SECONDS, BadRequest, Gateway
+from .service import REQUEST_SECONDS, REQUESTS, BadRequest, Gateway
 
 
 def _err(status: int, message: str, type_: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:

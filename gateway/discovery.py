@@ -1,7 +1,7 @@
 """Where the gateway's node registry learns which nodes exist: its sources.
 
   static      ``--node ROLE=URL`` / ``[gateway] nodes``: registered once, at start (gateway.service)
-  local       the local actuator's callbacks (``pdserve up``: gateway.up.registry_hooks)
+  local       the local actuator's callbacks (``pdserve up``: autoscaler.up.registry_hooks)
   kubernetes  the EndpointSlices of the node Services, listed then watched (this module)
 
 Lifecycle of the Kubernetes source (one thread per role, label-selected by that role's Service):

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+)
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 # strict models (JSON types as the schema says: no 0 for false, no "1" for 1), except that 1.0 is an

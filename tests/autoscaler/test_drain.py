@@ -1,5 +1,5 @@
 """Scale-down drains, with the real LocalActuator (`pdserve node` processes) and the gateway's own
-registry, router and relay (gateway/up.py's registry hooks) on the tiny model (token ids only).
+registry, router and relay (autoscaler/up.py's registry hooks) on the tiny model (token ids only).
 
 - `scale(role, n - 1)` while N streams are in flight on the newest node: the gateway stops
   routing to it before the drain starts, every in-flight stream completes in full, requests sent
@@ -55,7 +55,7 @@ def test_scale_down_drains_without_losing_a_request(tmp_path, tiny_model_store):
     from gateway.nodes import NodeClient
     from gateway.registry import NodeRegistry
     from gateway.relay import GenRequest, Relay
-    from gateway.up import registry_hooks
+    from autoscaler.up import registry_hooks
 
     seen: dict[str, dict] = {}  # what the leaving node reported when the drain began / when it was done
     drain_started = threading.Event()

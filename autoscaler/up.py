@@ -1,5 +1,7 @@
 """`pdserve up`: the default local service — nodes as local processes, the gateway in this process.
 
+It composes nodes, gateway and the local actuator, so it lives at the top of the stack (autoscaler).
+
 Lifecycle: parse -> internal token (generated unless $PDSERVE_INTERNAL_TOKEN) -> gateway
 built from the store (tokenizer, chat template) -> the local actuator starts the nodes;
 each registers with the gateway once ready -> optional autoscaling loop (``--autoscale``)
@@ -45,11 +47,11 @@ def add_arguments(p) -> None:
 
 def local_service(args, token: str):
     """(gateway, LocalConfig, AutoscalerConfig) from flags > environment > the config file > defaults."""
-    from autoscaler import AutoscalerConfig
-    from autoscaler.local import LocalConfig
+    from gateway.main import gateway_config, open_gateway
     from paramstore.config import ConfigError, config_path, read_config, store_config
 
-    from .main import gateway_config, open_gateway
+    from . import AutoscalerConfig
+    from .local import LocalConfig
 
     path = config_path(args.config)
     tables = read_config(path)
@@ -82,11 +84,11 @@ def plan(args) -> dict[str, int]:
 def main(args) -> int:
     import uvicorn
 
-    from autoscaler.local import LocalActuator
     from compute.node.lifeline import hold
+    from gateway.app import create_app
+    from gateway.main import announce
 
-    from .app import create_app
-    from .main import announce
+    from .local import LocalActuator
 
     stop = _StopSignals().install()  # first: a signal while starting up stops what was started
     hold(grace_s=STOP_GRACE_S + NODE_DRAIN_S + 20)  # started by a launcher (tests): end with it, cleaning up
@@ -202,10 +204,10 @@ def autoscale_in_process(gw, actuator, roles: dict[str, int], config=None):
     """The control loop in a thread of this process: the same observer as `pdserve autoscale`
     (autoscaler/observer.py), fed the gateway's status snapshot in-process; each report is stored
     where `pdserve status` reads it."""
-    from autoscaler import AutoscalerConfig
-    from autoscaler.observer import control_loop
+    from gateway.internal import snapshot
 
-    from .internal import snapshot
+    from . import AutoscalerConfig
+    from .observer import control_loop
 
     def publish(body: dict) -> None:
         gw.autoscaler_status = body  # one assignment: the gateway's loop reads it without a lock
