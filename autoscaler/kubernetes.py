@@ -27,6 +27,8 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
+from gateway.discovery import slice_endpoints
+
 from .actuator import Actuator, NodeInfo, PermanentActuatorError, TemporaryActuatorError
 from .backoff import Backoff, retry
 
@@ -130,21 +132,8 @@ class KubernetesActuator(Actuator):
                 _request_timeout=self.config.request_timeout_s)))  # fmt: skip
         seen: dict[str, NodeInfo] = {}
         for sl in slices.items or []:
-            port = _port(sl.ports or [], self.config.port_name)
-            if port is None:
-                continue
-            for ep in sl.endpoints or []:
-                if not ep.addresses:
-                    continue
-                host = ep.addresses[0]
-                host = f"[{host}]" if ":" in host else host  # IPv6
-                cond = ep.conditions
-                terminating = bool(cond and cond.terminating)
-                ready = (cond is None or cond.ready is None or bool(cond.ready)) and not terminating  # nil = ready
-                url = f"{self.config.scheme}://{host}:{port}"
-                state = "draining" if terminating else ("ready" if ready else "loading")
-                name = ep.target_ref.name if ep.target_ref and ep.target_ref.name else ""
-                seen[url] = NodeInfo(role=role, url=url, ready=ready, name=name, state=state)
+            for url, state, name in slice_endpoints(sl, self.config.port_name, self.config.scheme):
+                seen[url] = NodeInfo(role=role, url=url, ready=state == "ready", name=name, state=state)
         return sorted(seen.values(), key=lambda n: n.url)
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
@@ -164,13 +153,6 @@ def _retryable(e: BaseException) -> bool:
     if isinstance(e, ApiException):
         return e.status in _RETRY_STATUS
     return isinstance(e, (OSError, TimeoutError)) or type(e).__module__.startswith("urllib3")
-
-
-def _port(ports: list, name: str) -> int | None:
-    for p in ports:
-        if p.name == name and p.port:
-            return int(p.port)
-    return int(ports[0].port) if ports and ports[0].port else None
 
 
 def _own_namespace(kubeconfig: str | None = None, context: str | None = None) -> str:

@@ -170,25 +170,8 @@ class KubernetesSource:
             self._publish(role, slices)
 
     def _endpoints(self, sl) -> dict[str, str]:
-        """url -> ready | loading | draining, for one EndpointSlice (unset ready means ready)."""
-        port = _port(sl.ports or [], self.config.port_name)
-        out: dict[str, str] = {}
-        if port is None:
-            return out
-        for ep in sl.endpoints or []:
-            if not ep.addresses:
-                continue
-            host = ep.addresses[0]
-            host = f"[{host}]" if ":" in host else host  # IPv6
-            cond = ep.conditions
-            if cond is not None and cond.terminating:
-                state = "draining"
-            elif cond is None or cond.ready is None or cond.ready:
-                state = "ready"
-            else:
-                state = "loading"
-            out[f"{self.config.scheme}://{host}:{port}"] = state
-        return out
+        """url -> ready | loading | draining, for one EndpointSlice."""
+        return {url: state for url, state, _ in slice_endpoints(sl, self.config.port_name, self.config.scheme)}
 
     def _publish(self, role: str, slices: dict[str, dict[str, str]]) -> None:
         union: dict[str, str] = {}
@@ -242,6 +225,33 @@ class KubernetesSource:
             return (active or {}).get("context", {}).get("namespace") or "default"
         except Exception:  # noqa: BLE001 - no kubeconfig context: the default namespace
             return "default"
+
+
+def slice_endpoints(sl, port_name: str, scheme: str = "http") -> list[tuple[str, str, str]]:
+    """(url, ready | loading | draining, pod name) of each endpoint of one EndpointSlice.
+
+    Kubernetes' rules: an unset ``ready`` means ready; ``terminating`` wins over ready. The port
+    is the one named ``port_name``, else the slice's first; a slice without ports has no endpoints.
+    """
+    port = _port(sl.ports or [], port_name)
+    if port is None:
+        return []
+    out = []
+    for ep in sl.endpoints or []:
+        if not ep.addresses:
+            continue
+        host = ep.addresses[0]
+        host = f"[{host}]" if ":" in host else host  # IPv6
+        cond = ep.conditions
+        if cond is not None and cond.terminating:
+            state = "draining"
+        elif cond is None or cond.ready is None or cond.ready:
+            state = "ready"
+        else:
+            state = "loading"
+        name = ep.target_ref.name if ep.target_ref and ep.target_ref.name else ""
+        out.append((f"{scheme}://{host}:{port}", state, name))
+    return out
 
 
 def _port(ports: list, name: str) -> int | None:
