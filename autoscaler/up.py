@@ -2,7 +2,7 @@
 
 It composes nodes, gateway and the local actuator, so it lives at the top of the stack (autoscaler).
 
-Lifecycle: parse -> internal token (generated unless $PDSERVE_INTERNAL_TOKEN) -> gateway
+Lifecycle: parse -> internal token (generated unless $PDSERVE_INTERNAL_TOKEN[_FILE]) -> gateway
 built from the store (tokenizer, chat template) -> the local actuator starts the nodes;
 each registers with the gateway once ready -> optional autoscaling loop (``--autoscale``)
 -> serve until SIGTERM/SIGINT (Ctrl-C) -> the gateway finishes its open requests (bounded) ->
@@ -87,6 +87,7 @@ def main(args) -> int:
     from compute.node.lifeline import hold
     from gateway.app import create_app
     from gateway.main import announce
+    from paramstore.config import env_secret
 
     from .local import LocalActuator
 
@@ -95,7 +96,7 @@ def main(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     roles = plan(args)
-    token = os.environ.get("PDSERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)
+    token = env_secret("PDSERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)  # or $PDSERVE_INTERNAL_TOKEN_FILE
     os.environ["PDSERVE_INTERNAL_TOKEN"] = token
     gw, local, auto = local_service(args, token)
     loop = asyncio.new_event_loop()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+
+from paramstore.config import env_secret
 
 
 @dataclass(slots=True)
@@ -53,20 +54,9 @@ class GatewayConfig:
 
 def keys_from_env(env: dict | None = None) -> dict:
     """PDSERVE_API_KEYS (comma-separated), PDSERVE_ADMIN_KEY, PDSERVE_INTERNAL_TOKEN, or *_FILE variants."""
-    env = os.environ if env is None else env
-
-    def read(name: str) -> str | None:
-        if env.get(name):
-            return env[name].strip()
-        path = env.get(name + "_FILE")
-        if path:
-            with open(path) as f:
-                return f.read().strip()
-        return None
-
-    api = read("PDSERVE_API_KEYS")
+    api = env_secret("PDSERVE_API_KEYS", env=env)
     return {
         "api_keys": tuple(k.strip() for k in api.split(",") if k.strip()) if api else (),
-        "admin_key": read("PDSERVE_ADMIN_KEY"),
-        "internal_token": read("PDSERVE_INTERNAL_TOKEN"),
+        "admin_key": env_secret("PDSERVE_ADMIN_KEY", env=env),
+        "internal_token": env_secret("PDSERVE_INTERNAL_TOKEN", env=env),
     }
