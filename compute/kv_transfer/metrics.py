@@ -19,3 +19,5 @@ FALLBACKS = Counter("pdserve_kv_transfer_fallbacks", "Transfer backend unavailab
                     ["from_backend", "to_backend"])  # fmt: skip
 SAVED = Counter("pdserve_kv_transfer_saved_bytes", "KV bytes not sent thanks to wire compression (received side)",
                 ["backend"])  # fmt: skip
+QUARANTINE = Counter("pdserve_kv_transfer_quarantine", "Ended receives whose transport might still write: "
+                     "held aside, freed once seen stopped, or leaked (never seen to stop)", ["backend", "event"])  # fmt: skip

@@ -3,23 +3,35 @@
 Lifecycle of one request::
 
     prefill (NixlSender)                         decode (NixlReceiver)
-    cache registered once (one DRAM region)      cache registered once
+    cache registered once (one DRAM region)
     offer: hold blocks; handle = agent name,
       agent metadata (base64), region geometry,
       block ids (or staging slots, compressed)
                                                  start: load peer metadata (once per peer),
+                                                   register a scratch [L, 2, n, wire] for it,
                                                    descriptors = adjacent (layer, kv, block)
                                                    units merged on both sides, prep_xfer_dlist
                                                    x2, make_prepped_xfer(READ), transfer
                                                  poll: check_xfer_state -> DONE | ERR | deadline
-                                                   DONE: (decode staging) send_notif("done")
-    progress loop sees "done" -> DONE, release   abort / timeout: send_notif("abort")
-      (or "abort" -> FAILED, or hold_s -> FAILED)
+                                                   DONE: scratch -> destination blocks (decoded),
+                                                   send_notif("done")
+    progress loop sees "done" -> DONE, release   abort / timeout: send_notif("abort"); a READ
+      (or "abort" -> FAILED, or hold_s -> FAILED)  still PROC goes to quarantine (below)
 
-One agent per process (``nixl_agent_config(backends=["UCX"], enable_prog_thread=
-False)``, creation ~0.5 s), shared by its senders and receivers, every call under
-one lock (the agent is built without NIXL's own locking). NIXL's metadata
-listener (0.0.0.0:8888) is not used: metadata travels in the handle.
+Quarantine: NIXL cannot stop a posted READ. ``release_xfer_handle`` on a busy
+handle makes the UCX backend call ``ucp_request_cancel`` and report success
+whatever UCX did (an RMA get is not cancelled: it lands when the peer answers,
+e.g. a frozen prefill process resuming). So the READ never targets the cache:
+it targets the transfer's own scratch, and a transfer that ends while its READ
+is PROC keeps scratch and handle aside until ``check_xfer_state`` says DONE or
+ERR (then both are freed), or for ``hold_s`` at most: then the handle is
+released and the scratch stays registered and referenced for the process's
+life (logged, ``pdserve_kv_transfer_quarantine{event="leaked"}``). The
+destination blocks go back to the engine as soon as the transfer is FAILED,
+and nothing writes them after that. The cost is one copy of the KV on DONE
+(the int8 path decodes from a scratch anyway).
+
+One agent per process (``nixl_agent``), shared by its senders and receivers.
 
 Progress: without NIXL's progress thread, UCX moves only when this process
 calls into the agent. A READ is one-sided once connected, but the first READ
@@ -27,7 +39,11 @@ from a new peer needs the *target* to progress the wire-up, and a notification
 is delivered only when the target progresses. So each sender runs a light loop
 (every 2 ms: read notifications, expire holds). The "done" notification is sent
 separately after the READ completes (a READ with an attached notification does
-not complete until the target progresses).
+not complete until the target progresses). Likewise a notification leaves (and a
+first connection is wired up) only while the agent that posted it progresses, so
+each receiver runs a loop too while something is on the way: every 2 ms until the
+sender's hold deadline after a notification, and while a READ is quarantined; idle
+otherwise. An abort reaches the sender at once even if the decode node goes quiet.
 
 Compression: a READ runs nothing on the prefill node, so compressed units must
 exist before it: ``offer`` encodes the request's blocks into a registered
@@ -38,162 +54,35 @@ into a registered scratch buffer and decodes into its blocks.
 Caveat: the prefill side cannot revoke a READ. A receiver only starts when it
 can finish before the handle's ``expires_at`` (see ``base``), but a sender-side
 ``abort``/``release`` during a READ frees blocks the peer may still be reading.
+That READ then delivers garbage into a scratch, never into another request's blocks.
 The environment (``UCX_NET_DEVICES``, ``NIXL_LOG_LEVEL``) is the caller's.
 """
 
 from __future__ import annotations
 
 import base64
-import ctypes
 import logging
-import os
-import socket
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
 from compute.kv_transfer.base import (
     KVReceiver,
     KVSender,
     TransferFailed,
     TransferState,
-    TransportDead,
 )
 from compute.kv_transfer.compression import get_codec
 from compute.kv_transfer.layout import BlockRegion, paired_runs
+from compute.kv_transfer.nixl_agent import process_agent
 
 log = logging.getLogger(__name__)
 
-_PROGRESS_S = 0.002  # sender progress loop period
-
-_AGENT: _Agent | None = None
-_AGENT_LOCK = threading.Lock()
-
-
-def process_agent() -> _Agent:
-    """This process's NIXL agent, created on first use. ``ImportError`` without nixl-cu12,
-    ``TransportDead`` when the agent or its UCX backend cannot be created."""
-    global _AGENT
-    with _AGENT_LOCK:
-        if _AGENT is None:
-            _AGENT = _Agent()
-        return _AGENT
-
-
-class _Agent:
-    def __init__(self):
-        from nixl_cu12 import (  # ImportError: the factory falls back
-            nixl_agent,
-            nixl_agent_config,
-        )
-
-        self.name = f"pdserve-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
-        except Exception as e:
-            raise TransportDead(f"nixl: cannot create agent: {e}") from e
-        if "UCX" not in self.agent.backends:
-            raise TransportDead("nixl: UCX backend unavailable")
-        # Never destroyed: the agent lives as long as the process, and destroying it
-        # after a peer died with a notification still queued to it and a READ posted
-        # to it makes UCX abort the process (arbiter.c "ucs_arbiter_group_is_empty",
-        # nixl-cu12 1.5.1). The OS reclaims it at exit.
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.agent.agent))
-        self.lock = threading.RLock()
-        self._md: bytes | None = None
-        self._peers: dict[int, str] = {}  # xxh3 of loaded metadata -> agent name
-        self._inbox: dict[str, list[tuple[str, str]]] = {}  # sender id -> [(op, request_id)]
-
-    def register(self, t: torch.Tensor):
-        """Register ``t``'s whole storage as one DRAM region (``t`` may be a permuted view)."""
-        st = t.untyped_storage()
-        with self.lock:
-            self._md = None
-            return self.agent.register_memory([(st.data_ptr(), st.nbytes(), 0, "")], "DRAM")
-
-    def deregister(self, descs) -> None:
-        with self.lock:
-            self._md = None
-            self.agent.deregister_memory(descs)
-
-    def metadata(self) -> bytes:
-        with self.lock:
-            if self._md is None:
-                self._md = self.agent.get_agent_metadata()
-            return self._md
-
-    def peer(self, md: bytes) -> str:
-        """Load a peer's metadata (again only if it changed); returns its agent name."""
-        key = xxhash.xxh3_64_intdigest(md)
-        with self.lock:
-            if key not in self._peers:
-                name = self.agent.add_remote_agent(md)
-                self._peers[key] = name.decode() if isinstance(name, bytes) else name
-            return self._peers[key]
-
-    def read(self, peer: str, local: np.ndarray, remote: np.ndarray):
-        """Post a READ of ``remote`` into ``local`` (Nx3 uint64 descriptors) -> (xfer, dlists, status)."""
-        idx = np.arange(len(local), dtype=np.int32)
-        made = []
-        with self.lock:
-            try:
-                made.append(self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM"))
-                made.append(self.agent.prep_xfer_dlist(peer, remote, "DRAM"))
-                x = self.agent.make_prepped_xfer("READ", made[0], idx, made[1], idx)
-                made.insert(0, x)
-                return x, tuple(made[1:]), self.agent.transfer(x)
-            except Exception:
-                # a failed post must be released now: a leaked request to a dead peer
-                # makes UCX abort the whole process at exit
-                self.release(*made)
-                raise
-
-    def state(self, x) -> str:
-        """"DONE" | "PROC" | "ERR" (a disconnected peer raises in NIXL: "ERR" here)."""
-        with self.lock:
-            try:
-                return self.agent.check_xfer_state(x)
-            except Exception as e:  # noqa: BLE001 - NIXL raises on a disconnected peer
-                log.debug("nixl: transfer state: %s", e)
-                return "ERR"
-
-    def release(self, *handles) -> None:
-        with self.lock:
-            for h in handles:
-                try:
-                    h.release()
-                except Exception as e:  # noqa: BLE001 - cannot cancel: NIXL keeps it
-                    log.warning("nixl: release of %r failed: %s", h, e)
-
-    def notify(self, peer: str, msg: str) -> None:
-        with self.lock:
-            try:
-                self.agent.send_notif(peer, msg.encode())
-            except Exception as e:  # noqa: BLE001 - a dead peer released (or died) on its own
-                log.debug("nixl: notif to %s failed: %s", peer, e)
-
-    def subscribe(self, sender_id: str) -> None:
-        with self.lock:
-            self._inbox.setdefault(sender_id, [])
-
-    def unsubscribe(self, sender_id: str) -> None:
-        with self.lock:
-            self._inbox.pop(sender_id, None)
-
-    def take(self, sender_id: str) -> list[tuple[str, str]]:
-        """Progress UCX, sort new notifications ``op:sender:request`` to their senders, return ours."""
-        with self.lock:
-            for msgs in self.agent.get_new_notifs().values():
-                for m in msgs:
-                    parts = m.decode(errors="replace").split(":", 2)
-                    if len(parts) == 3 and parts[1] in self._inbox:
-                        self._inbox[parts[1]].append((parts[0], parts[2]))
-            mine, self._inbox[sender_id] = self._inbox.get(sender_id, []), []
-            return mine
-
+_PROGRESS_S = 0.002  # progress loops' period (senders; receivers while busy)
 
 class NixlSender(KVSender):
     backend = "nixl"
@@ -279,13 +168,23 @@ class NixlSender(KVSender):
 
 
 class NixlReceiver(KVReceiver):
+    """Reads into a registered scratch buffer per transfer, never into the cache itself: on DONE
+    the scratch is copied (decoded) into the destination blocks. A READ that may still be moving
+    when its transfer ends (abort, timeout) keeps its scratch in quarantine; the destination
+    blocks go back to the engine at once and no transport ever writes them."""
+
     backend = "nixl"
 
     def __init__(self, pool, config):
         super().__init__(pool, config.timeout_s)
         self.agent = process_agent()
-        self._reg = self.agent.register(pool.tensor)
+        self.quarantine_s = config.hold_s  # an aborted READ not stopped by then is given up on (leaked)
         self._lock = threading.Lock()
+        self._quarantine: list[_Stuck] = []
+        self._pump_until = 0.0  # monotonic: progress UCX until then (notifications on their way)
+        self._closed, self._wake = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kv-nixl-receiver", daemon=True)
+        self._thread.start()
 
     def start(self, handle, dst_block_ids):
         dst = self._check_handle(handle, dst_block_ids)
@@ -293,18 +192,15 @@ class NixlReceiver(KVReceiver):
         if t.terminal:
             return t.id
         codec = get_codec(handle["codec"])
-        t.extra.update(sender=handle["sender"], codec=codec)
+        scratch = torch.empty((self.layout.num_layers, 2, len(dst), codec.wire_nbytes(self.layout)),
+                              dtype=torch.uint8)  # fmt: skip
+        t.extra.update(sender=handle["sender"], codec=codec, expires_at=handle["expires_at"], scratch=scratch)
         try:
             t.extra["peer"] = self.agent.peer(base64.b64decode(handle["metadata"]))
-            remote = BlockRegion.from_dict(handle["region"])
-            if codec.name == "none":
-                local, local_blocks = self.pool.region, dst
-            else:
-                scratch = torch.empty((self.layout.num_layers, 2, len(dst), codec.wire_nbytes(self.layout)),
-                                      dtype=torch.uint8)  # fmt: skip
-                t.extra.update(scratch=scratch, scratch_reg=self.agent.register(scratch))
-                local, local_blocks = BlockRegion.of(scratch), list(range(len(dst)))
-            so, do, ln = paired_runs(remote.offsets(handle["blocks"]), local.offsets(local_blocks), local.unit_nbytes)
+            remote, local = BlockRegion.from_dict(handle["region"]), BlockRegion.of(scratch)
+            t.extra["scratch_reg"] = self.agent.register(scratch)
+            so, do, ln = paired_runs(remote.offsets(handle["blocks"]), local.offsets(list(range(len(dst)))),
+                                     local.unit_nbytes)  # fmt: skip
             zero = np.zeros_like(ln)
             rdesc = np.stack((remote.base + so, ln, zero), 1).astype(np.uint64)
             ldesc = np.stack((local.base + do, ln, zero), 1).astype(np.uint64)
@@ -313,7 +209,10 @@ class NixlReceiver(KVReceiver):
             log.warning("nixl: cannot start READ of %s: %s", t.request_id, e)
             status = "ERR"
         with self._lock:
-            if status == "ERR":
+            if t.terminal:  # aborted while posting: settle what was posted after that
+                t.extra["scratch"] = scratch
+                self._settle(t, TransferState.FAILED)
+            elif status == "ERR":
                 self._end(t, TransferState.FAILED, "peer_lost")
             else:
                 self._ledger.moving(t)
@@ -327,11 +226,18 @@ class NixlReceiver(KVReceiver):
             if t is not None and not t.terminal:
                 self._end(t, TransferState.FAILED, "aborted")
 
+    def quarantined(self) -> int:
+        """Ended transfers whose READ may still be moving (their scratch is held, not reused)."""
+        with self._lock:
+            return len(self._quarantine)
+
     def close(self):
         super().close()
-        if self._reg is not None:
-            self.agent.deregister(self._reg)
-            self._reg = None
+        self._closed.set()
+        self._wake.set()
+        self._thread.join(2)
+        with self._lock:
+            self._sweep(give_up=True)
 
     def _advance(self, t):
         with self._lock:
@@ -346,15 +252,92 @@ class NixlReceiver(KVReceiver):
                 self._end(t, TransferState.FAILED, "timeout")
 
     def _end(self, t, state: TransferState, reason: str = "") -> None:
-        """Under ``self._lock``: free NIXL resources, decode, finish, tell the sender."""
-        if "xfer" in t.extra:
-            self.agent.release(t.extra.pop("xfer"), *t.extra.pop("dlists"))
-        if state == TransferState.DONE and "scratch" in t.extra:
-            self.pool.scatter(t.dst, t.extra["codec"].decode(t.extra["scratch"], self.layout))
-        if "scratch_reg" in t.extra:
-            self.agent.deregister(t.extra.pop("scratch_reg"))
-            t.extra.pop("scratch")
+        """Under ``self._lock``: settle the READ, finish, tell the sender."""
+        self._settle(t, state)
         self._finish(t, state, reason)
         if "peer" in t.extra and reason != "peer_lost":  # a lost peer released (or died) already
             op = "done" if state == TransferState.DONE else "abort"
             self.agent.notify(t.extra["peer"], f"{op}:{t.extra['sender']}:{t.request_id}")
+            # delivered only as UCX progresses here: keep progressing while the sender still holds
+            left = max(t.extra["expires_at"] - time.time(), 0.0)
+            self._pump_until = max(self._pump_until, time.monotonic() + min(left, self.quarantine_s))
+            self._wake.set()
+
+    def _settle(self, t, state: TransferState) -> None:
+        """Under ``self._lock``: decode into the destination (DONE), then free the READ's handle
+        and scratch, or quarantine them if the READ may still write."""
+        from compute.kv_transfer import metrics
+
+        if state == TransferState.DONE:
+            self.pool.scatter(t.dst, t.extra["codec"].decode(t.extra["scratch"], self.layout))
+        stuck = _Stuck(t.request_id, t.extra.pop("xfer", None), t.extra.pop("dlists", ()),
+                       t.extra.pop("scratch", None), t.extra.pop("scratch_reg", None), 0.0)  # fmt: skip
+        # DONE / ERR: the READ has stopped. Anything else (PROC, or a state read on an aborted
+        # handle): it may still write, and releasing the handle does not stop it (NIXL's UCX
+        # backend cancels and reports success whatever UCX did), so it is kept to be watched.
+        if stuck.xfer is not None and state != TransferState.DONE and self.agent.state(stuck.xfer) == "PROC":
+            stuck.deadline = time.monotonic() + self.quarantine_s
+            self._quarantine.append(stuck)
+            metrics.QUARANTINE.labels(self.backend, "held").inc()
+            self._wake.set()
+        else:
+            self._free(stuck)
+
+    def _free(self, s: _Stuck) -> None:
+        if s.xfer is not None:
+            self.agent.release(s.xfer, *s.dlists)
+        if s.reg is not None:
+            self.agent.deregister(s.reg)
+
+    def _sweep(self, give_up: bool = False) -> None:
+        """Under ``self._lock``: free quarantined READs that stopped; past their deadline (or
+        ``give_up``) release the handle but keep the scratch registered and alive for good."""
+        from compute.kv_transfer import metrics
+
+        now, keep = time.monotonic(), []
+        for s in self._quarantine:
+            if self.agent.state(s.xfer) != "PROC":
+                self._free(s)
+                metrics.QUARANTINE.labels(self.backend, "freed").inc()
+            elif give_up or now > s.deadline:
+                log.warning("nixl: READ of %s still moving past its quarantine (%.1f s, or close); its %d B "
+                            "scratch stays registered and is never reused", s.request_id, self.quarantine_s,
+                            s.scratch.nbytes)  # fmt: skip
+                self.agent.release(s.xfer, *s.dlists)
+                _LEAKED.append((s.scratch, s.reg))
+                metrics.QUARANTINE.labels(self.backend, "leaked").inc()
+            else:
+                keep.append(s)
+        self._quarantine = keep
+
+    def _loop(self):
+        """Progress UCX while something waits on it (notifications, quarantined READs), so an
+        abort reaches the sender even when this node makes no further NIXL calls."""
+        while not self._closed.is_set():
+            busy = bool(self._quarantine) or time.monotonic() < self._pump_until
+            if not busy:
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            try:
+                self.agent.pump()
+                with self._lock:
+                    self._sweep()
+            except Exception:  # keep progressing
+                log.exception("nixl receiver progress loop")
+            self._closed.wait(_PROGRESS_S)
+
+
+@dataclass(slots=True)
+class _Stuck:
+    """A READ that ended on our side and may still write ``scratch``."""
+
+    request_id: str
+    xfer: object
+    dlists: tuple
+    scratch: torch.Tensor
+    reg: object
+    deadline: float  # monotonic
+
+
+_LEAKED: list = []  # (scratch, registration) of READs never seen to stop: kept for the process's life

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -66,28 +67,91 @@ def test_nixl_int8_staged_round_trip(peer, receiver, layout):
     assert peer.call("held", "nixl-int8", 5) == 0  # staging slots and blocks released
 
 
-def test_nixl_receiver_abort_releases_the_sender(receiver, layout):
-    """An abort while the READ is in flight: FAILED("aborted") on the receiver at once, and the sender is
-    told so (not its hold expiring: hold_s is 60) and releases. In flight for sure: the first READ to a
-    fresh prefill process needs that process to progress UCX's wire-up, and it is frozen (SIGSTOP). The
-    abort notification leaves when the receiver's agent next progresses: its next READ, once thawed."""
-    fresh = Peer.spawn(layout, {"nixl": {"backend": "nixl", "hold_s": 60.0}}, seed=1)
+def _quarantine(event):
+    return metrics.QUARANTINE.labels("nixl", event)._value.get()
+
+
+def _until(cond, timeout_s):
+    end = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+def test_nixl_abort_in_flight_never_writes_freed_blocks(receiver, layout):
+    """An abort while the READ is in flight: FAILED("aborted") at once; the READ lands once the frozen peer
+    resumes, and must land nowhere in the cache (the caller has freed the blocks: they may hold another
+    request's KV by then); the sender learns of the abort while the receiver makes no call at all.
+    In flight for sure: the first READ to a fresh prefill process needs that process to progress UCX's
+    wire-up, and it is frozen (SIGSTOP). Control, measured here: a first READ to another fresh prefill
+    process, from start() to its sender reporting DONE (wire-up, READ, notification, the pipe)."""
+    senders = {"nixl": {"backend": "nixl", "hold_s": 60.0}}  # the sender must learn it, not expire
+    with ThreadPoolExecutor(2) as ex:
+        victim, control = ex.map(lambda seed: Peer.spawn(layout, senders, seed=seed), (1, 2))
     try:
-        h, after = (fresh.call("offer", "nixl", rid, SRC_BLOCKS, NUM_TOKENS) for rid in ("ab1", "ab2"))
-        os.kill(fresh.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert wait(receiver.poll, receiver.start(control.call("offer", "nixl", "c1", SRC_BLOCKS, NUM_TOKENS),
+                                                  [2, 3, 4]), 10) == DONE  # fmt: skip
+        assert control.call("wait", "nixl", "c1", 10) == ("done", "")
+        bound = 10 * (time.monotonic() - t0)
+        held, freed = _quarantine("held"), _quarantine("freed")
+        h, after = (victim.call("offer", "nixl", rid, SRC_BLOCKS, NUM_TOKENS) for rid in ("ab1", "ab2"))
+        os.kill(victim.proc.pid, signal.SIGSTOP)
         try:
             tid = receiver.start(h, DST_BLOCKS)
             assert receiver.poll(tid) == TransferState.TRANSFERRING  # posted; cannot complete while frozen
             receiver.abort(tid)
             assert receiver.poll(tid) == FAILED and receiver.failure(tid).reason == "aborted"
+            assert receiver.quarantined() == 1 and _quarantine("held") == held + 1
+            receiver.pool.tensor[:, :, DST_BLOCKS] = -7.0  # the freed blocks, reused by another request
+            cache = receiver.pool.tensor.clone()
+            time.sleep(bound / 10)
+            assert receiver.quarantined() == 1  # frozen peer: the READ has not stopped, so it stays aside
         finally:
-            os.kill(fresh.proc.pid, signal.SIGCONT)
+            t0 = time.monotonic()
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        # the receiver stays idle from here until the sender has answered
+        assert victim.call("wait", "nixl", "ab1", 10) == ("failed", "aborted")
+        notice_s = time.monotonic() - t0
+        assert notice_s <= bound, f"abort notice took {notice_s:.3f} s, control bound {bound:.3f} s"
+        assert _until(lambda: receiver.quarantined() == 0, 10), "the READ never stopped"
+        assert _quarantine("freed") == freed + 1  # seen DONE/ERR: it did land, in its quarantined scratch
+        assert torch.equal(receiver.pool.tensor, cache)  # nothing in the cache was written
         assert wait(receiver.poll, receiver.start(after, [2, 3, 4]), 10) == DONE
-        assert fresh.call("wait", "nixl", "ab1", 10) == ("failed", "aborted")
-        assert fresh.call("wait", "nixl", "ab2", 10) == ("done", "")
-        assert fresh.call("held", "nixl", 5) == 0
+        assert victim.call("wait", "nixl", "ab2", 10) == ("done", "")
+        assert victim.call("held", "nixl", 5) == 0
     finally:
-        fresh.stop()
+        victim.stop()
+        control.stop()
+
+
+def test_nixl_timed_out_read_never_stopping_is_leaked_not_reused(layout):
+    """A READ that times out with its peer frozen past the quarantine (hold_s): its scratch is given up on
+    (counted, kept), the cache is still never written once the peer resumes."""
+    victim = Peer.spawn(layout, {"nixl": {"backend": "nixl", "hold_s": 60.0}}, seed=1)
+    receiver = make_transfer("nixl", "decode", layout, KVPool.allocate(layout, 8), timeout_s=0.3, hold_s=0.6)
+    try:
+        leaked = _quarantine("leaked")
+        h = victim.call("offer", "nixl", "lk1", SRC_BLOCKS, NUM_TOKENS)
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            tid = receiver.start(h, DST_BLOCKS)
+            assert wait(receiver.poll, tid, 5) == FAILED and receiver.failure(tid).reason == "timeout"
+            assert receiver.quarantined() == 1
+            assert _until(lambda: receiver.quarantined() == 0, 5 + receiver.quarantine_s)
+            assert _quarantine("leaked") == leaked + 1
+            receiver.pool.tensor[:, :, DST_BLOCKS] = -7.0
+            cache = receiver.pool.tensor.clone()
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        assert victim.call("wait", "nixl", "lk1", 10) == ("failed", "aborted")  # told, though late
+        after = victim.call("offer", "nixl", "lk2", SRC_BLOCKS, NUM_TOKENS)
+        assert wait(receiver.poll, receiver.start(after, [2, 3, 4]), 10) == DONE  # connected, progressed
+        cache[:, :, [2, 3, 4]] = receiver.pool.tensor[:, :, [2, 3, 4]]
+        assert torch.equal(receiver.pool.tensor, cache)
+    finally:
+        receiver.close()
+        victim.stop()
 
 
 def test_nixl_abort_after_done_changes_nothing(peer, receiver):
