@@ -28,8 +28,10 @@ ERR (then both are freed), or for ``hold_s`` at most: then the handle is
 released and the scratch stays registered and referenced for the process's
 life (logged, ``pdserve_kv_transfer_quarantine{event="leaked"}``). The
 destination blocks go back to the engine as soon as the transfer is FAILED,
-and nothing writes them after that. The cost is one copy of the KV on DONE
-(the int8 path decodes from a scratch anyway).
+and nothing writes them after that. Scratch buffers (power-of-two block counts)
+are registered once and reused, one spare per size. The cost is one copy of the
+KV on DONE (the int8 path decodes from a scratch anyway): an 8 MB READ here took
+~2.5 ms instead of ~2.0 ms.
 
 One agent per process (``nixl_agent``), shared by its senders and receivers.
 
@@ -181,6 +183,7 @@ class NixlReceiver(KVReceiver):
         self.quarantine_s = config.hold_s  # an aborted READ not stopped by then is given up on (leaked)
         self._lock = threading.Lock()
         self._quarantine: list[_Stuck] = []
+        self._spare: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}  # (blocks, wire) -> scratch
         self._pump_until = 0.0  # monotonic: progress UCX until then (notifications on their way)
         self._closed, self._wake = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-nixl-receiver", daemon=True)
@@ -192,13 +195,12 @@ class NixlReceiver(KVReceiver):
         if t.terminal:
             return t.id
         codec = get_codec(handle["codec"])
-        scratch = torch.empty((self.layout.num_layers, 2, len(dst), codec.wire_nbytes(self.layout)),
-                              dtype=torch.uint8)  # fmt: skip
-        t.extra.update(sender=handle["sender"], codec=codec, expires_at=handle["expires_at"], scratch=scratch)
+        scratch, reg = self._take_scratch(len(dst), codec.wire_nbytes(self.layout))
+        t.extra.update(sender=handle["sender"], codec=codec, expires_at=handle["expires_at"], scratch=scratch,
+                       scratch_reg=reg)  # fmt: skip
         try:
             t.extra["peer"] = self.agent.peer(base64.b64decode(handle["metadata"]))
             remote, local = BlockRegion.from_dict(handle["region"]), BlockRegion.of(scratch)
-            t.extra["scratch_reg"] = self.agent.register(scratch)
             so, do, ln = paired_runs(remote.offsets(handle["blocks"]), local.offsets(list(range(len(dst)))),
                                      local.unit_nbytes)  # fmt: skip
             zero = np.zeros_like(ln)
@@ -238,6 +240,9 @@ class NixlReceiver(KVReceiver):
         self._thread.join(2)
         with self._lock:
             self._sweep(give_up=True)
+            for _, reg in self._spare.values():
+                self.agent.deregister(reg)
+            self._spare.clear()
 
     def _advance(self, t):
         with self._lock:
@@ -283,11 +288,29 @@ class NixlReceiver(KVReceiver):
         else:
             self._free(stuck)
 
+    def _take_scratch(self, n: int, wire: int) -> tuple[torch.Tensor, object]:
+        """A registered ``uint8 [L, 2, n, wire]`` view of a buffer of a power-of-two block count
+        (one spare kept per size: no registration or page faults per transfer)."""
+        cap = 1 << (n - 1).bit_length()
+        with self._lock:
+            buf, reg = self._spare.pop((cap, wire), (None, None))
+        if buf is None:
+            buf = torch.zeros(self.layout.num_layers * 2 * cap * wire, dtype=torch.uint8)
+            reg = self.agent.register(buf)
+        return buf[: self.layout.num_layers * 2 * n * wire].view(self.layout.num_layers, 2, n, wire), reg
+
     def _free(self, s: _Stuck) -> None:
+        """Under ``self._lock``: release a stopped READ's handle; its scratch becomes the spare."""
         if s.xfer is not None:
             self.agent.release(s.xfer, *s.dlists)
-        if s.reg is not None:
+        if s.reg is None:
+            return
+        buf = torch.as_strided(s.scratch, (s.scratch.untyped_storage().nbytes(),), (1,), 0)
+        key = (buf.numel() // (self.layout.num_layers * 2 * s.scratch.shape[3]), s.scratch.shape[3])
+        if self._closed.is_set() or key in self._spare:
             self.agent.deregister(s.reg)
+        else:
+            self._spare[key] = (buf, s.reg)
 
     def _sweep(self, give_up: bool = False) -> None:
         """Under ``self._lock``: free quarantined READs that stopped; past their deadline (or
