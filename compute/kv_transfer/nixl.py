@@ -197,7 +197,7 @@ class NixlReceiver(KVReceiver):
         codec = get_codec(handle["codec"])
         scratch, reg = self._take_scratch(len(dst), codec.wire_nbytes(self.layout))
         t.extra.update(sender=handle["sender"], codec=codec, expires_at=handle["expires_at"], scratch=scratch,
-                       scratch_reg=reg)  # fmt: skip
+                       scratch_reg=reg, posting=True)  # fmt: skip
         try:
             t.extra["peer"] = self.agent.peer(base64.b64decode(handle["metadata"]))
             remote, local = BlockRegion.from_dict(handle["region"]), BlockRegion.of(scratch)
@@ -211,8 +211,8 @@ class NixlReceiver(KVReceiver):
             log.warning("nixl: cannot start READ of %s: %s", t.request_id, e)
             status = "ERR"
         with self._lock:
-            if t.terminal:  # aborted while posting: settle what was posted after that
-                t.extra["scratch"] = scratch
+            del t.extra["posting"]
+            if t.terminal:  # aborted while posting: its _end left the READ to be settled here
                 self._settle(t, TransferState.FAILED)
             elif status == "ERR":
                 self._end(t, TransferState.FAILED, "peer_lost")
@@ -273,6 +273,8 @@ class NixlReceiver(KVReceiver):
         and scratch, or quarantine them if the READ may still write."""
         from compute.kv_transfer import metrics
 
+        if t.extra.get("posting"):  # start() settles it once the READ is posted (or not)
+            return
         if state == TransferState.DONE:
             self.pool.scatter(t.dst, t.extra["codec"].decode(t.extra["scratch"], self.layout))
         stuck = _Stuck(t.request_id, t.extra.pop("xfer", None), t.extra.pop("dlists", ()),
