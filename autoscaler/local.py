@@ -22,6 +22,8 @@ Lifecycle of one local node:
     their crash loops for `pdserve status`;
  5. ``close`` stops everything: drain (bounded), SIGTERM, SIGKILL after ``stop_timeout_s``
     (at once after ``hurry()``), and says which nodes it stopped.
+
+A slot and its node's state live in ``autoscaler.local_node``; this module owns their threads.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ from compute.node.lifeline import spawn_kwargs
 
 from .actuator import Actuator, NodeInfo, TemporaryActuatorError
 from .backoff import Backoff, RestartBackoff
+from .local_node import LocalNode, Slot, describe_exit, log_tail, send_signal, slot_row
 
 log = logging.getLogger("pdserve.autoscaler")
-LOG_TAIL_LINES = 10  # of a node that exited, kept for `pdserve status`
 
 
 @dataclass(slots=True)
@@ -83,44 +85,15 @@ class LocalConfig:
             raise ValueError("supervise_interval_s > 0, stop_timeout_s >= 0")
 
 
-@dataclass(slots=True, eq=False)
-class _Slot:
-    """A supervised place for one node of a role, across its restarts (a pod, to the kubelet)."""
-
-    name: str  # e.g. "decode-0"
-    role: str
-    backoff: RestartBackoff
-    last_exit: str = ""  # how its last node ended, in words
-    last_log: tuple[str, ...] = ()  # the last lines of that node's log
-
-
-@dataclass(slots=True, eq=False)
-class _Proc:
-    role: str
-    port: int
-    proc: subprocess.Popen
-    url: str
-    slot: _Slot
-    log_path: str
-    ready: bool = False
-    state: str = "loading"  # loading | ready | stopping
-    started: float = field(default_factory=time.monotonic)
-    ready_at: float | None = None
-    why: str = ""  # why we killed it ourselves (not ready in time), else "": its exit status says
-
-    def info(self) -> NodeInfo:
-        return NodeInfo(self.role, self.url, self.ready, name=f"pid {self.proc.pid}", state=self.state)
-
-
 class LocalActuator(Actuator):
     def __init__(self, config: LocalConfig | None = None, on_ready: Callable[[NodeInfo], None] | None = None,
                  on_gone: Callable[[NodeInfo], None] | None = None,
                  on_draining: Callable[[NodeInfo], None] | None = None, **kw):  # fmt: skip
         self.config = config or LocalConfig(**kw)
         self.on_ready, self.on_gone, self.on_draining = on_ready, on_gone, on_draining
-        self.nodes: list[_Proc] = []
+        self.nodes: list[LocalNode] = []
         self._desired: dict[str, int] = {}  # role -> nodes asked for by scale()
-        self._waiting: list[_Slot] = []  # slots whose node exited, waiting for their restart time
+        self._waiting: list[Slot] = []  # slots whose node exited, waiting for their restart time
         self._names: dict[str, itertools.count] = {}  # role -> slot numbers: decode-0, decode-1 ...
         self._lock = threading.Lock()  # nodes, _desired, _waiting
         self._converge = threading.Lock()  # one scale() or supervision pass at a time (no double starts)
@@ -193,12 +166,12 @@ class LocalActuator(Actuator):
         if drain_s > 0:
             self._drain_all([p for p in procs if p.ready and p.proc.poll() is None], drain_s)
         for p in procs:
-            _signal(p.proc, signal.SIGTERM)
+            send_signal(p.proc, signal.SIGTERM)
         deadline = time.monotonic() + self.config.stop_timeout_s
         killed = {id(p) for p in procs if not self._wait(p.proc, deadline)}
         for p in procs:
             if id(p) in killed:
-                _signal(p.proc, signal.SIGKILL)
+                send_signal(p.proc, signal.SIGKILL)
                 p.proc.wait(5)
         with self._lock:
             self.nodes.clear()
@@ -216,9 +189,9 @@ class LocalActuator(Actuator):
         rows = []
         with self._lock:
             for p in self.nodes:
-                rows.append(_row(p.slot, p.state, p.proc.pid, p.url, now))
+                rows.append(slot_row(p.slot, p.state, p.proc.pid, p.url, now))
             for s in self._waiting:
-                rows.append(_row(s, "crash-loop" if s.backoff.repeated else "restarting", None, "", now))
+                rows.append(slot_row(s, "crash-loop" if s.backoff.repeated else "restarting", None, "", now))
             desired = dict(self._desired)
         return {"desired": desired, "nodes": sorted(rows, key=lambda r: (r["role"], r["slot"]))}
 
@@ -252,7 +225,7 @@ class LocalActuator(Actuator):
         for p in [p for p in self.nodes if p.proc.poll() is not None and p.state != "stopping"]:
             self.nodes.remove(p)
             s = p.slot
-            s.last_exit, s.last_log = p.why or _describe(p.proc.returncode), _tail(p.log_path)
+            s.last_exit, s.last_log = p.why or describe_exit(p.proc.returncode), log_tail(p.log_path)
             have = sum(1 for q in self.nodes if q.role == p.role and q.state != "stopping")
             have += sum(1 for w in self._waiting if w.role == p.role)
             if have < self._desired.get(p.role, 0):
@@ -272,7 +245,7 @@ class LocalActuator(Actuator):
                 log.exception("supervision pass failed")
 
     # --- process management ------------------------------------------------------------
-    def start(self, role: str, slot: _Slot | None = None) -> _Proc:
+    def start(self, role: str, slot: Slot | None = None) -> LocalNode:
         """Spawn one node of `role` (in `slot` when restarting one; a new slot otherwise)."""
         c = self.config
         if self._closing.is_set():
@@ -280,7 +253,7 @@ class LocalActuator(Actuator):
         if slot is None:
             backoff = Backoff(base_s=c.restart_backoff_s, max_s=c.restart_backoff_max_s)
             n = next(self._names.setdefault(role, itertools.count()))
-            slot = _Slot(f"{role}-{n}", role, RestartBackoff(backoff, reset_after_s=c.restart_reset_s))
+            slot = Slot(f"{role}-{n}", role, RestartBackoff(backoff, reset_after_s=c.restart_reset_s))
         else:
             slot.backoff.started()
         port = free_port(c.host)
@@ -302,7 +275,7 @@ class LocalActuator(Actuator):
             raise TemporaryActuatorError(f"cannot start a {role} node: {e}") from None
         finally:
             logf.close()
-        p = _Proc(role, port, proc, f"http://{c.host}:{port}", slot, log_path)
+        p = LocalNode(role, port, proc, f"http://{c.host}:{port}", slot, log_path)
         with self._lock:
             self.nodes.append(p)
             if self._supervisor is None and not self._closing.is_set():
@@ -312,7 +285,7 @@ class LocalActuator(Actuator):
         log.info("started %s node %s pid %d on %s", role, slot.name, proc.pid, p.url)
         return p
 
-    def _watch(self, p: _Proc) -> None:
+    def _watch(self, p: LocalNode) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
         with httpx.Client(headers=self._headers, timeout=2.0) as client:
             while time.monotonic() < deadline and p.proc.poll() is None and p.state != "stopping":
@@ -329,32 +302,32 @@ class LocalActuator(Actuator):
         if not p.ready and p.state != "stopping" and p.proc.poll() is None:
             log.error("%s node %s not ready after %.0f s: killing it", p.role, p.url, self.config.ready_timeout_s)
             p.why = f"not ready after {self.config.ready_timeout_s:g} s"
-            _signal(p.proc, signal.SIGKILL)  # reaped by the supervisor: a crash of its slot
+            send_signal(p.proc, signal.SIGKILL)  # reaped by the supervisor: a crash of its slot
 
-    def stop(self, p: _Proc) -> None:
+    def stop(self, p: LocalNode) -> None:
         """Drain (bounded), deregister, SIGTERM, SIGKILL after the stop timeout."""
         p.state = "stopping"
         if p.proc.poll() is None and p.ready:
             self._hook(self.on_draining, p)
             self._drain(p, self.config.drain_timeout_s)
         self._hook(self.on_gone, p)
-        _signal(p.proc, signal.SIGTERM)
+        send_signal(p.proc, signal.SIGTERM)
         if not self._wait(p.proc, time.monotonic() + self.config.stop_timeout_s):
-            _signal(p.proc, signal.SIGKILL)
+            send_signal(p.proc, signal.SIGKILL)
             p.proc.wait(5)
         with self._lock:
             if p in self.nodes:
                 self.nodes.remove(p)
         log.info("stopped %s node %s", p.role, p.url)
 
-    def _drain(self, p: _Proc, timeout: float) -> None:
+    def _drain(self, p: LocalNode, timeout: float) -> None:
         try:
             httpx.post(p.url + "/internal/drain", params={"timeout_s": timeout}, headers=self._headers,
                        timeout=timeout + 5)  # fmt: skip
         except httpx.HTTPError as e:
             log.warning("drain of %s failed: %s", p.url, e)
 
-    def _drain_all(self, procs: list[_Proc], timeout: float) -> None:
+    def _drain_all(self, procs: list[LocalNode], timeout: float) -> None:
         """Drain these nodes in parallel; back after all are drained, `timeout` or hurry(), whichever first."""
         threads = [threading.Thread(target=self._drain, args=(p, timeout), daemon=True) for p in procs]
         for t in threads:
@@ -369,42 +342,9 @@ class LocalActuator(Actuator):
             self._hurry.wait(0.05)
         return proc.poll() is not None
 
-    def _hook(self, fn: Callable[[NodeInfo], None] | None, p: _Proc) -> None:
+    def _hook(self, fn: Callable[[NodeInfo], None] | None, p: LocalNode) -> None:
         if fn:
             try:
                 fn(p.info())
             except Exception:  # noqa: BLE001 - (de)registration is best effort
                 log.exception("%s for %s", fn, p.url)
-
-
-def _row(s: _Slot, state: str, pid: int | None, url: str, now: float) -> dict:
-    crashes = s.backoff.failures
-    return {"slot": s.name, "role": s.role, "state": state, "pid": pid, "url": url, "restarts": s.backoff.restarts,
-            "crashes": crashes, "restart_in_s": round(s.backoff.waiting(now), 1) if pid is None else None,
-            "last_exit": s.last_exit, "last_log": list(s.last_log) if crashes else []}  # fmt: skip
-
-
-def _describe(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
-def _tail(path: str, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return ()
-    return tuple(ln for ln in text.splitlines() if ln.strip())[-lines:]
-
-
-def _signal(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        proc.send_signal(sig)
-    except ProcessLookupError:
-        pass
