@@ -42,23 +42,37 @@ def add_arguments(p) -> None:
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as JSON and exit")
 
 
+def policy_config(tables: dict, path: str | None):
+    """AutoscalerConfig from [autoscaler] (its actuator keys aside); a bad value is a ConfigError naming the file."""
+    from paramstore.config import ConfigError
+
+    from .config import AutoscalerConfig
+
+    policy = {k: v for k, v in tables.get("autoscaler", {}).items() if k not in OWN_KEYS}
+    try:
+        return AutoscalerConfig.from_mapping(policy)
+    except ValueError as e:
+        raise ConfigError(f"config {path}: [autoscaler]: {e}") from None
+
+
 def settings(args) -> dict:
     """Everything `pdserve autoscale` runs with: AutoscalerConfig, actuator kind and its config, gateways."""
     import dataclasses
     import os
 
-    from paramstore.config import ConfigError, config_path, env_secret, read_config, resolve, store_config
-
-    from .config import AutoscalerConfig
+    from paramstore.config import (
+        ConfigError,
+        config_path,
+        env_secret,
+        read_config,
+        resolve,
+        store_config,
+    )
 
     path = config_path(args.config)
     tables = read_config(path)
     a = dict(tables.get("autoscaler", {}))
-    policy = {k: v for k, v in a.items() if k not in OWN_KEYS}
-    try:
-        config = AutoscalerConfig.from_mapping(policy)
-    except ValueError as e:
-        raise ConfigError(f"config {path}: [autoscaler]: {e}") from None
+    config = policy_config(tables, path)
     if args.tick_s is not None:
         config = dataclasses.replace(config, tick_s=args.tick_s)
     kind = args.actuator or a.get("actuator", "local")

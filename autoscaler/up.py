@@ -48,10 +48,10 @@ def add_arguments(p) -> None:
 def local_service(args, token: str):
     """(gateway, LocalConfig, AutoscalerConfig) from flags > environment > the config file > defaults."""
     from gateway.main import gateway_config, open_gateway
-    from paramstore.config import ConfigError, config_path, read_config, store_config
+    from paramstore.config import config_path, read_config, store_config
 
-    from . import AutoscalerConfig
     from .local import LocalConfig
+    from .main import policy_config
 
     path = config_path(args.config)
     tables = read_config(path)
@@ -65,12 +65,7 @@ def local_service(args, token: str):
                         kv_blocks=args.kv_blocks or node.get("kv_blocks", 1024), weights=node.get("weights", "int8"),
                         log_dir=args.log_dir, cache_dir=os.environ.get("PDSERVE_CACHE_DIR") or node.get("cache_dir"),
                         extra_args=tuple(extra))  # fmt: skip
-    policy = {k: v for k, v in tables.get("autoscaler", {}).items() if k not in ("actuator", "local", "kubernetes")}
-    try:
-        auto = AutoscalerConfig.from_mapping(policy)
-    except ValueError as e:
-        raise ConfigError(f"config {path}: [autoscaler]: {e}") from None
-    return gw, local, auto
+    return gw, local, policy_config(tables, path)
 
 
 def plan(args) -> dict[str, int]:
