@@ -55,6 +55,15 @@ def policy_config(tables: dict, path: str | None):
         raise ConfigError(f"config {path}: [autoscaler]: {e}") from None
 
 
+def node_args(args, path: str | None) -> list[str]:
+    """The flags every local node gets: the config file (the nodes read [node] and [store], HMAC key included,
+    themselves) and --hmac-key-file when given."""
+    extra = ["--config", path] if path else []
+    if args.hmac_key_file:
+        extra += ["--hmac-key-file", args.hmac_key_file]
+    return extra
+
+
 def settings(args) -> dict:
     """Everything `pdserve autoscale` runs with: AutoscalerConfig, actuator kind and its config, gateways."""
     import dataclasses
@@ -96,11 +105,7 @@ def settings(args) -> dict:
         for key in NODE_KEYS:
             if key in node:
                 kw.setdefault(key, node[key])
-        extra = list(kw.pop("extra_args", ()))
-        if path:
-            extra += ["--config", path]  # the nodes read [node] and [store] (HMAC key included) themselves
-        if args.hmac_key_file:
-            extra += ["--hmac-key-file", args.hmac_key_file]
+        extra = list(kw.pop("extra_args", ())) + node_args(args, path)
         out["local"] = LocalConfig(store=list(store_cfg.locations), internal_token=token or "unset",
                                    extra_args=tuple(extra), **kw)  # fmt: skip
     elif kind == "kubernetes":

@@ -51,20 +51,19 @@ def local_service(args, token: str):
     from paramstore.config import config_path, read_config, store_config
 
     from .local import LocalConfig
-    from .main import policy_config
+    from .main import node_args, policy_config
 
     path = config_path(args.config)
     tables = read_config(path)
     store_cfg = store_config(args, tables=tables)
     gw = open_gateway(gateway_config(args, tables, path, store=list(store_cfg.locations)), store_cfg)
     node = tables.get("node", {})
-    extra = (["--config", path] if path else []) + (["--hmac-key-file", args.hmac_key_file] if args.hmac_key_file else [])
     local = LocalConfig(model=gw.config.model, store=list(store_cfg.locations), internal_token=token,
                         kv_transport=args.kv_transport or node.get("kv_transport", "tcp"),
                         threads=args.threads_per_node or node.get("threads") or 1,
                         kv_blocks=args.kv_blocks or node.get("kv_blocks", 1024), weights=node.get("weights", "int8"),
                         log_dir=args.log_dir, cache_dir=os.environ.get("PDSERVE_CACHE_DIR") or node.get("cache_dir"),
-                        extra_args=tuple(extra))  # fmt: skip
+                        extra_args=tuple(node_args(args, path)))  # fmt: skip
     return gw, local, policy_config(tables, path)
 
 
