@@ -87,11 +87,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from compute.errors import WeightMismatch
-from paramstore.quant import dequantize_int8 as dequantize  # the store's scheme, (q, scale) -> w
+from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
 
 INT8MM_MAX_M = 64  # largest M that uses the int8 kernel (see the table above)
 INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: see above)
 ALIGN = 64  # bytes: every tensor handed to a kernel starts at a multiple of this (see ``aligned``)
+
+
+def is_aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s data starts at a multiple of ``ALIGN`` (an empty tensor has no data: it is)."""
+    return t.numel() == 0 or t.data_ptr() % ALIGN == 0
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
@@ -101,11 +106,12 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     = 8 or 40 (mod 64), or a bf16 input not 32-byte aligned, once M > 1 (table above).
     Store shards place data at 64-byte offsets (``paramstore.shards.pack``), but a view of an
     older blob, of a tensor after one whose size is not a multiple of 64, or of a buffer with
-    weaker alignment is copied here, once, at load (``Transformer.load_weights``); ``matmul``
-    passes its input through it per call (free when aligned, the usual case). PyTorch's CPU
-    allocator returns 64-byte aligned memory.
+    weaker alignment is copied here, once, at load, in its runtime form (``_WeightSlot.load``
+    after ``prepare``: a tensor ``prepare`` converted, or a ``LinearPart``'s copied into the
+    fused buffer, is fresh memory already); ``matmul`` passes its input through it per call
+    (free when aligned, the usual case). PyTorch's CPU allocator returns 64-byte aligned memory.
     """
-    if t.numel() == 0 or t.data_ptr() % ALIGN == 0:
+    if is_aligned(t):
         return t
     out = torch.empty_like(t, memory_format=torch.contiguous_format)
     out.copy_(t)
@@ -181,8 +187,8 @@ class _WeightSlot(nn.Module):
         raise WeightMismatch(f"unexpected tensor {leaf!r} for {type(self).__name__}")
 
     def load(self, leaf: str, t: torch.Tensor) -> None:
-        """Assign one tensor by its leaf name (no copy when it is already in its runtime form)."""
-        self._assign(leaf, self.prepare(leaf, t))
+        """Assign one tensor by its leaf name (no copy when it is already in its runtime form, and aligned)."""
+        self._assign(leaf, aligned(self.prepare(leaf, t)))
 
     def _assign(self, leaf: str, t: torch.Tensor) -> None:
         setattr(self, leaf, t)

@@ -24,7 +24,14 @@ from compute.batch import ForwardBatch
 from compute.config import ModelConfig
 from compute.errors import WeightMismatch
 from compute.kv_cache import KVCache
-from compute.linear import INT8MM_MAX_M, Embedding, FusedLinear, Linear, aligned
+from compute.linear import (
+    INT8MM_MAX_M,
+    Embedding,
+    FusedLinear,
+    Linear,
+    aligned,
+    is_aligned,
+)
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
 
@@ -40,7 +47,7 @@ class RMSNorm(nn.Module):
     def load(self, leaf: str, t: torch.Tensor) -> None:
         if leaf != "weight" or tuple(t.shape) != tuple(self.weight.shape):
             raise WeightMismatch(f"RMSNorm: unexpected {leaf} of shape {tuple(t.shape)}")
-        self.weight = t if t.dtype == self.dtype else t.to(self.dtype)
+        self.weight = aligned(t if t.dtype == self.dtype else t.to(self.dtype))
 
     def missing(self) -> list[str]:
         return ["weight"] if self.weight.is_meta else []
@@ -137,7 +144,7 @@ class Transformer(nn.Module):
         self.model = DecoderStack(config, dtype, int8mm_max_m)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, int8mm_max_m)
         self.inv_freq = config.inv_freq()  # [Dh/2] fp32, a plain attribute (never on meta)
-        self.aligned_copies = 0  # tensors ``load_weights`` had to copy to 64-byte aligned memory
+        self.aligned_copies = 0  # misaligned tensors ``load_weights`` got: each copied once, to aligned memory
         self._ready = False
 
     @classmethod
@@ -164,10 +171,9 @@ class Transformer(nn.Module):
                 raise WeightMismatch(f"unknown tensor {name!r}") from None
             if not hasattr(module, "load"):
                 raise WeightMismatch(f"unknown tensor {name!r}")
-            a = aligned(t)  # a misaligned view (older shard layout) is copied once: see compute.linear
-            self.aligned_copies += a is not t
+            self.aligned_copies += not is_aligned(t)  # an older shard layout's view: ``load`` copies it once
             try:
-                module.load(leaf, a)
+                module.load(leaf, t)
             except WeightMismatch as e:
                 raise WeightMismatch(f"{name}: {e}") from None
             taken += 1
