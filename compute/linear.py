@@ -87,11 +87,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from compute.errors import WeightMismatch
+from paramstore.buffers import ALIGN  # the kernels need it too: see ``aligned``
 from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
 
 INT8MM_MAX_M = 64  # largest M that uses the int8 kernel (see the table above)
 INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: see above)
-ALIGN = 64  # bytes: every tensor handed to a kernel starts at a multiple of this (see ``aligned``)
 
 
 def is_aligned(t: torch.Tensor) -> bool:

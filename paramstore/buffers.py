@@ -13,7 +13,9 @@ from __future__ import annotations
 import ctypes
 import mmap
 
-ALIGN = 64  # bytes: the start of every buffer ``alloc`` returns is a multiple of this
+# bytes: the start of every buffer ``alloc`` returns, of tensor data in a packed shard
+# (``shards.pack``) and of every tensor a CPU kernel gets (``compute.linear.aligned``)
+ALIGN = 64
 _MMAP_MIN = 2**20  # from this size on, an anonymous mmap
 
 

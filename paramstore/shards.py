@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from safetensors.torch import save as st_save
 
+from .buffers import ALIGN  # tensor data starts at a multiple of this in a blob
 from .errors import IntegrityError
 from .sources import layer_of
 
@@ -112,9 +113,6 @@ def _add_block(current: ShardPlan, layer: int, block: dict[str, torch.Tensor], t
         if layer not in current.layers:
             current.layers.append(layer)
         current.tensors[name] = t
-
-
-ALIGN = 64  # tensor data starts at a multiple of this in a packed blob (CPU kernels fault on less: see compute.model)
 
 
 def pack(plan: ShardPlan, meta: dict[str, str] | None = None) -> bytes:
