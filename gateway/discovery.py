@@ -92,7 +92,6 @@ class KubernetesSource:
         self._watches: set = set()  # open kubernetes.watch.Watch objects, closed by stop()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.registered: dict[str, dict[str, str]] = {role: {} for role in config.services}  # role -> url -> state
-        self.synced = threading.Event()  # every role listed at least once
 
     # --- lifecycle ---
 
@@ -101,9 +100,8 @@ class KubernetesSource:
 
         self._loop = asyncio.get_running_loop()
         api = k8s.DiscoveryV1Api(self._api_client)
-        pending = set(self.config.services)
         for role, service in self.config.services.items():
-            t = threading.Thread(target=self._run, args=(api, role, service, pending), daemon=True,
+            t = threading.Thread(target=self._run, args=(api, role, service), daemon=True,
                                  name=f"k8s-endpointslices-{role}")  # fmt: skip
             t.start()
             self._threads.append(t)
@@ -121,7 +119,7 @@ class KubernetesSource:
 
     # --- the watch thread ---
 
-    def _run(self, api, role: str, service: str, pending: set) -> None:
+    def _run(self, api, role: str, service: str) -> None:
         from kubernetes import watch
 
         selector = f"kubernetes.io/service-name={service}"
@@ -133,9 +131,6 @@ class KubernetesSource:
                                                             _request_timeout=10)  # fmt: skip
                 slices = {sl.metadata.name: self._endpoints(sl) for sl in listed.items or []}
                 self._publish(role, slices)
-                pending.discard(role)
-                if not pending:
-                    self.synced.set()
                 w = watch.Watch()
                 self._watches.add(w)
                 try:
