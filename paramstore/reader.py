@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 import torch
 
 from . import metrics
+from .buffers import alloc
 from .codec import ErasureCodec
 from .errors import IntegrityError, InvalidRequest, NotEnoughFragments
 from .integrity import fragment_hash, shard_digest
 from .locations import Location
 from .manifest import Manifest, ShardInfo
-from .buffers import alloc
 from .shards import unpack, unpack_files
 
 
