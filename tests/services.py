@@ -1,10 +1,12 @@
 """Real processes for end-to-end tests: nodes and gateways on 127.0.0.1, always stopped.
 
-A thin layer over ``compute.node.launcher`` with the tests' fixed internal token.
+A thin layer over ``compute.node.launcher`` with the tests' fixed internal token, and the one bounded
+poll the tests wait with (``wait_for``; ``until`` in a coroutine).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +46,24 @@ def running_service(tmp, store: list[str], model: str, roles: list[str], env: di
             gw.stop()
         for _, n in nodes:
             n.stop()
+
+
+def wait_for(fn, timeout: float, what: str, every: float = 0.05):
+    """``fn()``'s first truthy value, polled every ``every`` s; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not (out := fn()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(every)
+    return out
+
+
+async def until(fn, timeout: float, what: str, every: float = 0.05):
+    """``wait_for`` inside a coroutine: the event loop runs between polls."""
+    deadline = time.monotonic() + timeout
+    while not (out := fn()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        await asyncio.sleep(every)
+    return out
 
 
 def wait_blocks_free(nodes: list[ServiceProc], timeout: float = 10.0) -> list[dict]:

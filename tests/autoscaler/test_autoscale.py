@@ -19,8 +19,8 @@ import time
 import httpx
 import pytest
 
-from autoscaler.local import free_port
-from compute.node.launcher import ServiceProc, service_env
+from compute.node.launcher import ServiceProc, free_port, service_env
+from tests.services import wait_for
 
 pytestmark = pytest.mark.slow
 TOKEN = "autoscale-test-token"
@@ -68,16 +68,6 @@ def ready_nodes(st: dict, role: str) -> list[str]:
     return [n["url"] for n in st["nodes"] if n["role"] == role and n["state"] == "ready"]
 
 
-def wait_for(fn, timeout: float, what: str, every: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = fn()
-        if out:
-            return out
-        time.sleep(every)
-    raise TimeoutError(f"{what} not within {timeout:g} s")
-
-
 def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(tmp_path, real_model_store):
     import openai
 
@@ -96,7 +86,7 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
 
         # the minimum of each role, started by the autoscaler and registered with the gateway
         st = wait_for(lambda: (s := status(gw.url)) and ready_nodes(s, "prefill") and ready_nodes(s, "decode") and s,
-                      240, "one ready prefill and decode node")  # fmt: skip
+                      240, "one ready prefill and decode node", every=0.25)  # fmt: skip
         assert all(n["source"] == "autoscaler" for n in st["nodes"])
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         question = [{"role": "user", "content": "What is the capital of France?"}]
@@ -127,7 +117,7 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
             seen["asked"] = max([seen["asked"], *[v for r, v in (a.get("asked") or {}).items() if r == "decode"]])
             return len(ready_nodes(s, "decode")) == 2 and s
 
-        st = wait_for(scaled, 180, "a second ready decode node")
+        st = wait_for(scaled, 180, "a second ready decode node", every=0.25)
         done.set()
         for t in streams:
             t.join(60)
@@ -225,10 +215,10 @@ def test_up_autoscale_runs_the_same_observer_in_process(tmp_path, real_model_sto
             assert r.returncode == 0, r.stderr
             return json.loads(r.stdout).get("autoscaler") or None
 
-        first = wait_for(published, 30, "an autoscaler report")
+        first = wait_for(published, 30, "an autoscaler report", every=0.25)
         assert first["actuator"] == "local" and first["reason"], first
         assert set(first["decision"]["roles"]) == {"prefill", "decode"}
-        later = wait_for(lambda: (a := published()) and a["t"] > first["t"] and a, 30, "a later tick's report")
+        later = wait_for(lambda: (a := published()) and a["t"] > first["t"] and a, 30, "a later tick's report", every=0.25)
         assert {r: d["replicas"] for r, d in later["decision"]["roles"].items()} == {"prefill": 1, "decode": 1}
         assert {n["url"] for ns in later["nodes"].values() for n in ns} == {
             n["url"] for n in status(up.url)["nodes"]}  # the actuator's nodes are the gateway's

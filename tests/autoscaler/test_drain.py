@@ -20,6 +20,8 @@ import types
 import httpx
 import pytest
 
+from tests.services import until
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 TOKEN = "drain-test-token"
@@ -39,23 +41,15 @@ def _actuator(tmp_path, tiny_model_store, **hooks):
     return LocalActuator(cfg, **hooks)
 
 
-async def _until(pred, timeout: float, what: str, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(step)
-
-
 def _load(url: str) -> dict:
     return httpx.get(url + "/load", headers=HEADERS, timeout=5).json()
 
 
 def test_scale_down_drains_without_losing_a_request(tmp_path, tiny_model_store):
+    from autoscaler.up import registry_hooks
     from gateway.nodes import NodeClient
     from gateway.registry import NodeRegistry
     from gateway.relay import GenRequest, Relay
-    from autoscaler.up import registry_hooks
 
     seen: dict[str, dict] = {}  # what the leaving node reported when the drain began / when it was done
     drain_started = threading.Event()
@@ -84,10 +78,10 @@ def test_scale_down_drains_without_losing_a_request(tmp_path, tiny_model_store):
         await registry.start()
         try:
             act.scale("both", 1)
-            await _until(lambda: len(registry.nodes) == 1 and registry.views()[0].routable, 60, "node A routable")
+            await until(lambda: len(registry.nodes) == 1 and registry.views()[0].routable, 60, "node A routable")
             old = next(iter(registry.nodes))
             act.scale("both", 2)
-            await _until(lambda: sum(v.routable for v in registry.views()) == 2, 60, "node B routable")
+            await until(lambda: sum(v.routable for v in registry.views()) == 2, 60, "node B routable")
             (new,) = [u for u in registry.nodes if u != old]
             assert sorted(n.url for n in act.current()["both"]) == sorted([old, new])
 
@@ -103,20 +97,20 @@ def test_scale_down_drains_without_losing_a_request(tmp_path, tiny_model_store):
             # N long streams on the newest node (B): the router is steered there by marking A draining
             registry.mark_draining(old)
             inflight = [asyncio.create_task(run(f"long{i}", MAX_TOKENS)) for i in range(STREAMS)]
-            await _until(lambda: _load(new)["active_requests"] == STREAMS, 20, "streams in flight on B")
+            await until(lambda: _load(new)["active_requests"] == STREAMS, 20, "streams in flight on B")
             registry.nodes[old].draining = False
             await registry.poll_once()
 
             t_drain = time.monotonic()
             act.scale("both", 1)  # drains the newest node: B
             assert [n.url for n in act.current()["both"]] == [old], "the leaving node is no longer counted"
-            await _until(drain_started.is_set, 10, "the drain to start")
+            await until(drain_started.is_set, 10, "the drain to start")
             during = [await run(f"new{i}", 8) for i in range(6)]  # sent while B drains
 
             done = await asyncio.gather(*inflight)
-            await _until(lambda: new not in registry.nodes, 30, "B deregistered")
+            await until(lambda: new not in registry.nodes, 30, "B deregistered")
             proc = [p for p in act.nodes if p.url == new]
-            await _until(lambda: not proc or proc[0].proc.poll() is not None, 15, "B's process to exit")
+            await until(lambda: not proc or proc[0].proc.poll() is not None, 15, "B's process to exit")
             drained_s = time.monotonic() - t_drain
             return done, during, old, new, drained_s
         finally:

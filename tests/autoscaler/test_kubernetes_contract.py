@@ -23,6 +23,7 @@ import time
 import pytest
 
 from tests import kubeapi
+from tests.services import until
 
 kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client (extra 'k8s') is not installed")
 
@@ -165,14 +166,6 @@ def test_contract_the_loop_drives_the_deployments_and_survives_api_errors(api, a
 # --- the gateway's node registry source: EndpointSlices listed, then watched -----------------------------
 
 
-async def _until(cond, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 def _registry_state(reg: NodeRegistry) -> dict[str, tuple[str, bool, str]]:
     return {u: (n.role, n.draining, n.source) for u, n in reg.nodes.items()}
 
@@ -190,7 +183,7 @@ def test_contract_gateway_registry_lists_then_watches_endpointslices_per_role(ap
         reg, src = _source(api)
         await src.start()
         try:
-            await _until(lambda: len(reg.nodes) == 5, "the listed endpoints")
+            await until(lambda: len(reg.nodes) == 5, 10, "the listed endpoints")
             assert _registry_state(reg) == {
                 "http://10.0.0.5:8001": ("prefill", False, "kubernetes"),
                 "http://10.0.0.6:8001": ("prefill", False, "kubernetes"),  # loading: known, routed once /load says so
@@ -198,23 +191,23 @@ def test_contract_gateway_registry_lists_then_watches_endpointslices_per_role(ap
                 "http://10.0.1.8:8001": ("decode", False, "kubernetes"),
                 "http://10.0.1.9:8001": ("decode", True, "kubernetes"),  # terminating: never routed to
             }
-            await _until(lambda: sum(r["query"].get("watch") == ["true"] for r in api.requests) == 2, "two watches")
+            await until(lambda: sum(r["query"].get("watch") == ["true"] for r in api.requests) == 2, 10, "two watches")
             # scale-down of decode-1 (terminating), decode-3 gone, a new decode pod, and a second prefill slice
             api.put_slice(endpoint_slice("pdserve-decode", "fghij", [("10.0.1.7", False, True, "pdserve-decode-1"),
                                                                      ("10.0.1.8", True, False, "pdserve-decode-2"),
                                                                      ("10.0.1.10", False, False, "pdserve-decode-4")]))
             api.put_slice(endpoint_slice("pdserve-prefill", "zzzzz", [("10.0.0.11", True, False, "pdserve-prefill-3")]))
-            await _until(lambda: "http://10.0.1.10:8001" in reg.nodes and "http://10.0.0.11:8001" in reg.nodes
-                         and "http://10.0.1.9:8001" not in reg.nodes, "the watched changes")  # fmt: skip
+            await until(lambda: "http://10.0.1.10:8001" in reg.nodes and "http://10.0.0.11:8001" in reg.nodes
+                        and "http://10.0.1.9:8001" not in reg.nodes, 10, "the watched changes")  # fmt: skip
             assert reg.nodes["http://10.0.1.7:8001"].draining and not reg.nodes["http://10.0.1.8:8001"].draining
             assert reg.nodes["http://10.0.0.11:8001"].role == "prefill"
             api.delete_slice("pdserve-prefill-abcde")
-            await _until(lambda: "http://10.0.0.5:8001" not in reg.nodes, "the deleted slice's endpoints")
+            await until(lambda: "http://10.0.0.5:8001" not in reg.nodes, 10, "the deleted slice's endpoints")
             assert {u for u, n in reg.nodes.items() if n.role == "prefill"} == {"http://10.0.0.11:8001"}
             reg.add("http://127.0.0.1:9", "decode", "admin")  # another source's node: not this source's to remove
             api.put_slice(endpoint_slice("pdserve-decode", "fghij", []))
-            await _until(lambda: not any(n.role == "decode" and n.source == "kubernetes" for n in reg.nodes.values()),
-                         "the emptied decode slice")  # fmt: skip
+            await until(lambda: not any(n.role == "decode" and n.source == "kubernetes" for n in reg.nodes.values()),
+                        10, "the emptied decode slice")  # fmt: skip
             assert "http://127.0.0.1:9" in reg.nodes
         finally:
             t0 = time.monotonic()
@@ -239,11 +232,11 @@ def test_contract_gateway_source_relists_after_a_watch_ends_or_fails(api):
         api.faults = [("GET", 500)]  # the first list fails: logged, retried after a backoff
         await src.start()
         try:
-            await _until(lambda: len(reg.nodes) == 3, "the decode endpoints after the failed list")
+            await until(lambda: len(reg.nodes) == 3, 10, "the decode endpoints after the failed list")
             # the 1 s watch ends; the source re-lists and watches again (a change made meanwhile is seen)
-            await _until(lambda: sum(r["query"].get("watch") == ["true"] for r in api.requests) >= 2, "a second watch")
+            await until(lambda: sum(r["query"].get("watch") == ["true"] for r in api.requests) >= 2, 10, "a second watch")
             api.put_slice(endpoint_slice("pdserve-decode", "fghij", [("10.0.1.20", True, False, "pdserve-decode-9")]))
-            await _until(lambda: set(reg.nodes) == {"http://10.0.1.20:8001"}, "the change after a re-list")
+            await until(lambda: set(reg.nodes) == {"http://10.0.1.20:8001"}, 10, "the change after a re-list")
         finally:
             await src.stop()
         statuses = [r for r in api.requests if SLICES.match(r["path"]) and "watch" not in r["query"]]

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from autoscaler.backoff import Backoff, RestartBackoff
+from tests.services import wait_for
 
 TOKEN = "supervise-test-token"
 
@@ -64,13 +65,6 @@ def _actuator(tmp_path, store, model, **kw):
     return act, ready, gone
 
 
-def _until(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
-        time.sleep(0.05)
-
-
 def _pids(act) -> set[int]:
     return {p.proc.pid for p in act.nodes}
 
@@ -82,11 +76,11 @@ def test_a_killed_node_is_restarted_in_its_slot(tmp_path, tiny_model_store):
     procs = []
     try:
         act.scale("both", 1)
-        _until(lambda: len(ready) == 1, 60, "the node to be ready")
+        wait_for(lambda: len(ready) == 1, 60, "the node to be ready")
         (before,) = act.status()["nodes"]
         procs += [p.proc for p in act.nodes]
         os.kill(before["pid"], signal.SIGKILL)
-        _until(lambda: len(ready) == 2, 60, "the restarted node to be ready")
+        wait_for(lambda: len(ready) == 2, 60, "the restarted node to be ready")
         procs += [p.proc for p in act.nodes]
         (after,) = act.status()["nodes"]
         assert (after["slot"], after["state"], after["restarts"]) == (before["slot"], "ready", 1)
@@ -126,7 +120,7 @@ def test_a_node_that_cannot_start_crash_loops_backing_off(tmp_path, tiny_model_s
     watcher.start()
     try:
         act.scale("both", 1)
-        _until(lambda: len(gone) >= 4 and len(starts) >= 4, 90, "4 crashes and 4 starts")
+        wait_for(lambda: len(gone) >= 4 and len(starts) >= 4, 90, "4 crashes and 4 starts")
         (slot,) = act.status()["nodes"]
         gone_at = [t for t, _ in gone]
     finally:
