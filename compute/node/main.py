@@ -84,14 +84,14 @@ def _public(cfg, store_cfg) -> dict:
     return out
 
 
-def build(cfg, loop, store_cfg=None):
-    """Store, lazy injector (started), engine, worker, service, app — in that order."""
+def build(cfg, loop, store_cfg):
+    """Store (of ``node_config``'s StoreConfig), lazy injector (started), engine, worker, service, app."""
     import torch
 
     from compute.engine import Engine
     from compute.kv_transfer import KVLayout
     from compute.loader import WeightInjector
-    from paramstore import ParamStore, StoreConfig
+    from paramstore import ParamStore
     from paramstore.cache import CacheConfig, NodeCache
 
     from .server import create_app
@@ -100,7 +100,7 @@ def build(cfg, loop, store_cfg=None):
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    store = ParamStore(store_cfg or (StoreConfig(locations=cfg.store) if cfg.store else StoreConfig.local_default()))
+    store = ParamStore(store_cfg)
     cache = None
     if cfg.cache_dir:
         cache = NodeCache(CacheConfig(dir=cfg.cache_dir, disk_bytes=int(cfg.cache_gb * 2**30), memory_bytes=0))
