@@ -23,6 +23,7 @@ from compute.kv_transfer import (
 )
 from tests.compute.kv_transfer.conftest import DST_BLOCKS, NUM_TOKENS, SRC_BLOCKS
 from tests.compute.kv_transfer.peer import Peer, random_cache
+from tests.services import wait_for
 
 FAILED, DONE = TransferState.FAILED, TransferState.DONE
 
@@ -71,13 +72,6 @@ def _quarantine(event):
     return metrics.QUARANTINE.labels("nixl", event)._value.get()
 
 
-def _until(cond, timeout_s):
-    end = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.005)
-    return cond()
-
-
 def test_nixl_abort_in_flight_never_writes_freed_blocks(receiver, layout):
     """An abort while the READ is in flight: FAILED("aborted") at once; the READ lands once the frozen peer
     resumes, and must land nowhere in the cache (the caller has freed the blocks: they may hold another
@@ -114,7 +108,7 @@ def test_nixl_abort_in_flight_never_writes_freed_blocks(receiver, layout):
         assert victim.call("wait", "nixl", "ab1", 10) == ("failed", "aborted")
         notice_s = time.monotonic() - t0
         assert notice_s <= bound, f"abort notice took {notice_s:.3f} s, control bound {bound:.3f} s"
-        assert _until(lambda: receiver.quarantined() == 0, 10), "the READ never stopped"
+        wait_for(lambda: receiver.quarantined() == 0, 10, "the READ to stop")
         assert _quarantine("freed") == freed + 1  # seen DONE/ERR: it did land, in its quarantined scratch
         assert torch.equal(receiver.pool.tensor, cache)  # nothing in the cache was written
         assert wait(receiver.poll, receiver.start(after, [2, 3, 4]), 10) == DONE
@@ -138,7 +132,7 @@ def test_nixl_timed_out_read_never_stopping_is_leaked_not_reused(layout):
             tid = receiver.start(h, DST_BLOCKS)
             assert wait(receiver.poll, tid, 5) == FAILED and receiver.failure(tid).reason == "timeout"
             assert receiver.quarantined() == 1
-            assert _until(lambda: receiver.quarantined() == 0, 5 + receiver.quarantine_s)
+            wait_for(lambda: receiver.quarantined() == 0, 5 + receiver.quarantine_s, "the scratch to be leaked")
             assert _quarantine("leaked") == leaked + 1
             receiver.pool.tensor[:, :, DST_BLOCKS] = -7.0
             cache = receiver.pool.tensor.clone()
