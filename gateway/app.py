@@ -77,6 +77,9 @@ def create_app(gw: Gateway) -> FastAPI:
             keys = [cfg.admin_key] if cfg.admin_key else []
             if not (cfg.open and not cfg.admin_key) and not _authorized(request, keys):
                 return _err(401, "missing or invalid admin key", "authentication_error")
+        internal = [cfg.internal_token] if cfg.internal_token else []  # none configured: every route refused
+        if path.startswith("/internal/") and not _authorized(request, internal):
+            return _err(401, "missing or invalid internal token")
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)

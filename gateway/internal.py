@@ -1,8 +1,9 @@
 """The gateway's internal API: what the autoscaler (and the local actuator) read and write.
 
 Every route needs the internal token (``Authorization: Bearer $PDSERVE_INTERNAL_TOKEN``), the
-same secret the gateway sends to its nodes; a gateway without one refuses them all (401). They are
-left out of /openapi.json: the public contract is /v1.
+same secret the gateway sends to its nodes; a gateway without one refuses them all (401: the app's
+auth middleware, beside the /v1 and /admin keys). They are left out of /openapi.json: the public
+contract is /v1.
 
   GET    /internal/status           snapshot(): queue depth, running, p99 queue wait, the node
                                     registry (role, state, last /load of each node), the last
@@ -15,10 +16,9 @@ left out of /openapi.json: the public contract is /v1.
 
 from __future__ import annotations
 
-import hmac
 import time
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException
 
 ROLES = ("prefill", "decode", "both")
 
@@ -32,26 +32,16 @@ def snapshot(gw) -> dict:
 
 
 def add_internal_routes(app: FastAPI, gw) -> None:
-    token = (gw.config.internal_token or "").encode()
-
-    def internal(request: Request) -> None:
-        auth = request.headers.get("authorization", "")
-        got = auth[7:].strip().encode() if auth.lower().startswith("bearer ") else b""
-        if not token or not hmac.compare_digest(got, token):
-            raise HTTPException(401, "missing or invalid internal token")
-
-    guard = [Depends(internal)]
-
-    @app.get("/internal/status", dependencies=guard, include_in_schema=False)
+    @app.get("/internal/status", include_in_schema=False)
     async def status():
         return snapshot(gw)
 
-    @app.post("/internal/autoscaler", dependencies=guard, include_in_schema=False)
+    @app.post("/internal/autoscaler", include_in_schema=False)
     async def autoscaler(body: dict):
         gw.autoscaler_status = {**body, "received": time.time()}
         return {"ok": True}
 
-    @app.post("/internal/nodes", dependencies=guard, include_in_schema=False)
+    @app.post("/internal/nodes", include_in_schema=False)
     async def add(body: dict):
         url, role = body.get("url"), body.get("role")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")) or role not in ROLES:
@@ -60,7 +50,7 @@ def add_internal_routes(app: FastAPI, gw) -> None:
         await gw.registry.refresh(url)
         return {"added": url.rstrip("/")}
 
-    @app.post("/internal/nodes/draining", dependencies=guard, include_in_schema=False)
+    @app.post("/internal/nodes/draining", include_in_schema=False)
     async def draining(body: dict):
         url = body.get("url")
         if not isinstance(url, str):
@@ -68,6 +58,6 @@ def add_internal_routes(app: FastAPI, gw) -> None:
         gw.registry.mark_draining(url)
         return {"draining": url.rstrip("/")}
 
-    @app.delete("/internal/nodes", dependencies=guard, include_in_schema=False)
+    @app.delete("/internal/nodes", include_in_schema=False)
     async def remove(url: str):
         return {"removed": gw.registry.remove(url)}
