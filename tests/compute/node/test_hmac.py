@@ -18,11 +18,9 @@ import time
 
 import pytest
 
-from autoscaler.local import free_port
-from compute.node.launcher import ServiceProc, service_env
+from compute.node.launcher import ServiceProc, Services
 
 TOKEN = "hmac-test-token"
-PDSERVE = [sys.executable, "-m", "autoscaler.cli"]
 PARAMSTORE = [sys.executable, "-m", "paramstore.cli"]
 
 
@@ -56,19 +54,16 @@ def tamper(locations: list[str]) -> int:
     return n
 
 
-def start_node(tmp_path, cfg: str, name: str) -> ServiceProc:
-    port = free_port()
-    cmd = PDSERVE + ["node", "--role", "both", "--config", cfg, "--port", str(port), "--kv-blocks", "64",
-                     "--threads", "1", "--log-level", "warning"]  # fmt: skip
-    return ServiceProc(name, cmd, f"http://127.0.0.1:{port}", str(tmp_path), service_env(TOKEN),
-                       {"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+def start_node(tmp_path, cfg: str) -> ServiceProc:
+    """`pdserve node --role both` (the launcher's command) with the store and its key from the config file alone."""
+    return Services([], "tiny", str(tmp_path), TOKEN).node("both", kv_blocks=64, extra=("--config", cfg))
 
 
 def test_node_with_the_key_serves_a_signed_manifest_and_refuses_a_tampered_one(tmp_path, signed_store):
     import httpx
 
     cfg, locs, _ = signed_store
-    node = start_node(tmp_path, cfg, "signed")
+    node = start_node(tmp_path, cfg)
     try:
         node.wait_ready(timeout=120)  # untampered: ready
     finally:
@@ -80,7 +75,7 @@ def test_node_with_the_key_serves_a_signed_manifest_and_refuses_a_tampered_one(t
     assert plain.returncode == 0, plain.stderr  # control: without the key the edit is not detectable
     assert json.loads(plain.stdout)["config"]["rms_norm_eps"] == 0.5
 
-    node = start_node(tmp_path, cfg, "tampered")
+    node = start_node(tmp_path, cfg)
     try:
         deadline = time.monotonic() + 120
         while node.p.poll() is None and time.monotonic() < deadline:
