@@ -46,15 +46,16 @@ _SECRETS = {"internal_token": "set $PDSERVE_INTERNAL_TOKEN (or --token-file)",
             "store": "set the locations in [store]"}  # fmt: skip
 
 
-def _token(args) -> str:
-    from paramstore.config import env_secret
-
-    return env_secret("PDSERVE_INTERNAL_TOKEN", args.token_file) or ""
-
-
 def node_config(args):
     """(NodeConfig, StoreConfig) from flags > environment > the config file's [node] and [store] > defaults."""
-    from paramstore.config import ConfigError, config_path, read_config, resolve, store_config
+    from paramstore.config import (
+        ConfigError,
+        config_path,
+        env_secret,
+        read_config,
+        resolve,
+        store_config,
+    )
 
     from .config import NodeConfig
 
@@ -66,7 +67,8 @@ def node_config(args):
              "max_num_batched_tokens": args.max_batched_tokens, "kv_transport": args.kv_transport,
              "kv_compression": args.kv_compression, "kv_hold_s": args.kv_hold_s, "kv_timeout_s": args.kv_timeout_s,
              "cache_dir": args.cache_dir, "cache_gb": args.cache_gb, "threads": args.threads}  # fmt: skip
-    env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None, "internal_token": _token(args) or None}
+    token = env_secret("PDSERVE_INTERNAL_TOKEN", args.token_file)  # --token-file, else $PDSERVE_INTERNAL_TOKEN[_FILE]
+    env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None, "internal_token": token or None}
     kw = resolve(NodeConfig, "node", tables, path, flags, env, hints=_SECRETS)
     for need in ("role", "model"):
         if need not in kw:
