@@ -20,7 +20,7 @@ import time
 
 from fastapi import FastAPI, HTTPException
 
-ROLES = ("prefill", "decode", "both")
+from .protocol import InternalNodeSpec
 
 
 def snapshot(gw) -> dict:
@@ -42,13 +42,10 @@ def add_internal_routes(app: FastAPI, gw) -> None:
         return {"ok": True}
 
     @app.post("/internal/nodes", include_in_schema=False)
-    async def add(body: dict):
-        url, role = body.get("url"), body.get("role")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")) or role not in ROLES:
-            raise HTTPException(400, "body needs url (http[s]://...) and role (prefill|decode|both)")
-        gw.registry.add(url, role, source=str(body.get("source", "autoscaler")))
-        await gw.registry.refresh(url)
-        return {"added": url.rstrip("/")}
+    async def add(body: InternalNodeSpec):  # checked as /admin/nodes' body is: 400 with the message
+        gw.registry.add(body.url, body.role, source=body.source)
+        await gw.registry.refresh(body.url)
+        return {"added": body.url.rstrip("/")}
 
     @app.post("/internal/nodes/draining", include_in_schema=False)
     async def draining(body: dict):

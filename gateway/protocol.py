@@ -208,6 +208,10 @@ class NodeSpec(BaseModel):
     source: str = "admin"
 
 
+class InternalNodeSpec(NodeSpec):  # POST /internal/nodes (gateway.internal)
+    source: str = "autoscaler"
+
+
 class NodeList(BaseModel):
     nodes: list[dict]
 
