@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import secrets
 import shutil
 import subprocess
@@ -39,6 +38,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests import kubeapi  # the API twin the tests use
+from tests.deploy.pods import with_store  # the pod runner's [store] rewrite
 
 NS = "pdserve"
 BRIDGE_IP = "10.88.0.1"  # podman's default network gateway: the address pods reach the host at
@@ -99,7 +99,7 @@ def convert(docs: list[dict], work: Path, image: str, locations: list[str], valu
             if "configMap" in v:
                 for key, text in cms[v["configMap"]["name"]].items():
                     if key.endswith(".toml"):
-                        text = local_store(text, locations)
+                        text = with_store(text, locations, k=2, m=1)
                     (d / key).write_text(text)
                     os.chmod(d / key, 0o644)
             elif "secret" in v:
@@ -131,24 +131,6 @@ def convert(docs: list[dict], work: Path, image: str, locations: list[str], valu
             spec.pop(k, None)
         out.append(dep)
     return out, rendered
-
-
-def local_store(text: str, locations: list[str]) -> str:
-    """The config file with [store] (and its sub-tables) replaced: the host directory the pods mount."""
-    import tomllib
-
-    key_file = tomllib.loads(text).get("store", {}).get("hmac_key_file")
-    kept, skipping = [], False
-    for line in text.splitlines():
-        head = re.match(r"^\s*\[([^\]]+)\]", line)
-        if head:
-            skipping = head[1].strip() == "store" or head[1].strip().startswith("store.")
-        if not skipping:
-            kept.append(line)
-    store = ["[store]", "locations = " + json.dumps(locations), "k = 2", "m = 1"]
-    if key_file:
-        store.append(f"hmac_key_file = {json.dumps(key_file)}")
-    return "\n".join(store) + "\n\n" + "\n".join(kept) + "\n"
 
 
 def pod_ip(deployment: str) -> str | None:

@@ -71,6 +71,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def with_store(text: str, locations: list[str], k: int, m: int) -> str:
+    """The config file with its [store] table (and sub-tables) replaced by a local store of `locations`
+    (k data + m parity shards); the file's hmac_key_file is kept. Also used by deploy/podman/play.py."""
+    key_file = tomllib.loads(text).get("store", {}).get("hmac_key_file")
+    kept, skipping = [], False
+    for line in text.splitlines():
+        head = re.match(r"^\s*\[([^\]]+)\]", line)
+        if head:
+            skipping = head[1].strip() == "store" or head[1].strip().startswith("store.")
+        if not skipping:
+            kept.append(line)
+    store = ["[store]", "locations = " + json.dumps(locations), f"k = {k}", f"m = {m}"]
+    if key_file is not None:
+        store.append(f"hmac_key_file = {json.dumps(key_file)}")
+    return "\n".join(store) + "\n\n" + "\n".join(kept) + "\n"
+
+
 @dataclass
 class Pod:
     deployment: str
@@ -161,7 +178,9 @@ class PodRunner:
                 data = self._config_map(v["configMap"]["name"], pod.deployment)
                 for key, path in self._items(v["configMap"], data):
                     text = self.remap(pod, data[key])  # then the store: its paths are the host's own
-                    (d / path).write_text(self._local_store(text) if key.endswith(".toml") else text)
+                    if key.endswith(".toml"):  # its hmac_key_file is remapped already
+                        text = with_store(text, self.store_locations, self.store_k, self.store_m)
+                    (d / path).write_text(text)
             elif "secret" in v:
                 name = v["secret"]["secretName"]
                 keys = [i["key"] for i in v["secret"].get("items", [])]
@@ -180,23 +199,6 @@ class PodRunner:
 
     def secret(self, name: str, key: str) -> str:
         return self.secret_values.setdefault((name, key), f"test-{key}-{secrets.token_hex(8)}")
-
-    def _local_store(self, text: str) -> str:
-        """The config file with its [store] table (and sub-tables) replaced by the test's local store."""
-        tables = tomllib.loads(text)
-        store = tables.get("store", {})
-        out, skipping = [], False
-        for line in text.splitlines():
-            head = re.match(r"^\s*\[([^\]]+)\]", line)
-            if head:
-                skipping = head[1].strip() == "store" or head[1].strip().startswith("store.")
-            if not skipping:
-                out.append(line)
-        new = ["[store]", "locations = [" + ", ".join(json.dumps(u) for u in self.store_locations) + "]",
-               f"k = {self.store_k}", f"m = {self.store_m}"]  # fmt: skip
-        if "hmac_key_file" in store:
-            new.append(f"hmac_key_file = {json.dumps(store['hmac_key_file'])}")  # already remapped
-        return "\n".join(new) + "\n\n" + "\n".join(out) + "\n"
 
     def remap(self, pod: Pod, text: str, arg: bool = False) -> str:
         if pod.mounts:  # one pass, whole path prefixes only: /tmp must not rewrite an already-remapped path
