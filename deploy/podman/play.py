@@ -37,6 +37,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from compute.node.launcher import free_port
 from tests import kubeapi  # the API twin the tests use
 from tests.deploy.pods import with_store  # the pod runner's [store] rewrite
 
@@ -46,14 +47,6 @@ BRIDGE_IP = "10.88.0.1"  # podman's default network gateway: the address pods re
 
 def sh(*cmd, check=True, capture=True, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=check, capture_output=capture, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def import_store(work: Path, key: str) -> list[str]:

@@ -30,7 +30,6 @@ import re
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from typing import Self
 
 import httpx
 
+from compute.node.launcher import free_port
 from tests import kubeapi
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,12 +63,6 @@ def image_config(dockerfile: Path = ROOT / "deploy" / "Dockerfile") -> tuple[lis
             k, _, v = tok.partition("=")
             env[k] = v.replace("$PATH", "")
     return entry, env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def with_store(text: str, locations: list[str], k: int, m: int) -> str:
