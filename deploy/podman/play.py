@@ -211,8 +211,7 @@ def main() -> int:
     finally:
         if not ok:
             for name in rendered:
-                logs = sh("podman", "logs", "--tail", "15", container_of(name, next(iter([rendered[name]["name"]]))),
-                          check=False)  # fmt: skip
+                logs = sh("podman", "logs", "--tail", "15", container_of(name, rendered[name]["name"]), check=False)
                 print(f"--- {name}\n{logs.stdout}{logs.stderr}", file=sys.stderr)
         sh("podman", "kube", "down", str(play), check=False)
         if fwd is not None:
