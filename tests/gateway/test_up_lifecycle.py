@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from compute.node.launcher import Services
+from tests.procs import alive, children, kill_left, wait_gone
 from tests.services import TOKEN
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -31,44 +32,6 @@ openai = pytest.importorskip("openai")
 MODEL = "smollm2"  # the name real_model_store imports the real model under
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 LIFELINE_GRACE_S = 10.0  # compute/node/lifeline.hold's default: a node's bound on exiting after its parent
-
-
-# --- processes, read from /proc ----------------------------------------------------------
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid ... starttime at [19]
-    except OSError:
-        return None
-
-
-def children(pid: int) -> dict[int, str]:
-    """{child pid: its start time} of every live process whose parent is `pid`."""
-    out = {}
-    for d in os.listdir("/proc"):
-        st = _stat(int(d)) if d.isdigit() else None
-        if st and int(st[1]) == pid and st[0] != "Z":
-            out[int(d)] = st[19]
-    return out
-
-
-def alive(pids: dict[int, str]) -> list[int]:
-    """The pids still running as the same process (same start time; zombies count as gone)."""
-    return [p for p, start in pids.items() if (st := _stat(p)) and st[19] == start and st[0] != "Z"]
-
-
-def wait_gone(pids: dict[int, str], timeout: float) -> float:
-    """Seconds until none of `pids` runs; AssertionError after `timeout`."""
-    t0 = time.monotonic()
-    while alive(pids):
-        assert time.monotonic() - t0 < timeout, f"still running after {timeout:g} s: {alive(pids)}"
-        time.sleep(0.05)
-    return time.monotonic() - t0
-
-
-def kill_left(pids: dict[int, str]) -> None:
-    for p in alive(pids):
-        os.kill(p, signal.SIGKILL)
 
 
 class Up:

@@ -11,13 +11,13 @@ spawns a node, the parent is SIGKILLed, and the child must end. Each mechanism a
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+
+from tests.procs import alive, kill_left, started, wait_gone
 
 CHILD = textwrap.dedent("""
     import signal, sys, time
@@ -45,64 +45,42 @@ PARENT = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _run_parent(mode: str, grace: float):
+    """(parent, child pid, holder pid or 0, {pid: start time} of each of them to kill after the test)."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT, mode, str(grace), CHILD], stdout=subprocess.PIPE,
                               text=True, cwd=os.getcwd())  # fmt: skip
     child, holder = (int(x) for x in parent.stdout.readline().split())
     assert parent.stdout.readline().strip() == "tied"  # the child's hold() is done
-    return parent, child, holder
-
-
-def _gone_within(pid: int, timeout: float) -> float:
-    t0 = time.monotonic()
-    while _alive(pid):
-        if time.monotonic() - t0 > timeout:
-            return -1.0
-        time.sleep(0.02)
-    return time.monotonic() - t0
-
-
-def _cleanup(*pids: int) -> None:
-    for pid in pids:
-        if pid and _alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    ours = {p: started(p) for p in (parent.pid, child, holder) if p}
+    return parent, child, holder, ours
 
 
 @pytest.mark.timeout(60)
 def test_the_pipe_ends_a_child_whose_parent_is_sigkilled_even_if_it_ignores_sigterm():
     grace = 1.0
-    parent, child, _ = _run_parent("pipe", grace)
+    parent, child, _, ours = _run_parent("pipe", grace)
     try:
-        assert _alive(child)
+        assert alive({child: ours[child]})
         parent.kill()
         parent.wait(10)
-        took = _gone_within(child, grace + 10)
-        assert took >= 0, "the child outlived its parent"
+        took = wait_gone({child: ours[child]}, grace + 10)  # else the child outlived its parent
         assert took >= grace - 0.1  # SIGTERM was ignored: it was the os._exit after the grace
     finally:
-        _cleanup(parent.pid, child)
+        kill_left(ours)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 @pytest.mark.timeout(60)
 def test_the_parent_death_signal_ends_the_child_while_the_pipe_is_still_held_open():
-    parent, child, holder = _run_parent("pdeathsig", 30.0)
+    parent, child, holder, ours = _run_parent("pdeathsig", 30.0)
     try:
-        assert _alive(child) and _alive(holder)
+        assert alive({child: ours[child], holder: ours[holder]}) == [child, holder]
         parent.kill()
         parent.wait(10)
-        assert _gone_within(child, 10) >= 0, "the parent-death signal did not end the child"
-        assert _alive(holder)  # the pipe was still open: the kernel's signal did it
+        wait_gone({child: ours[child]}, 10)  # else the parent-death signal did not end the child
+        assert alive({holder: ours[holder]})  # the pipe was still open: the kernel's signal did it
     finally:
-        _cleanup(parent.pid, child, holder)
+        kill_left(ours)
 
 
 def test_without_the_environment_nothing_is_tied():
