@@ -158,9 +158,6 @@ class Admission:
         self.clock = clock
         self._waits: deque[tuple[float, float]] = deque(maxlen=1024)  # (when, wait s): /load, autoscaler
 
-    max_running = property(lambda self: self.q.max_running)
-    max_queue = property(lambda self: self.q.max_queue)
-    timeout_s = property(lambda self: self.q.timeout_s)
     waiting = property(lambda self: self.q.waiting)
     running = property(lambda self: self.q.running)
 
