@@ -81,8 +81,9 @@ class Service:
     def __init__(self, args, locations: list[str], log_dir: str):
         import uvicorn
 
-        from autoscaler.local import LocalActuator, LocalConfig, free_port
+        from autoscaler.local import LocalActuator, LocalConfig
         from autoscaler.up import registry_hooks
+        from compute.node.launcher import free_port
         from gateway.app import create_app
         from gateway.main import build_gateway
 
