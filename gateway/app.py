@@ -61,9 +61,8 @@ def create_app(gw: Gateway) -> FastAPI:
             bearer = {"api_key": ["/v1/"]} if cfg.api_keys else {}
             if not (cfg.open and not cfg.admin_key):
                 bearer["admin_key"] = ["/admin/"]
-            vocab = gw.bundle.tokenizer.get_vocab_size(with_added_tokens=True)
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            app.openapi_schema = p.describe(doc, cfg.model, gw.max_tokens_maximum, vocab, bearer)
+            app.openapi_schema = p.describe(doc, cfg.model, gw.max_tokens_maximum, gw.vocab_size, bearer)
         return app.openapi_schema
 
     app.openapi = openapi

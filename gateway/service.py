@@ -53,6 +53,7 @@ class Gateway:
         self.config = config
         self.bundle = bundle
         self.max_model_len = config.max_model_len or max_model_len
+        self.vocab_size = bundle.tokenizer.get_vocab_size(with_added_tokens=True)  # token ids are 0 .. vocab_size - 1
         headers = {"Authorization": f"Bearer {config.internal_token}"} if config.internal_token else {}
         self.registry = NodeRegistry(headers, config.health_interval_s, config.health_failures)
         for role, url in config.nodes:
@@ -85,7 +86,7 @@ class Gateway:
         BadRequest when the prompt (plus max_tokens) exceeds the context."""
         if not prompt:
             raise BadRequest("the prompt is empty", "prompt")
-        if any(not 0 <= t < self.bundle.tokenizer.get_vocab_size(with_added_tokens=True) for t in prompt):
+        if any(not 0 <= t < self.vocab_size for t in prompt):
             raise BadRequest("prompt token id out of the vocabulary", "prompt")
         room = self.max_model_len - len(prompt)
         if room < 1:
