@@ -249,7 +249,7 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.post("/admin/nodes", response_model=p.NodeAdded, responses=admin_errors)
     async def add_node(body: p.NodeSpec):
         gw.registry.add(body.url, body.role, source=body.source)
-        await gw.registry.poll_once()
+        await gw.registry.refresh(body.url)  # the new node checked now; the others keep their poll
         return {"added": body.url}
 
     @app.delete("/admin/nodes", response_model=p.NodeRemoved, responses=admin_errors)
