@@ -29,23 +29,32 @@ def start_gateway(tmp, store: list[str], model: str, nodes: list[tuple[str, Serv
 
 
 @contextmanager
+def nodes_up(tmp, store: list[str], model: str, specs: dict) -> Iterator[dict]:
+    """{key: (role, transport, *extra args)} -> {key: ready node}; every node started is stopped on exit."""
+    nodes = {}
+    try:
+        for key, (role, transport, *extra) in specs.items():
+            nodes[key] = start_node(tmp, store, model, role, transport, extra=tuple(extra))
+        for n in nodes.values():
+            n.wait_ready()
+        yield nodes
+    finally:
+        for n in nodes.values():
+            n.stop()
+
+
+@contextmanager
 def running_service(tmp, store: list[str], model: str, roles: list[str], env: dict | None = None,
                     extra: tuple[str, ...] = ()) -> Iterator[dict]:  # fmt: skip
     """One node per entry of ``roles`` and a gateway over them, all ready; every one stopped on exit.
 
     Yields ``{"gw": gateway, "nodes": [nodes in the order of roles], "name": model}``."""
-    nodes = [(role, start_node(tmp, store, model, role)) for role in roles]
-    gw = None
-    try:
-        for _, n in nodes:
-            n.wait_ready()
-        gw = start_gateway(tmp, store, model, nodes, extra, env).wait_ready()
-        yield {"gw": gw, "nodes": [n for _, n in nodes], "name": model}
-    finally:
-        if gw:
+    with nodes_up(tmp, store, model, {i: (role, "tcp") for i, role in enumerate(roles)}) as nodes:
+        gw = start_gateway(tmp, store, model, [(roles[i], n) for i, n in nodes.items()], extra, env)
+        try:
+            yield {"gw": gw.wait_ready(), "nodes": list(nodes.values()), "name": model}
+        finally:
             gw.stop()
-        for _, n in nodes:
-            n.stop()
 
 
 def wait_for(fn, timeout: float, what: str, every: float = 0.05):

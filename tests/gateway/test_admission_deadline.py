@@ -10,7 +10,13 @@ import time
 
 import pytest
 
-from gateway.admission import DRAIN_SAMPLES, DRAIN_WINDOW_S, Admission, AdmissionQueue, Overloaded
+from gateway.admission import (
+    DRAIN_SAMPLES,
+    DRAIN_WINDOW_S,
+    Admission,
+    AdmissionQueue,
+    Overloaded,
+)
 
 
 def saturated(q: AdmissionQueue, now: float, waiting: int) -> list:
@@ -224,18 +230,12 @@ STREAM = dict(messages=[{"role": "user", "content": "Count from one to fifty."}]
 @pytest.fixture(scope="module")
 def overload_nodes(tmp_path_factory, real_model_store):
     """A prefill and a decode node on the real model, ready: (tmp, locations, name, [(role, node)])."""
-    from tests.services import start_node
+    from tests.services import nodes_up
 
     locations, name = real_model_store
     tmp = tmp_path_factory.mktemp("overload")
-    nodes = [(role, start_node(tmp, locations, name, role)) for role in ("prefill", "decode")]
-    try:
-        for _, n in nodes:
-            n.wait_ready()
-        yield tmp, locations, name, nodes
-    finally:
-        for _, n in nodes:
-            n.stop()
+    with nodes_up(tmp, locations, name, {role: (role, "tcp") for role in ("prefill", "decode")}) as nodes:
+        yield tmp, locations, name, list(nodes.items())
 
 
 def _stream_one(openai, client, model: str):

@@ -11,15 +11,13 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from tests.prompts import QUESTIONS
-from tests.services import HEADERS, start_node, wait_blocks_free
+from tests.services import HEADERS, nodes_up, start_node, wait_blocks_free
 
 pytestmark = pytest.mark.slow
 
@@ -35,21 +33,6 @@ def prompts(real_model_store):
     with ParamStore(StoreConfig(locations=locations)) as s, s.reader(name) as r:
         b = TextBundle.from_files(r.bundle())
     return [b.encode(b.render_chat([{"role": "user", "content": q}])) for q in QUESTIONS]
-
-
-@contextmanager
-def nodes_up(tmp, store, name: str, specs: dict[str, tuple]) -> Iterator[dict]:
-    """{key: (role, transport, *extra args)} -> {key: ready node}; every node started is stopped on exit."""
-    nodes = {}
-    try:
-        for key, (role, transport, *extra) in specs.items():
-            nodes[key] = start_node(tmp, store, name, role, transport, extra=tuple(extra))
-        for n in nodes.values():
-            n.wait_ready()
-        yield nodes
-    finally:
-        for n in nodes.values():
-            n.stop()
 
 
 @pytest.fixture(scope="module")
@@ -181,11 +164,8 @@ def test_no_block_leaks_after_200_messy_requests(tmp_path, tiny_model_store):
     """Normal requests mixed with corrupt handles, never-claimed handles, aborts and dropped streams."""
     locations, name = tiny_model_store
     hold = ("--kv-hold-s", "2", "--kv-timeout-s", "1")
-    p = start_node(tmp_path, locations, name, "prefill", "tcp", extra=hold)
-    d = start_node(tmp_path, locations, name, "decode", "tcp", extra=hold)
-    try:
-        p.wait_ready()
-        d.wait_ready()
+    with nodes_up(tmp_path, locations, name, {"p": ("prefill", "tcp", *hold), "d": ("decode", "tcp", *hold)}) as nodes:
+        p, d = nodes["p"], nodes["d"]
         rng = random.Random(0)
         outcomes = {"ok": 0, "corrupt": 0, "unclaimed": 0, "abort": 0, "dropped": 0}
         with httpx.Client(headers=HEADERS, timeout=30) as c:
@@ -220,6 +200,3 @@ def test_no_block_leaks_after_200_messy_requests(tmp_path, tiny_model_store):
         loads = wait_blocks_free([p, d], timeout=15)
         assert [ld["kv_blocks_used"] for ld in loads] == [0, 0], loads
         assert loads[0]["kv_transfers_held"] == 0
-    finally:
-        p.stop()
-        d.stop()
