@@ -286,16 +286,19 @@ def test_overload_refuses_early_with_retry_after_and_completes_every_accepted_st
     from tests.services import start_gateway
 
     tmp, locations, name, nodes = overload_nodes
-    gw = start_gateway(tmp, locations, name, nodes).wait_ready()
+    gw = start_gateway(tmp, locations, name, nodes)
     try:
+        gw.wait_ready()
         (control,) = _run_waves(openai, gw.url, name, lambda wave: wave(1))
     finally:
         gw.stop()
     assert control["status"] == 200 and control["tokens"] == 8
     bound = max(2.0, 4 * control["took"])
     gw = start_gateway(tmp, locations, name, nodes, ("--max-running", "2", "--max-queue", "64",
-                                                     "--queue-timeout", f"{bound:.2f}")).wait_ready()  # fmt: skip
+                                                     "--queue-timeout", f"{bound:.2f}"))  # fmt: skip
     try:
+        gw.wait_ready()
+
         async def plan(wave):
             warm = await wave(4)  # 2 run, 2 wait and are handed slots: the gateway measures its drain rate
             rate = httpx.get(gw.url + "/load").json()["drain_rate_per_s"]

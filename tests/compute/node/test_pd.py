@@ -131,8 +131,9 @@ def test_killed_prefill_leaves_decode_healthy(tmp_path, cluster, prompts, real_m
     kill resets its connection)."""
     locations, name = real_model_store
     d = cluster["tcp_d"]
-    victim = start_node(tmp_path, locations, name, "prefill", "tcp").wait_ready()
+    victim = start_node(tmp_path, locations, name, "prefill", "tcp")
     try:
+        victim.wait_ready()
         params = {"max_tokens": 8, "temperature": 0}
         pre = httpx.post(victim.url + "/internal/prefill", headers=HEADERS, timeout=60,
                          json={"request_id": "doomed", "prompt_token_ids": prompts[0], "params": params}).json()  # fmt: skip
