@@ -69,6 +69,7 @@ def settings(args) -> dict:
     import dataclasses
     import os
 
+    from gateway.main import gateway_url
     from paramstore.config import (
         ConfigError,
         config_path,
@@ -87,8 +88,7 @@ def settings(args) -> dict:
     kind = args.actuator or a.get("actuator", "local")
     if kind not in ACTUATORS:
         raise ConfigError(f"config {path}: [autoscaler] actuator = {kind!r}: one of {', '.join(ACTUATORS)}")
-    g = tables.get("gateway", {})
-    urls = args.gateway or [g.get("url") or f"http://127.0.0.1:{g.get('port', 8000)}"]
+    urls = args.gateway or [gateway_url(tables)]
     token = env_secret("PDSERVE_INTERNAL_TOKEN") or ""
     out = {"config": config, "actuator": kind, "gateways": [u.rstrip("/") for u in urls], "token": token,
            "path": path}  # fmt: skip
@@ -98,7 +98,7 @@ def settings(args) -> dict:
         store_cfg = store_config(args, tables=tables)
         sub = {"autoscaler.local": a.get("local", {})}
         model = (args.model or sub["autoscaler.local"].get("model") or tables.get("node", {}).get("model")
-                 or g.get("model"))  # fmt: skip
+                 or tables.get("gateway", {}).get("model"))  # fmt: skip
         env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None}
         kw = resolve(LocalConfig, "autoscaler.local", sub, path, {"model": model}, env, hints=_SECRETS)
         node = tables.get("node", {})  # the nodes' own settings, unless [autoscaler.local] sets them

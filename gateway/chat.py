@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 
@@ -37,14 +36,14 @@ def wait_ready(url: str, timeout: float) -> None:
 def main(args) -> int:
     import httpx
 
-    from paramstore.config import config_path, read_config
+    from paramstore.config import config_path, env_secret, read_config
 
     from .main import gateway_url
 
     args.url = gateway_url(read_config(config_path(args.config)), args.url)
     wait_ready(args.url, args.wait)
     headers = {}
-    key = (os.environ.get("PDSERVE_API_KEYS") or "").split(",")[0].strip()
+    key = (env_secret("PDSERVE_API_KEYS") or "").split(",")[0].strip()  # or $PDSERVE_API_KEYS_FILE
     if key:
         headers["Authorization"] = f"Bearer {key}"
     body = {"model": args.model, "messages": [{"role": "user", "content": args.question}],

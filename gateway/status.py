@@ -5,7 +5,6 @@ autoscaler's last decision."""
 from __future__ import annotations
 
 import json
-import os
 
 
 def add_arguments(p) -> None:
@@ -20,14 +19,15 @@ def main(args) -> int:
 
     import httpx
 
-    from paramstore.config import config_path, read_config
+    from paramstore.config import config_path, env_secret, read_config
 
     from .main import gateway_url
 
     args.url = gateway_url(read_config(config_path(args.config)), args.url)
     headers = {}
-    if os.environ.get("PDSERVE_ADMIN_KEY"):
-        headers["Authorization"] = f"Bearer {os.environ['PDSERVE_ADMIN_KEY']}"
+    key = env_secret("PDSERVE_ADMIN_KEY")  # or $PDSERVE_ADMIN_KEY_FILE, as the gateway reads it
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     r = httpx.get(args.url + "/admin/status", headers=headers, timeout=5)
     r.raise_for_status()
     st = r.json()
