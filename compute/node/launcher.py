@@ -63,6 +63,7 @@ class ServiceProc:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        self.stop()  # a caller that never gets it back cannot stop it: not ready in time is stopped here
         raise TimeoutError(f"{self.name} not ready in {timeout:g} s: {self.log()[-2000:]}")
 
     def load(self) -> dict:
