@@ -55,6 +55,7 @@ def local_service(args, token: str):
 
     path = config_path(args.config)
     tables = read_config(path)
+    policy = policy_config(tables, path)  # every table checked before the store is opened
     store_cfg = store_config(args, tables=tables)
     gw = open_gateway(gateway_config(args, tables, path, store=list(store_cfg.locations)), store_cfg)
     node = tables.get("node", {})
@@ -64,7 +65,7 @@ def local_service(args, token: str):
                         kv_blocks=args.kv_blocks or node.get("kv_blocks", 1024), weights=node.get("weights", "int8"),
                         log_dir=args.log_dir, cache_dir=os.environ.get("PDSERVE_CACHE_DIR") or node.get("cache_dir"),
                         extra_args=tuple(node_args(args, path)))  # fmt: skip
-    return gw, local, policy_config(tables, path)
+    return gw, local, policy
 
 
 def plan(args) -> dict[str, int]:

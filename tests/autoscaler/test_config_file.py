@@ -21,9 +21,9 @@ _VARS = ("PDSERVE_CONFIG", "PARAMSTORE_CONFIG", "PDSERVE_CACHE_DIR", "PDSERVE_IN
          "PDSERVE_DEBUG")  # fmt: skip
 
 
-def run(cmd: list[str], env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+def run(cmd: list[str], env: dict | None = None, timeout: float = 60, cwd=None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in _VARS}
-    return subprocess.run(cmd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def resolved(cmd: list[str], env: dict | None = None) -> dict:
@@ -133,7 +133,8 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, case, command):
     text, expect = BAD[case]
     path = tmp_path / "bad.toml"
     path.write_text(text)
-    r = run(COMMANDS[command], {"PDSERVE_CONFIG": str(path), "PDSERVE_INTERNAL_TOKEN": "t"})
+    # in an empty folder: no ./.pdserve/store to open, so a bad file must be caught before the store is
+    r = run(COMMANDS[command], {"PDSERVE_CONFIG": str(path), "PDSERVE_INTERNAL_TOKEN": "t"}, cwd=tmp_path)
     assert r.returncode == 2, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
