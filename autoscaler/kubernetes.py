@@ -1,15 +1,27 @@
-"""KubernetesActuator: sizes the prefill and decode Deployments through their scale subresource.
+"""KubernetesActuator: the runtime actuator of the node pods — sizes the prefill and decode Deployments.
 
-The API calls it makes — exactly these, which the RBAC Role in deploy/base grants and
-tests/autoscaler/test_kubernetes_contract.py serves:
-  GET   /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale          replicas()
+The node pods are runtimes (`pdserve node --role R`, no model): autoscaler/pool.py's RuntimePool
+claims them through the node API (POST /internal/models/load) and sizes each Deployment to the
+runtimes it keeps busy plus its standby pool through this actuator. `scale(role, n, prefer_remove)`
+on a scale-down first marks the pods to remove (standby runtimes, named by URL) with a low
+`controller.kubernetes.io/pod-deletion-cost`, so the ReplicaSet controller deletes those and not a
+pod that serves a model; a pod marked by an earlier call and not chosen now is unmarked.
+
+The API calls it makes — exactly these, which the RBAC Role in deploy/base/autoscaler.yaml grants
+and tests/autoscaler/test_kubernetes_contract.py serves:
+  GET   /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale          replicas(); scale() before a scale-down
   PATCH /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale          scale()
         Content-Type: application/merge-patch+json, body {"spec": {"replicas": N}}
   GET   /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices
-        ?labelSelector=kubernetes.io/service-name={service}              current()
+        ?labelSelector=kubernetes.io/service-name={service}              current(), endpoints_of(); scale() before
+                                                                         a scale-down (URL -> pod, the targetRef)
+  PATCH /api/v1/namespaces/{ns}/pods/{pod}                              scale() with prefer_remove
+        Content-Type: application/merge-patch+json, body
+        {"metadata": {"annotations": {"controller.kubernetes.io/pod-deletion-cost": "-1000"}}}
+        (null instead of the value unmarks a pod)
 
 Scale-down drains through the pods themselves: Kubernetes sends SIGTERM after the
-preStop hook (POST /drain on the node), within terminationGracePeriodSeconds.
+preStop hook (POST /internal/drain on the node), within terminationGracePeriodSeconds.
 
 Each call is retried in place a few times on 5xx / 409 / 429 / connection errors with
 exponential backoff, then surfaces as TemporaryActuatorError (the loop backs off);
@@ -19,7 +31,7 @@ exponential backoff, then surfaces as TemporaryActuatorError (the loop backs off
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -36,6 +48,7 @@ T = TypeVar("T")
 
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 MERGE_PATCH = "application/merge-patch+json"
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"  # ReplicaSets delete the lowest-cost pods first
 _RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
 
@@ -56,10 +69,13 @@ class KubernetesConfig:
     backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.2, factor=2.0, max_s=5.0))  # between tries
     request_timeout_s: float = 10.0  # per HTTP request
     field_manager: str = "pdserve-autoscaler"  # recorded as the owner of spec.replicas
+    remove_cost: int = -1000  # pod-deletion-cost of the pods a scale-down removes first (unmarked pods: 0)
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError(f"attempts={self.attempts} must be >= 1")
+        if not -(2**31) <= self.remove_cost < 0:
+            raise ValueError(f"remove_cost={self.remove_cost} must be a negative int32 (below the default 0)")
         if set(self.deployments) != set(self.services):
             raise ValueError("deployments and services must name the same roles")
 
@@ -82,7 +98,9 @@ class KubernetesActuator(Actuator):
             api_client = k8s.ApiClient(configuration) if configuration else load_api_client(kubeconfig, context)
         self.api_client = api_client
         self.apps = k8s.AppsV1Api(api_client)
+        self.core = k8s.CoreV1Api(api_client)
         self.discovery = k8s.DiscoveryV1Api(api_client)
+        self._marked: dict[str, set[str]] = {}  # role -> pods this actuator gave remove_cost, still to unmark
         self.namespace = self.config.namespace or _own_namespace(None if configuration else kubeconfig, context)
         self._sleep = sleep
 
@@ -94,17 +112,32 @@ class KubernetesActuator(Actuator):
             name, self.namespace, _request_timeout=self.config.request_timeout_s))  # fmt: skip
         return int((scale.spec and scale.spec.replicas) or 0)
 
-    def scale(self, role: str, replicas: int) -> None:
+    def scale(self, role: str, replicas: int, prefer_remove: Sequence[str] = ()) -> None:
+        """Set the role's Deployment to `replicas` pods; on a scale-down, the pods behind the first
+        (current - replicas) URLs of `prefer_remove` that still exist are the ones deleted."""
         if replicas < 0:
             raise ValueError(f"replicas={replicas} must be >= 0")
         name = self._deployment(role)
+        chosen: list[str] = []
+        if prefer_remove and (surplus := self.replicas(role) - replicas) > 0:
+            pods = {n.url: n.name for n in self._nodes(role, self.config.services[role]) if n.name}
+            chosen = [pods[u] for u in dict.fromkeys(prefer_remove) if u in pods][:surplus]
+        for pod in sorted(self._marked.get(role, set()) - set(chosen)):  # an earlier choice, not this one
+            self._mark(pod, None)
+            self._marked[role].discard(pod)
+        for pod in chosen:
+            self._mark(pod, str(self.config.remove_cost))
+            self._marked.setdefault(role, set()).add(pod)
         body = {"spec": {"replicas": int(replicas)}}
         self._call(f"scale deployment {name} to {replicas}", lambda: self.apps.patch_namespaced_deployment_scale(
             name, self.namespace, body, field_manager=self.config.field_manager, _content_type=MERGE_PATCH,
             _request_timeout=self.config.request_timeout_s))  # fmt: skip
 
     def current(self) -> dict[str, list[NodeInfo]]:
-        return {role: self._nodes(role, svc) for role, svc in self.config.services.items()}
+        nodes = {role: self._nodes(role, svc) for role, svc in self.config.services.items()}
+        for role, marked in self._marked.items():  # a marked pod that is gone needs no unmarking
+            marked &= {n.name for n in nodes.get(role, [])}
+        return nodes
 
     def endpoints(self) -> list[tuple[str, str, bool]]:
         """(role, url, ready) for every node endpoint — what the gateway's node registry takes."""
@@ -124,6 +157,16 @@ class KubernetesActuator(Actuator):
             return self.config.deployments[role]
         except KeyError:
             raise PermanentActuatorError(f"no Deployment configured for role {role!r}") from None
+
+    def _mark(self, pod: str, cost: str | None) -> None:
+        """Set (or, with None, remove) the pod's deletion cost; a pod already gone needs none."""
+        body = {"metadata": {"annotations": {DELETION_COST: cost}}}
+        try:
+            self._call(f"annotate pod {pod} with {DELETION_COST}={cost}", lambda: self.core.patch_namespaced_pod(
+                pod, self.namespace, body, _content_type=MERGE_PATCH, _request_timeout=self.config.request_timeout_s))  # fmt: skip
+        except PermanentActuatorError as e:
+            if getattr(e.__cause__, "status", None) != 404:
+                raise
 
     def _nodes(self, role: str, service: str) -> list[NodeInfo]:
         slices = self._call(f"list endpointslices of service {service}", lambda: (

@@ -8,10 +8,12 @@ content type, body):
   PATCH /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale          (autoscaler: JSON merge patch)
   GET   /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=kubernetes.io/service-name=S
         [&watch=true&resourceVersion=RV&timeoutSeconds=T]               (autoscaler: list; gateway: list + watch)
+  PATCH /api/v1/namespaces/{ns}/pods/{name}                             (autoscaler: JSON merge patch of the
+        pod's metadata.annotations — the pod-deletion-cost; a pod exists while an EndpointSlice names it)
 
 ``put_slice`` / ``delete_slice`` change EndpointSlices as the endpoints controller would (watchers get
 ADDED / MODIFIED / DELETED events, one HTTP/1.1 chunk each); ``faults`` answers the next requests of a
-method with an error status. Used by tests/autoscaler/test_kubernetes_contract.py and the pod runner.
+method (and path) with an error status. Used by tests/autoscaler/test_kubernetes_contract.py and the pod runner.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 
 SCALE = re.compile(r"^/apis/apps/v1/namespaces/(?P<ns>[^/]+)/deployments/(?P<name>[^/]+)/scale$")
 SLICES = re.compile(r"^/apis/discovery\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/endpointslices$")
+PODS = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<name>[^/]+)$")
 
 
 def endpoint_slice(service: str, suffix: str, endpoints: list[tuple[str, bool | None, bool, str]], ns: str,
@@ -46,13 +49,14 @@ class KubeApiTwin:
     def __init__(self, namespace: str, replicas: dict[str, int] | None = None, slices: list[dict] | None = None):
         self.namespace = namespace
         self.requests: list[dict] = []
-        self.faults: list[tuple[str, int]] = []  # (method, status) answered first, in order
+        self.faults: list[tuple] = []  # (method, status[, path part]) answered first, in order
         self.rv = 42  # resourceVersion of the EndpointSlice collection, bumped by every change
         self.events: list[tuple[int, str, dict]] = []  # (rv, ADDED|MODIFIED|DELETED, slice) for watches
         self.cond = threading.Condition()
         self.closing = False
         self.replicas = dict(replicas or {})  # Deployment -> spec.replicas
         self.slices = list(slices or [])
+        self.annotations: dict[str, dict[str, str]] = {}  # pod -> metadata.annotations, as patched
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -100,6 +104,25 @@ class KubeApiTwin:
             self.slices.remove(sl)
             self.events.append((self.rv, "DELETED", sl))
             self.cond.notify_all()
+
+    def pod_names(self) -> set[str]:
+        """The pods that exist: those an EndpointSlice's endpoint names (targetRef)."""
+        return {ep["targetRef"]["name"] for sl in self.slices for ep in sl["endpoints"] if ep.get("targetRef")}
+
+    def _patch_pod(self, h, name: str, raw: bytes):
+        if name not in self.pod_names():
+            return self._reply(h, 404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+        if h.headers.get("Content-Type") != "application/merge-patch+json":
+            return self._reply(h, 415, {"kind": "Status", "code": 415})
+        patch = json.loads(raw)
+        notes = self.annotations.setdefault(name, {})
+        for k, v in ((patch.get("metadata") or {}).get("annotations") or {}).items():
+            if v is None:
+                notes.pop(k, None)  # JSON merge patch: null removes the key
+            else:
+                notes[k] = str(v)
+        return self._reply(h, 200, {"apiVersion": "v1", "kind": "Pod",
+                                    "metadata": {"name": name, "namespace": self.namespace, "annotations": notes}})
 
     def _watch(self, h, selector: tuple[str, str], since: int, timeout_s: float) -> None:
         """A WATCH: newline-delimited JSON events after `since` for matching slices, until timeoutSeconds,
@@ -156,8 +179,8 @@ class KubeApiTwin:
         self.requests.append({"method": method, "path": parts.path, "query": parse_qs(parts.query),
                               "content_type": h.headers.get("Content-Type"),
                               "body": json.loads(raw) if raw else None})  # fmt: skip
-        for i, (m, status) in enumerate(self.faults):
-            if m == method:
+        for i, (m, status, *where) in enumerate(self.faults):
+            if m == method and all(w in parts.path for w in where):
                 del self.faults[i]
                 reason = {409: "Conflict", 500: "InternalError", 403: "Forbidden"}.get(status, "Error")
                 return self._reply(h, status, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
@@ -169,6 +192,8 @@ class KubeApiTwin:
                 self.replicas[m["name"]] = int(json.loads(raw)["spec"]["replicas"])
                 return self._reply(h, 200, self._scale(m["name"]))
             return self._reply(h, 415, {"kind": "Status", "code": 415})
+        if (m := PODS.match(parts.path)) and m["ns"] == self.namespace and method == "PATCH":
+            return self._patch_pod(h, m["name"], raw)
         if (m := SLICES.match(parts.path)) and m["ns"] == self.namespace and method == "GET":
             q = parse_qs(parts.query)
             sel = q.get("labelSelector", [""])[0]

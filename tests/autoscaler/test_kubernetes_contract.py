@@ -8,6 +8,7 @@ requests sent (method, path, query, content type, body) and the parsing of answe
   GET   /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale
   PATCH /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale   (JSON merge patch)
   GET   /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=kubernetes.io/service-name=...
+  PATCH /api/v1/namespaces/{ns}/pods/{name}                      (JSON merge patch of the pod-deletion-cost)
 
 and the gateway's node registry source (gateway/discovery.py), which lists and then watches the
 same EndpointSlices (list + watch: what the gateway's Role in deploy/base grants):
@@ -35,6 +36,9 @@ from gateway.registry import NodeRegistry
 
 NS = "pdserve-test"
 SCALE, SLICES = kubeapi.SCALE, kubeapi.SLICES
+COST = "controller.kubernetes.io/pod-deletion-cost"
+SCALE_PATH = f"/apis/apps/v1/namespaces/{NS}/deployments/pdserve-decode/scale"
+SLICES_PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"
 
 
 def endpoint_slice(service: str, suffix: str, endpoints: list[tuple[str, bool | None, bool, str]]) -> dict:
@@ -107,6 +111,77 @@ def test_contract_nodes_from_endpointslices(api, actuator):
         NodeInfo("decode", "http://10.0.1.9:8001", False, "pdserve-decode-3", "draining"),  # terminating
     ]
     assert ("prefill", "http://10.0.0.6:8001", False) in actuator.endpoints()
+
+
+def pod_patches(api) -> list[tuple[str, dict]]:
+    return [(r["path"].rsplit("/", 1)[1], r["body"]["metadata"]["annotations"]) for r in api.requests
+            if kubeapi.PODS.match(r["path"])]  # fmt: skip
+
+
+def test_contract_scale_down_marks_the_pods_to_remove_with_a_low_deletion_cost(api, actuator):
+    # decode has 2 replicas; the pool asks for 1 and names its standby runtimes, best to remove first
+    # (one URL is no pod's any more: skipped)
+    actuator.scale("decode", 1, prefer_remove=("http://10.0.9.9:8001", "http://10.0.1.8:8001", "http://10.0.1.7:8001"))
+    assert [(r["method"], r["path"]) for r in api.requests] == [
+        ("GET", SCALE_PATH), ("GET", SLICES_PATH),
+        ("PATCH", f"/api/v1/namespaces/{NS}/pods/pdserve-decode-2"), ("PATCH", SCALE_PATH),
+    ]  # fmt: skip
+    patch = api.requests[2]
+    assert patch["content_type"] == "application/merge-patch+json"
+    assert patch["body"] == {"metadata": {"annotations": {COST: "-1000"}}}
+    assert api.requests[1]["query"] == {"labelSelector": ["kubernetes.io/service-name=pdserve-decode"]}
+    assert api.annotations == {"pdserve-decode-2": {COST: "-1000"}}  # only the surplus: 2 - 1 pods
+    assert api.replicas["pdserve-decode"] == 1
+
+
+def test_contract_a_pod_marked_earlier_and_not_chosen_now_is_unmarked(api, actuator):
+    api.faults = [("PATCH", 500, "/pods/")] * 4  # the mark fails (4 tries): no scale-down without it
+    with pytest.raises(TemporaryActuatorError, match="annotate pod pdserve-decode-2"):
+        actuator.scale("decode", 1, prefer_remove=("http://10.0.1.8:8001",))
+    assert api.annotations == {} and api.replicas["pdserve-decode"] == 2
+    api.faults = [("PATCH", 500, "/scale")] * 4  # now the scale patch fails after the mark: decode-2 stays marked
+    with pytest.raises(TemporaryActuatorError):
+        actuator.scale("decode", 1, prefer_remove=("http://10.0.1.8:8001",))
+    assert api.annotations == {"pdserve-decode-2": {COST: "-1000"}} and api.replicas["pdserve-decode"] == 2
+    # meanwhile the pool claimed decode-2: the next scale names another pod; decode-2 loses its mark first
+    api.requests.clear()
+    actuator.scale("decode", 1, prefer_remove=("http://10.0.1.7:8001",))
+    assert pod_patches(api) == [("pdserve-decode-2", {COST: None}), ("pdserve-decode-1", {COST: "-1000"})]
+    assert api.annotations == {"pdserve-decode-2": {}, "pdserve-decode-1": {COST: "-1000"}}
+    # a scale-up unmarks too: no pod is to go
+    api.requests.clear()
+    actuator.scale("decode", 3)
+    assert pod_patches(api) == [("pdserve-decode-1", {COST: None})] and api.replicas["pdserve-decode"] == 3
+    api.requests.clear()
+    actuator.scale("decode", 3)
+    assert only(api) == [("PATCH", SCALE_PATH)]  # nothing marked, nothing to remove: one call
+
+
+def test_contract_a_marked_pod_that_is_gone_is_not_patched_again(api, actuator):
+    actuator.scale("decode", 1, prefer_remove=("http://10.0.1.8:8001",))
+    # the ReplicaSet deleted decode-2: its endpoint leaves the slice; current() forgets the mark
+    api.put_slice(endpoint_slice("pdserve-decode", "fghij", [("10.0.1.7", True, False, "pdserve-decode-1")]))
+    actuator.current()
+    api.requests.clear()
+    actuator.scale("decode", 2)
+    assert only(api) == [("PATCH", SCALE_PATH)]
+    # a pod deleted between the list and its patch (404) needs no mark: the scale goes on
+    api.faults = [("PATCH", 404)]
+    actuator.scale("decode", 1, prefer_remove=("http://10.0.1.7:8001",))
+    assert api.replicas["pdserve-decode"] == 1
+
+
+def test_contract_scale_up_or_no_change_with_prefer_remove_patches_no_pod(api, actuator):
+    actuator.scale("decode", 2, prefer_remove=("http://10.0.1.8:8001",))
+    actuator.scale("decode", 4, prefer_remove=("http://10.0.1.8:8001",))
+    assert only(api) == [("GET", SCALE_PATH), ("PATCH", SCALE_PATH)] * 2 and api.annotations == {}
+
+
+def test_contract_forbidden_pod_patch_is_permanent_and_scales_nothing(api, actuator):
+    api.faults = [("PATCH", 403)]
+    with pytest.raises(PermanentActuatorError, match="annotate pod pdserve-decode-2.*HTTP 403"):
+        actuator.scale("decode", 1, prefer_remove=("http://10.0.1.8:8001",))
+    assert api.replicas["pdserve-decode"] == 2  # never a scale-down that could delete a serving pod
 
 
 def test_contract_500_and_409_are_retried_with_exponential_backoff(api, actuator):
@@ -251,3 +326,55 @@ def test_gateway_discovery_mode_auto_means_kubernetes_only_inside_a_pod():
     assert DiscoveryConfig(mode="kubernetes").resolved_mode({}) == "kubernetes"
     with pytest.raises(ValueError, match="invalid gateway discovery mode"):
         DiscoveryConfig(mode="dns")
+
+
+# --- the Role in deploy/base grants exactly the calls made ------------------------------------------------
+
+
+def _rbac_of(req: dict) -> tuple[str, str, str, str]:
+    """(apiGroup, resource, verb, name) of one recorded request, as the API server's authorizer sees it."""
+    path, watch = req["path"], req["query"].get("watch") == ["true"]
+    if m := SCALE.match(path):
+        return ("apps", "deployments/scale", {"GET": "get", "PATCH": "patch"}[req["method"]], m["name"])
+    if SLICES.match(path):
+        return ("discovery.k8s.io", "endpointslices", "watch" if watch else "list", "")
+    if m := kubeapi.PODS.match(path):
+        return ("", "pods", {"GET": "get", "PATCH": "patch"}[req["method"]], m["name"])
+    raise AssertionError(f"a call the twin does not serve: {req['method']} {path}")
+
+
+def _role_rules(path: str, name: str) -> list[dict]:
+    import yaml
+
+    from tests.deploy.pods import ROOT
+
+    docs = yaml.safe_load_all((ROOT / path).read_text())
+    (role,) = [d for d in docs if d and d["kind"] == "Role" and d["metadata"]["name"] == name]
+    return role["rules"]
+
+
+def _allowed(rule: dict, call: tuple[str, str, str, str]) -> bool:
+    group, resource, verb, name = call
+    return (group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
+            and (not rule.get("resourceNames") or name in rule["resourceNames"]))  # fmt: skip
+
+
+def test_contract_the_autoscalers_role_grants_exactly_what_the_actuator_calls(api, actuator):
+    actuator.replicas("prefill")
+    actuator.current()
+    actuator.endpoints_of("pdserve-gateway", "gateway")
+    actuator.scale("decode", 1, prefer_remove=("http://10.0.1.8:8001",))  # mark, then scale down
+    actuator.scale("prefill", 2)
+    actuator.scale("decode", 2)  # unmark
+    calls = {_rbac_of(r) for r in api.requests}
+    rules = _role_rules("deploy/base/autoscaler.yaml", "pdserve-autoscaler")
+    for call in calls:
+        assert any(_allowed(rule, call) for rule in rules), f"the Role does not grant {call}"
+    for rule in rules:  # and nothing more: every (group, resource, verb) granted is one called
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    used = {c for c in calls if c[:3] == (group, resource, verb)}
+                    assert used, f"the Role grants {verb} {group}/{resource}, which the actuator never calls"
+                    if rule.get("resourceNames"):
+                        assert {c[3] for c in used} <= set(rule["resourceNames"])

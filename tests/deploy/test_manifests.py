@@ -129,9 +129,8 @@ def test_rbac_grants_exactly_what_the_autoscaler_and_the_gateway_call(overlay):
     names = tuple(sorted(KubernetesConfig().deployments.values()))
     assert _grants(roles["pdserve-autoscaler"]) == {
         ("apps", "deployments/scale", "get", names), ("apps", "deployments/scale", "patch", names),
-        ("", "endpoints", "get", ()), ("", "endpoints", "list", ()), ("", "endpoints", "watch", ()),
-        ("discovery.k8s.io", "endpointslices", "get", ()), ("discovery.k8s.io", "endpointslices", "list", ()),
-        ("discovery.k8s.io", "endpointslices", "watch", ()),
+        ("discovery.k8s.io", "endpointslices", "list", ()),  # the nodes (and gateway pods) it lists
+        ("", "pods", "patch", ()),  # the pod-deletion-cost of the pods a scale-down removes first
     }  # fmt: skip
     assert _grants(roles["pdserve-gateway"]) == {  # the EndpointSlice watch of its node registry: read only
         ("discovery.k8s.io", "endpointslices", "list", ()), ("discovery.k8s.io", "endpointslices", "watch", ()),
