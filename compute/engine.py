@@ -33,6 +33,7 @@ class Engine:
         self.scheduler = Scheduler(config)
         cache = KVCache(model.config, config.num_blocks, config.block_size, model.dtype)
         self.runner = ModelRunner(model, cache, sampler)
+        self.last_step = (0, 0)  # (sequences decoding, prompt tokens prefilled) in the last step
 
     @classmethod
     def for_model(cls, model: Transformer, num_blocks: int, **kw) -> Engine:
@@ -55,6 +56,8 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        decodes = sum(len(s.token_ids) == 1 for s in batch.seqs)
+        self.last_step = (decodes, batch.num_tokens - decodes)
         if not batch:
             return []
         try:

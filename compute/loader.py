@@ -52,17 +52,21 @@ class LoadProgress:
         return asdict(self)
 
 
+def runtime_weights(manifest, weights: str) -> str:
+    """The runtime weights a load of ``manifest`` asked for ``weights`` gets (a float import keeps no int8)."""
+    return "bf16" if weights == "int8" and manifest.dtype != "int8" else weights
+
+
 class WeightInjector:
     """Owns one model's lazy load from the store (steps 1-4 above)."""
 
-    def __init__(self, store, ref: str, weights: str = "int8", reader_config=None, cache=None):
+    def __init__(self, store, ref: str, weights: str = "int8", reader_config=None, cache=None, manifest=None):
         if weights not in RUNTIME:
             raise ValueError(f"invalid runtime weights {weights!r}: int8, bf16 or fp32")
         self.t0 = time.perf_counter()
         self.store, self.reader_config, self.cache = store, reader_config, cache
-        self.manifest = store.manifest(ref)
-        if weights == "int8" and self.manifest.dtype != "int8":
-            weights = "bf16"  # a float import has no int8 weights to keep
+        self.manifest = manifest if manifest is not None else store.manifest(ref)
+        weights = runtime_weights(self.manifest, weights)
         self.dtype, self.keep_int8 = RUNTIME[weights]
         self.weights = weights
         self.config = ModelConfig.from_hf(self.manifest.config)
@@ -75,6 +79,7 @@ class WeightInjector:
         self.progress = LoadProgress(self.manifest.ref, 0, self.config.num_layers, 0, len(shards), 0,
                                      sum(s.size for s in shards))  # fmt: skip
         self._done = threading.Event()
+        self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> "WeightInjector":
@@ -93,11 +98,18 @@ class WeightInjector:
     def ready(self) -> bool:
         return self.progress.ready
 
+    def cancel(self, timeout: float = 10.0) -> bool:
+        """Stop a load in progress after its current shard; True once the load thread has ended."""
+        self._cancel.set()
+        return self._done.wait(timeout) if self._thread is not None else True
+
     def _run(self) -> None:
         p = self.progress
         try:
             with self.store.reader(self.manifest, self.reader_config, self.cache) as r:
                 for read in r.iter_shards():
+                    if self._cancel.is_set():
+                        raise RuntimeError("load cancelled (unloaded)")
                     tensors, _ = read.tensors()
                     self.model.load_weights(self._convert(tensors))
                     p.shards_loaded += 1

@@ -1,4 +1,8 @@
-"""Configuration of one compute node (one slotted dataclass, validated)."""
+"""Configuration of one compute node runtime (one slotted dataclass, validated).
+
+A node runtime is not bound to a model: ``model`` is only what it loads at start (None: it starts
+empty, *standby*); models are loaded and unloaded through its API within ``memory_gb``.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,8 @@ class NodeConfig:
     """What a node serves and how."""
 
     role: str  # prefill | decode | both
-    model: str  # paramstore reference NAME[@vN]
-    internal_token: str  # shared secret the gateway sends; requests without it get 401
+    internal_token: str = ""  # shared secret the gateway sends; requests without it get 401 (required)
+    model: str | None = None  # paramstore reference NAME[@vN] loaded at start; None: start standby
     store: list[str] = field(default_factory=list)  # store locations (empty: the local default)
     host: str = "127.0.0.1"
     port: int = 8001
@@ -29,6 +33,9 @@ class NodeConfig:
     cache_dir: str | None = None  # node-local shard cache (disk tier); None: no cache
     cache_gb: float = 8.0
     threads: int = 0  # torch threads; 0 = torch's default
+    memory_gb: float = 0.0  # budget for weights + KV cache of every held model; 0 = half of MemAvailable at start
+    tpot_target_s: float = 0.1  # the step time at which the capacity report's max_streams is taken
+    import_nice: int = 0  # heavy imports in a thread niced by this much (pool refill); serving threads are not
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -41,3 +48,9 @@ class NodeConfig:
             raise ValueError("kv_blocks, block_size, max_num_seqs, max_num_batched_tokens must be >= 1")
         if not 0 < self.kv_timeout_s < self.kv_hold_s:
             raise ValueError("need 0 < kv_timeout_s < kv_hold_s")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ValueError("model must be a non-empty NAME[@vN] (or unset: start standby)")
+        if self.memory_gb < 0 or self.tpot_target_s <= 0:
+            raise ValueError("need memory_gb >= 0 (0: half of MemAvailable) and tpot_target_s > 0")
+        if not 0 <= self.import_nice <= 19:
+            raise ValueError("import_nice must be in [0, 19]")

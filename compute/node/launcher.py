@@ -24,6 +24,7 @@ from .lifeline import spawn_kwargs
 
 SERVICE_ENV = {"PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN",
                "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+SAME = "<the Services' model>"  # Services.node/start: the model given to Services
 _KEYS = ("PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEY", "PDSERVE_API_KEYS_FILE", "PDSERVE_ADMIN_KEY_FILE")
 
 
@@ -102,7 +103,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Services:
     """Starts nodes and gateways of one model and store; ``stop_all`` ends every one still running."""
 
-    def __init__(self, store: list[str], model: str, log_dir: str, token: str | None = None,
+    def __init__(self, store: list[str], model: str | None, log_dir: str, token: str | None = None,
                  env: dict | None = None):  # fmt: skip
         self.store, self.model, self.log_dir = store, model, log_dir
         self.token = token or secrets.token_hex(16)
@@ -110,9 +111,13 @@ class Services:
         self.env = service_env(self.token, **(env or {}))
         self.procs: list[ServiceProc] = []
 
-    def start(self, name: str, args: list[str], env: dict | None = None) -> ServiceProc:
+    def start(self, name: str, args: list[str], env: dict | None = None, model: str | None = SAME) -> ServiceProc:
+        """``model``: the Services' model by default; None: no --model (a standby node)."""
         port = free_port()
-        cmd = [sys.executable, "-m", "autoscaler.cli", *args, "--port", str(port), "--model", self.model]
+        model = self.model if model is SAME else model
+        cmd = [sys.executable, "-m", "autoscaler.cli", *args, "--port", str(port)]
+        if model:
+            cmd += ["--model", model]
         for url in self.store:
             cmd += ["--store", url]
         p = ServiceProc(f"{name}-{port}", cmd, f"http://127.0.0.1:{port}", self.log_dir,
@@ -121,9 +126,11 @@ class Services:
         return p
 
     def node(self, role: str, threads: int = 1, transport: str = "tcp", kv_blocks: int = 1024,
-             extra: tuple[str, ...] = ()) -> ServiceProc:  # fmt: skip
+             extra: tuple[str, ...] = (), model: str | None = SAME) -> ServiceProc:  # fmt: skip
+        """A node of ``role`` loading ``model`` at start (default: the Services' model); ``model=None``: a
+        standby node (no model; loads on demand through /internal/models/load)."""
         return self.start(role, ["node", "--role", role, "--threads", str(threads), "--kv-transport", transport,
-                                 "--kv-blocks", str(kv_blocks), "--log-level", "warning", *extra])  # fmt: skip
+                                 "--kv-blocks", str(kv_blocks), "--log-level", "warning", *extra], model=model)  # fmt: skip
 
     def gateway(self, nodes: list[tuple[str, ServiceProc]], extra: tuple[str, ...] = (),
                 env: dict | None = None) -> ServiceProc:  # fmt: skip

@@ -1,4 +1,9 @@
-"""`pdserve node`: one process, one engine, one role, the internal HTTP API.
+"""`pdserve node`: one runtime process of one role, the internal HTTP API, the models it is asked to hold.
+
+Without a model (no --model, no [node] model) it starts *standby*: imports done (in a thread niced
+by --import-nice when the pool refills in the background), HTTP API up, the KV-transfer endpoint's
+process-wide part (the NIXL agent) created, /ready 200 at once; models are loaded through
+/internal/models/load. With --model it loads that one at start and is ready once it is.
 
 Settings: flags > environment ($PDSERVE_INTERNAL_TOKEN[_FILE], $PDSERVE_CACHE_DIR) > the config
 file's [node] and [store] tables (--config, $PDSERVE_CONFIG) > NodeConfig's defaults. The store is
@@ -21,7 +26,7 @@ def add_arguments(p) -> None:
     from paramstore.config import add_store_arguments
 
     p.add_argument("--role", choices=["prefill", "decode", "both"], help="required here or as [node] role")
-    p.add_argument("--model", help="paramstore reference NAME[@vN]; required here or as [node] model")
+    p.add_argument("--model", help="paramstore reference NAME[@vN] to load at start (else standby: load on demand)")
     add_store_arguments(p)
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="default 8001")
@@ -37,6 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cache-dir", help="node-local shard cache directory (else $PDSERVE_CACHE_DIR, [node] cache_dir)")
     p.add_argument("--cache-gb", type=float, help="shard cache size on disk (default 8)")
     p.add_argument("--threads", type=int, help="torch threads (0: torch default)")
+    p.add_argument("--memory-gb", type=float, help="budget for weights + KV of all held models (0: half MemAvailable)")
+    p.add_argument("--tpot-target-s", type=float, help="TPOT target of the capacity report (default 0.1)")
+    p.add_argument("--import-nice", type=int, help="do the heavy imports in a thread niced by N (default 0)")
     p.add_argument("--token-file", default=None, help="file with the internal token (else $PDSERVE_INTERNAL_TOKEN)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as JSON and exit")
@@ -66,13 +74,14 @@ def node_config(args):
              "kv_blocks": args.kv_blocks, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
              "max_num_batched_tokens": args.max_batched_tokens, "kv_transport": args.kv_transport,
              "kv_compression": args.kv_compression, "kv_hold_s": args.kv_hold_s, "kv_timeout_s": args.kv_timeout_s,
-             "cache_dir": args.cache_dir, "cache_gb": args.cache_gb, "threads": args.threads}  # fmt: skip
+             "cache_dir": args.cache_dir, "cache_gb": args.cache_gb, "threads": args.threads,
+             "memory_gb": args.memory_gb, "tpot_target_s": args.tpot_target_s,
+             "import_nice": args.import_nice}  # fmt: skip
     token = env_secret("PDSERVE_INTERNAL_TOKEN", args.token_file)  # --token-file, else $PDSERVE_INTERNAL_TOKEN[_FILE]
     env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None, "internal_token": token or None}
     kw = resolve(NodeConfig, "node", tables, path, flags, env, hints=_SECRETS)
-    for need in ("role", "model"):
-        if need not in kw:
-            raise ConfigError(f"no {need}: pass --{need} or set {need} in [node] of the config file")
+    if "role" not in kw:
+        raise ConfigError("no role: pass --role or set role in [node] of the config file")
     kw.setdefault("internal_token", "")
     return NodeConfig(store=store_cfg.locations, **kw), store_cfg
 
@@ -86,19 +95,58 @@ def _public(cfg, store_cfg) -> dict:
     return out
 
 
+def heavy_imports(cfg) -> None:
+    """Everything a model load needs, imported now (not on the first load)."""
+    import importlib
+
+    import torch  # noqa: F401
+    import uvicorn  # noqa: F401
+
+    import compute.engine  # noqa: F401
+    import compute.loader  # noqa: F401
+    import paramstore.cache  # noqa: F401
+
+    from . import held, server  # noqa: F401
+
+    if cfg.role != "both":
+        from compute.kv_transfer.factory import BACKENDS
+
+        try:
+            importlib.import_module(BACKENDS[cfg.kv_transport][0])
+        except ImportError:
+            pass  # nixl not installed: the factory falls back to tcp at the first load
+
+
+def import_niced(cfg) -> None:
+    """``heavy_imports`` in a thread niced by ``cfg.import_nice`` (only that thread: the ones that
+    serve are created later by the un-niced main thread)."""
+    import threading
+
+    failed: list[BaseException] = []
+
+    def run():
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), cfg.import_nice)
+            heavy_imports(cfg)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            failed.append(e)
+
+    t = threading.Thread(target=run, name="imports", daemon=True)
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]
+
+
 def build(cfg, loop, store_cfg):
-    """Store (of ``node_config``'s StoreConfig), lazy injector (started), engine, worker, service, app."""
+    """Store (of ``node_config``'s StoreConfig), node cache, model host (the start model's load begun), app."""
     import torch
 
-    from compute.engine import Engine
-    from compute.kv_transfer import KVLayout
-    from compute.loader import WeightInjector
     from paramstore import ParamStore
     from paramstore.cache import CacheConfig, NodeCache
 
+    from .models import ModelHost
     from .server import create_app
-    from .service import NodeService
-    from .worker import EngineWorker
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -106,26 +154,28 @@ def build(cfg, loop, store_cfg):
     cache = None
     if cfg.cache_dir:
         cache = NodeCache(CacheConfig(dir=cfg.cache_dir, disk_bytes=int(cfg.cache_gb * 2**30), memory_bytes=0))
-    injector = WeightInjector(store, cfg.model, cfg.weights, cache=cache).start()
-    model = injector.model
-    engine = Engine.for_model(model, num_blocks=cfg.kv_blocks, block_size=cfg.block_size,
-                              max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                              eos_token_ids=(tuple(injector.bundle.eos_token_ids) if injector.bundle else ())
-                              or model.config.eos_token_ids)  # fmt: skip
-    worker = EngineWorker(engine, loop)
-    svc = NodeService(cfg, worker, model.config.vocab_size)
-    cache_t = engine.runner.cache
-    layout = KVLayout(model.config.num_layers, cfg.block_size, model.config.num_kv_heads, model.config.head_dim,
-                      cache_t.dtype)  # fmt: skip
-    if cfg.role == "prefill":
-        from .prefill import make_sender
+    if cfg.role != "both" and cfg.kv_transport == "nixl":
+        _nixl_agent()
+    host = ModelHost(cfg, store, cache, loop)
+    if cfg.model:
+        from .service import NodeBusy
 
-        make_sender(svc, layout, cache_t.kv)
-    elif cfg.role == "decode":
-        from .decode import make_receiver
+        store.manifest(cfg.model)  # a missing model or a bad signature: one line, exit 2, before listening
+        try:
+            loop.run_until_complete(host.load(cfg.model, cfg.weights))
+        except NodeBusy as e:
+            raise ValueError(f"cannot load {cfg.model}: {e}") from None
+    return create_app(host), host
 
-        make_receiver(svc, layout, cache_t.kv)
-    return create_app(svc, injector), worker, injector
+
+def _nixl_agent() -> None:
+    """This process's NIXL agent, created now (~0.5 s) rather than on the first load."""
+    try:
+        from compute.kv_transfer.nixl_agent import process_agent
+
+        process_agent()
+    except Exception as e:  # noqa: BLE001 - the factory falls back to tcp (logged, counted) at load
+        logging.getLogger("pdserve.node").warning("nixl agent unavailable at start: %s", e)
 
 
 def main(args) -> int:
@@ -143,15 +193,18 @@ def main(args) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if cfg.host in ("127.0.0.1", "localhost"):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    if cfg.import_nice:
+        import_niced(cfg)
+    else:
+        heavy_imports(cfg)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    app, worker, injector = build(cfg, loop, store_cfg)
-    worker.start()
+    app, host = build(cfg, loop, store_cfg)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", loop="asyncio"))
-    print(f"pdserve node: role={cfg.role} model={cfg.model} listening on http://{cfg.host}:{cfg.port}", file=sys.stderr,
-          flush=True)  # fmt: skip
+    print(f"pdserve node: role={cfg.role} model={cfg.model or '(standby)'} listening on http://{cfg.host}:{cfg.port}",
+          file=sys.stderr, flush=True)  # fmt: skip
     try:
         loop.run_until_complete(server.serve())
     finally:
-        worker.stop()
+        host.close()
     return 0

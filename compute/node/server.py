@@ -1,4 +1,10 @@
-"""The node's internal HTTP API (FastAPI): what the gateway calls. See gateway/nodes.py for the protocol."""
+"""The node's internal HTTP API (FastAPI): what the gateway and the autoscaler call.
+
+Requests (``/internal/generate|prefill|decode``) carry ``"model"`` (absent: the node's only model)
+and go to that model's ``NodeService``; a model not held or not ready here -> 503 (the gateway tries
+elsewhere). Models are loaded and unloaded with ``/internal/models/load|unload`` (``models.ModelHost``).
+See gateway/nodes.py for the request protocol and issue 12's contract A for the shapes.
+"""
 
 from __future__ import annotations
 
@@ -13,23 +19,24 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import decode as decode_role
 from . import prefill as prefill_role
-from .service import BadNodeRequest, NodeBusy, NodeService, new_sequence, parse, sampling_params
+from .models import ModelHost, ModelNotHeld, ModelUnknown
+from .service import BadNodeRequest, NodeBusy, new_sequence, parse, sampling_params
 
 log = logging.getLogger("pdserve.node")
 OPEN_PATHS = ("/health", "/ready")  # what a kubelet probes, without credentials (no state beyond ready/draining)
 
 
-def create_app(svc: NodeService, injector) -> FastAPI:
+def create_app(host: ModelHost) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
-        task = asyncio.create_task(_drive_sender(svc)) if svc.sender is not None else None
+        task = asyncio.create_task(_drive_senders(host)) if host.cfg.role == "prefill" else None
         yield
         if task:
             task.cancel()
 
     app = FastAPI(title="pdserve node", lifespan=lifespan)
-    role = svc.config.role
-    token = svc.config.internal_token.encode()
+    role = host.cfg.role
+    token = host.cfg.internal_token.encode()
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
@@ -42,8 +49,6 @@ def create_app(svc: NodeService, injector) -> FastAPI:
 
     def guard(fn):
         async def run(request: Request):
-            if not injector.ready:
-                return JSONResponse({"detail": "weights are still loading"}, status_code=503)
             try:
                 body = await request.json()
             except (ValueError, UnicodeDecodeError):
@@ -54,12 +59,15 @@ def create_app(svc: NodeService, injector) -> FastAPI:
                 return await fn(body)
             except BadNodeRequest as e:
                 return JSONResponse({"detail": str(e)}, status_code=400)
+            except (ModelUnknown, ModelNotHeld) as e:
+                return JSONResponse({"detail": str(e)}, status_code=404)
             except NodeBusy as e:
                 return JSONResponse({"detail": str(e)}, status_code=503)
 
         return run
 
     async def generate(body: dict):
+        svc = host.service(body)
         svc.check_accepting()
         rid, prompt, params = parse(body)
         svc.check_tokens(prompt)
@@ -67,11 +75,19 @@ def create_app(svc: NodeService, injector) -> FastAPI:
         return StreamingResponse(svc.relay(rid, q), media_type="application/x-ndjson")
 
     async def prefill(body: dict):
-        return JSONResponse(await prefill_role.prefill(svc, body))
+        return JSONResponse(await prefill_role.prefill(host.service(body), body))
 
     async def decode(body: dict):
+        svc = host.service(body)
         rid, q = await decode_role.decode(svc, body)
         return StreamingResponse(svc.relay(rid, q), media_type="application/x-ndjson")
+
+    async def load_model(body: dict):
+        code, out = await host.load(body.get("model"), body.get("weights"))
+        return JSONResponse(out, status_code=code)
+
+    async def unload_model(body: dict):
+        return JSONResponse(await host.unload(body.get("model"), body.get("timeout_s", 30.0)))
 
     if role in ("both", "prefill", "decode"):
         app.post("/internal/generate")(guard(generate))  # any node can serve a whole request
@@ -79,15 +95,27 @@ def create_app(svc: NodeService, injector) -> FastAPI:
         app.post("/internal/prefill")(guard(prefill))
     if role == "decode":
         app.post("/internal/decode")(guard(decode))
+    app.post("/internal/models/load")(guard(load_model))
+    app.post("/internal/models/unload")(guard(unload_model))
+
+    @app.get("/internal/models")
+    async def models():
+        return host.models_view()
 
     @app.post("/internal/abort")
     async def abort(request: Request):
-        body = await request.json()
-        return {"aborted": svc.abort(str(body.get("request_id", "")))}
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            return JSONResponse({"detail": "body must be a JSON object"}, status_code=400)
+        rid = str(body.get("request_id", ""))
+        return {"aborted": any([svc.abort(rid) for svc in host.services()])}
 
     @app.post("/internal/drain")
     async def drain(timeout_s: float = 60.0):
-        return {"drained": await svc.drain(timeout_s)}
+        return {"drained": await host.drain(timeout_s)}
 
     @app.get("/health")
     async def health():
@@ -95,33 +123,38 @@ def create_app(svc: NodeService, injector) -> FastAPI:
 
     @app.get("/ready")
     async def ready():
-        p = injector.progress.as_dict()
-        ok = injector.ready and not svc.draining
-        return JSONResponse({"ready": ok, "draining": svc.draining, "progress": p}, status_code=200 if ok else 503)
+        ok = host.ready()
+        return JSONResponse({"ready": ok, "state": host.state(), "draining": host.draining,
+                             "progress": host.start_progress()}, status_code=200 if ok else 503)  # fmt: skip
 
     @app.get("/load")
     async def load():
-        out = svc.load(injector.ready)
-        out["progress"] = injector.progress.as_dict()
-        return out
+        return host.view()
 
     @app.get("/metrics")
     async def metrics():
-        svc.load(injector.ready)  # refresh gauges
+        host.view()  # refresh gauges
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
-async def _drive_sender(svc: NodeService) -> None:
-    """Poll held offers: drives NIXL notifications and hold deadlines (blocks come back on time)."""
+async def _drive_senders(host: ModelHost) -> None:
+    """Poll every model's held offers: drives NIXL notifications and hold deadlines (blocks come back on time)."""
     while True:
         await asyncio.sleep(0.005)
-        for rid in list(svc.held):
+        for svc in host.services():
+            sender = svc.sender
+            if sender is None:
+                continue
+            for rid in list(svc.held):
+                try:
+                    sender.poll(rid)
+                except KeyError:
+                    svc.held.pop(rid, None)
+                except Exception:  # noqa: BLE001 - one bad offer (or a model being unloaded) must not stop the loop
+                    log.exception("polling KV offer %s", rid)
             try:
-                svc.sender.poll(rid)
-            except KeyError:
-                svc.held.pop(rid, None)
-            except Exception:  # noqa: BLE001 - one bad offer must not stop the loop
-                log.exception("polling KV offer %s", rid)
-        svc.sender.held()
+                sender.held()
+            except Exception:  # noqa: BLE001 - closed by an unload meanwhile
+                pass

@@ -1,4 +1,7 @@
-"""The node's state between HTTP and the engine thread: requests in flight, load, metrics, drain.
+"""One held model's state between HTTP and its engine thread: requests in flight, load, metrics, drain.
+
+A node runtime holds one ``NodeService`` per loaded model (``models.ModelHost``); ``config.model``
+is that model's name.
 
 Lifecycle of a `both` request (``generate``): parse -> Sequence -> stream opened ->
 ``scheduler.add`` on the engine thread (``RequestTooLarge`` -> 400) -> StepOutputs
@@ -96,7 +99,7 @@ class NodeService:
 
     def check_accepting(self) -> None:
         if self.draining:
-            raise NodeBusy("node is draining")
+            raise NodeBusy(f"model {self.config.model!r} is draining on this node")
 
     def check_tokens(self, prompt: list[int]) -> None:
         if any(not 0 <= t < self.vocab_size for t in prompt):

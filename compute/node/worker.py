@@ -29,22 +29,27 @@ GENERATED = Counter("pdserve_node_generated_tokens_total", "Tokens sampled by th
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, idle_wait_s: float = 0.05):
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, idle_wait_s: float = 0.05,
+                 meter=None, name: str = "engine"):  # fmt: skip
         self.engine, self.loop, self.idle_wait_s = engine, loop, idle_wait_s
+        self.meter = meter  # a CapacityMeter fed with every step (or None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, asyncio.Queue] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
 
     def start(self) -> "EngineWorker":
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the engine thread (after its current step); True once it has ended."""
         self._stop.set()
         self._inbox.put(None)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     async def call(self, fn: Callable[[Engine], object]):
         """Run fn(engine) on the engine thread; returns its result or raises its exception."""
@@ -78,7 +83,10 @@ class EngineWorker:
             if self.engine.has_unfinished():
                 t0 = time.perf_counter()
                 outs = self.engine.step()
-                STEP_SECONDS.observe(time.perf_counter() - t0)
+                dt = time.perf_counter() - t0
+                STEP_SECONDS.observe(dt)
+                if self.meter is not None:
+                    self.meter.record(*self.engine.last_step, dt)
                 self.steps += 1
                 self._dispatch(outs)
 

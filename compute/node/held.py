@@ -1,0 +1,246 @@
+"""One model held by a node runtime: its load thread, its serving parts, its bytes, and freeing it.
+
+A ``Held`` is created ``loading`` by the host (``models.ModelHost``) and started: its load thread
+(started from the event-loop thread, so never niced) injects the weights, then ``build``s the
+serving parts — ``Engine`` (allocates the KV cache), ``EngineWorker`` (its own engine thread, fed
+to a ``CapacityMeter``), ``NodeService``, the KV sender (prefill) or receiver (decode) over that
+cache — and flips to ``ready``. ``free`` undoes all of it: engine thread stopped, transfer endpoint
+closed (its registration of the cache gone), every reference to weights and cache dropped, and the
+allocator asked to give the pages back (``malloc_trim``), so the process's RSS falls.
+
+Memory is counted as the runtime holds it: the unique storages of the model's tensors (int8 weights
+stay int8) plus the KV cache tensor. Before the load it is estimated from the manifest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from compute.engine import Engine, StepOutput
+from compute.kv_cache import KVCache
+from compute.loader import RUNTIME, LoadProgress, WeightInjector, runtime_weights
+from compute.config import ModelConfig
+
+from .capacity import CapacityMeter
+from .config import NodeConfig
+from .service import NodeService
+from .worker import EngineWorker
+
+log = logging.getLogger("pdserve.node")
+LOAD_TIMEOUT_S = 600.0  # a load not done by then fails
+_ELEM = {"int8": 1, "bf16": 2, "fp32": 4}
+PER_MODEL = ("queued", "running", "importing", "queued_prompt_tokens", "active_requests", "kv_blocks_used",
+             "kv_blocks_free", "kv_blocks_total", "kv_blocks_held", "kv_transfers_held")  # fmt: skip
+
+
+class Held:
+    def __init__(self, name: str, weights: str, manifest, weights_estimate: int, kv_estimate: int):
+        self.name, self.weights, self.manifest = name, runtime_weights(manifest, weights), manifest
+        self.weights_bytes, self.kv_bytes = weights_estimate, kv_estimate  # measured once ready
+        self.state = "loading"  # loading | ready | draining | failed
+        self.error: str | None = None
+        self.created = time.time()
+        self.last_used: float | None = None
+        self.ready_s: float | None = None  # load request -> ready
+        self.progress = LoadProgress(manifest.ref)
+        self.injector: WeightInjector | None = None
+        self.svc: NodeService | None = None
+        self.meter: CapacityMeter | None = None
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the load thread's publish vs cancel
+
+    @property
+    def bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes
+
+    def idle(self) -> bool:
+        """Evictable: ready (or failed) with nothing in flight."""
+        if self.state == "failed":
+            return True
+        if self.state != "ready" or self.svc is None:
+            return False
+        s = self.svc
+        return not s.active and not s.held and (s.sender is None or s.sender.held() == 0)
+
+    def start(self, cfg: NodeConfig, store, cache, loop, on_ready) -> None:
+        t0 = time.perf_counter()
+
+        def run():
+            try:
+                self._load(cfg, store, cache, loop, t0)
+                if self.state == "ready":
+                    on_ready(self)
+            except Exception as e:  # noqa: BLE001 - reported in /load, the node lives on
+                if not self._cancel.is_set():
+                    self.error, self.state = f"{type(e).__name__}: {e}", "failed"
+                    self.progress.error = self.error
+                    log.error("model %s failed to load: %s", self.name, self.error)
+
+        self._thread = threading.Thread(target=run, name=f"load-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _load(self, cfg: NodeConfig, store, cache, loop, t0: float) -> None:
+        inj = WeightInjector(store, self.name, self.weights, cache=cache, manifest=self.manifest)
+        self.injector, self.progress = inj, inj.progress
+        if self._cancel.is_set():
+            return
+        inj.start()
+        if not inj.wait(LOAD_TIMEOUT_S):  # raises the load's own error
+            inj.cancel()
+            raise TimeoutError(f"weights not loaded in {LOAD_TIMEOUT_S:g} s")
+        parts = build(cfg, self.name, inj, loop)
+        with self._lock:
+            if self._cancel.is_set():  # unloaded while building: undo
+                _close(parts[0])
+                return
+            self.svc, self.meter = parts
+            self.weights_bytes = tensor_bytes(inj.model)
+            self.kv_bytes = self.svc.worker.engine.runner.cache.kv.nbytes
+            self.ready_s = time.perf_counter() - t0
+            self.state = "ready"
+        log.info("model %s ready in %.2f s: %.1f MiB weights + %.1f MiB KV", self.name, self.ready_s,
+                 self.weights_bytes / 2**20, self.kv_bytes / 2**20)  # fmt: skip
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancel.set()
+        if self.injector is not None:
+            self.injector._cancel.set()
+
+    def end_streams(self, reason: str) -> None:
+        """Event loop: requests still open after the drain bound end now (``abort``) instead of hanging."""
+        svc = self.svc
+        for rid, a in list(svc.active.items()):
+            q = svc.worker._streams.get(a.seq_id)
+            if q is not None:
+                q.put_nowait(StepOutput(a.seq_id, [], True, "abort", reason))
+            svc.abort(rid)
+
+    def view(self, cfg: NodeConfig, node_draining: bool) -> dict:
+        """This model's entry in /load's ``models`` (contract A)."""
+        state = "draining" if node_draining and self.state == "ready" else self.state
+        out = {"model": self.name, "state": state, "ref": self.manifest.ref, "weights": self.weights,
+               "bytes": self.bytes, "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes,
+               "last_used": self.last_used, "progress": self.progress.as_dict(), "error": self.error,
+               "ready_s": self.ready_s}  # fmt: skip
+        svc = self.svc
+        if svc is not None:
+            load = svc.load(self.state == "ready")
+            out.update({k: load[k] for k in PER_MODEL})
+        else:
+            out.update(dict.fromkeys(PER_MODEL, 0))
+        meter = self.meter
+        out["capacity"] = meter.report() if meter is not None else CapacityMeter(cfg.tpot_target_s, 1).report()
+        return out
+
+
+def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeService, CapacityMeter]:
+    """Engine, engine thread (started), service and KV endpoint of one loaded model."""
+    from compute.kv_transfer import KVLayout
+
+    model = inj.model
+    eos = (tuple(inj.bundle.eos_token_ids) if inj.bundle else ()) or model.config.eos_token_ids
+    engine = Engine.for_model(model, num_blocks=cfg.kv_blocks, block_size=cfg.block_size,
+                              max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                              eos_token_ids=eos)  # fmt: skip
+    meter = CapacityMeter(cfg.tpot_target_s, cfg.max_num_seqs)
+    worker = EngineWorker(engine, loop, meter=meter, name=f"engine-{name}")
+    svc = NodeService(dataclasses.replace(cfg, model=name, weights=inj.weights), worker, model.config.vocab_size)
+    cache_t = engine.runner.cache
+    layout = KVLayout(model.config.num_layers, cfg.block_size, model.config.num_kv_heads, model.config.head_dim,
+                      cache_t.dtype)  # fmt: skip
+    try:
+        if cfg.role == "prefill":
+            from .prefill import make_sender
+
+            make_sender(svc, layout, cache_t.kv)
+        elif cfg.role == "decode":
+            from .decode import make_receiver
+
+            make_receiver(svc, layout, cache_t.kv)
+        worker.start()
+    except BaseException:
+        _close(svc)
+        raise
+    return svc, meter
+
+
+def free(h: Held, wait_load_s: float = 30.0) -> None:
+    """Stop and drop everything ``h`` holds (any thread but the engine's); memory back to the OS."""
+    h.cancel()
+    if h._thread is not None:
+        h._thread.join(wait_load_s)
+    with h._lock:
+        svc, h.svc, h.meter, inj, h.injector = h.svc, None, None, h.injector, None
+        h.weights_bytes = h.kv_bytes = 0
+    if svc is not None:
+        _close(svc)
+    if inj is not None:
+        inj.model = None
+    del svc, inj
+    gc.collect()
+    trim()
+
+
+def _close(svc: NodeService) -> None:
+    if not svc.worker.stop():
+        log.warning("engine thread of %s did not stop in time", svc.config.model)
+    for end in (svc.sender, svc.receiver):
+        if end is not None:
+            try:
+                end.close()
+            except Exception as e:  # noqa: BLE001 - freeing the rest matters more
+                log.warning("closing the KV endpoint of %s: %s", svc.config.model, e)
+    svc.sender = svc.receiver = None
+    svc.worker.engine = None
+
+
+def trim() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the unique storages behind the model's tensors (buffers and plain tensor attributes)."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        for t in [*m._buffers.values(), *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]:
+            if t is not None and t.device.type != "meta":
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
+
+
+def estimate_bytes(manifest, weights: str, cfg: NodeConfig) -> tuple[int, int]:
+    """(weights, KV cache) bytes a load of ``manifest`` will hold, from the manifest alone."""
+    w = runtime_weights(manifest, weights)
+    stored = _ELEM.get(manifest.dtype, 4)
+    held = stored if w == "int8" else _ELEM[w]
+    wbytes = int(sum(s.size for s in manifest.weight_shards()) * held / stored)
+    kv = KVCache.bytes_per_block(ModelConfig.from_hf(manifest.config), cfg.block_size, RUNTIME[w][0]) * cfg.kv_blocks
+    return wbytes, kv
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

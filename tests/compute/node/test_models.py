@@ -1,0 +1,218 @@
+"""A node runtime not bound to a model: standby start, load / unload / evict within a memory budget,
+draining, per-model routing and parity, the online capacity report — on real node processes serving
+tiny random Llamas from a local store (token ids only, no tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from tests.conftest import tiny_llama_config, tiny_llama_tensors, write_hf_folder
+from tests.services import HEADERS, TOKEN, Services, wait_for
+
+pytestmark = pytest.mark.slow
+
+LONG = 1200  # tokens of a stream that is still running while the test acts (a few seconds)
+PROMPTS = [[5, 17, 33, 2 + i, 90, 41] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    """Two tiny Llamas of one shape (~25 MB of fp32 weights each), different weights: (locations, a, b)."""
+    from paramstore import ParamStore, StoreConfig
+
+    cfg = tiny_llama_config(layers=4, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=4096)
+    cfg["eos_token_id"], cfg["max_position_embeddings"] = None, 2048
+    store = StoreConfig.local_default(str(tmp_path_factory.mktemp("models-store")), k=4, m=2)
+    with ParamStore(store) as ps:
+        for seed, name in ((0, "tiny-a"), (1, "tiny-b")):
+            folder = write_hf_folder(tmp_path_factory.mktemp(name), cfg, tiny_llama_tensors(cfg, seed=seed))
+            ps.import_model(folder, name, dtype="fp32")
+    return store.locations, "tiny-a", "tiny-b"
+
+
+def node(tmp, locations, model=None, extra=()):
+    svc = Services(locations, None, str(tmp), TOKEN)
+    return svc.node("both", kv_blocks=256, extra=("--weights", "fp32", *extra), model=model)
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory, two_models):
+    """A standby node (no --model), the default budget."""
+    n = node(tmp_path_factory.mktemp("multi"), two_models[0])
+    try:
+        yield n.wait_ready()
+    finally:
+        n.stop()
+
+
+def post(n, path, body, timeout=60):
+    return httpx.post(n.url + path, json=body, headers=HEADERS, timeout=timeout)
+
+
+def load_ready(n, model, timeout=120):
+    r = post(n, "/internal/models/load", {"model": model})
+    assert r.status_code in (200, 202), r.text
+    wait_for(lambda: n.load()["models"].get(model, {}).get("state") in ("ready", "failed"), timeout, f"{model} ready")
+    m = n.load()["models"][model]
+    assert m["state"] == "ready", m
+    return r.json()
+
+
+def generate(n, ids, model=None, max_tokens=12, rid=None, **params):
+    body = {"request_id": rid or f"r{id(ids)}-{threading.get_ident()}-{max_tokens}", "prompt_token_ids": ids,
+            "params": {"max_tokens": max_tokens, "temperature": 0} | params}  # fmt: skip
+    if model is not None:
+        body["model"] = model
+    toks, reason = [], None
+    with httpx.stream("POST", n.url + "/internal/generate", json=body, headers=HEADERS, timeout=120) as r:
+        if r.status_code != 200:
+            return r.status_code, r.read().decode()
+        for line in r.iter_lines():
+            d = json.loads(line)
+            toks += d["token_ids"]
+            reason = d["finish_reason"] or reason
+    return toks, reason
+
+
+def test_standby_is_ready_at_once_and_holds_nothing(multi):
+    r = httpx.get(multi.url + "/ready", timeout=5)
+    assert r.status_code == 200 and r.json()["state"] in ("standby", "ready", "loading")
+    load = multi.load()
+    assert load["role"] == "both" and load["memory_budget_bytes"] > 0
+    models = httpx.get(multi.url + "/internal/models", headers=HEADERS, timeout=5).json()
+    assert set(models) >= {"models", "memory_budget_bytes", "memory_used_bytes"}
+    if not load["models"]:  # first test of the module: nothing loaded yet
+        assert load["state"] == "standby" and load["model"] is None and load["ready"] is False
+        assert load["memory_used_bytes"] == 0 and load["kv_blocks_total"] == 0 and models["models"] == []
+        code, detail = generate(multi, PROMPTS[0])
+        assert code == 503 and "no model" in detail
+
+
+@pytest.mark.parametrize("body, code, words", [
+    ({}, 400, "model must be"), ({"model": 5}, 400, "model must be"), ({"model": "tiny-a", "weights": "fp8"}, 400,
+    "invalid weights"), ({"model": "nope"}, 404, "not in the store"), ({"model": "tiny-a@v9"}, 404, "not in the store"),
+    ({"model": "bad@@name"}, 400, "bad model reference"),
+])  # fmt: skip
+def test_bad_load_bodies_are_refused_with_a_message(multi, body, code, words):
+    r = post(multi, "/internal/models/load", body)
+    assert r.status_code == code, r.text
+    assert words in r.json()["detail"]
+
+
+def test_bad_unload_and_request_bodies(multi):
+    r = post(multi, "/internal/models/unload", {"model": "nope"})
+    assert r.status_code == 404 and "not held" in r.json()["detail"]
+    r = httpx.post(multi.url + "/internal/models/load", content=b"{", headers=HEADERS, timeout=5)
+    assert r.status_code == 400 and "JSON" in r.json()["detail"]
+    code, detail = generate(multi, PROMPTS[0], model="nope")
+    assert code == 503 and "not held" in detail
+
+
+def test_two_models_on_one_node_answer_as_nodes_that_hold_only_them(multi, two_models, tmp_path):
+    locations, a, b = two_models
+    assert load_ready(multi, a)["state"] in ("loading", "ready")
+    again = post(multi, "/internal/models/load", {"model": a})
+    assert again.status_code == 200 and again.json()["state"] == "ready"  # idempotent
+    load_ready(multi, b)
+    code, detail = generate(multi, PROMPTS[0])
+    assert code == 400 and "several models" in detail
+    only_a = node(tmp_path, locations, model=a)
+    only_b = node(tmp_path, locations, model=b)
+    try:
+        only_a.wait_ready()
+        only_b.wait_ready()
+        assert only_a.load()["models"][a]["state"] == "ready" and only_a.load()["model"] == a
+        for ids in PROMPTS[:3]:
+            want_a, want_b = generate(only_a, ids), generate(only_b, ids)
+            assert generate(multi, ids, model=a) == want_a
+            assert generate(multi, ids, model=b) == want_b
+            assert generate(only_a, ids) == want_a  # a one-model node still takes requests without "model"
+            assert want_a[0] != want_b[0]
+    finally:
+        only_a.stop()
+        only_b.stop()
+    load = multi.load()
+    assert load["state"] == "ready" and set(load["models"]) == {a, b}
+    assert load["memory_used_bytes"] == sum(m["bytes"] for m in load["models"].values())
+    assert load["kv_blocks_total"] == sum(m["kv_blocks_total"] for m in load["models"].values()) == 512
+
+
+def test_capacity_is_measured_from_decode_steps(multi, two_models):
+    a = two_models[1]
+    load_ready(multi, a)
+    for batch in (1, 4):  # two batch sizes: the step-time line can be fitted
+        threads = [threading.Thread(target=generate, args=(multi, PROMPTS[i], a, 24), kwargs={"ignore_eos": True})
+                   for i in range(batch)]  # fmt: skip
+        [t.start() for t in threads]
+        [t.join(120) for t in threads]
+    cap = wait_for(lambda: (c := multi.load()["models"][a]["capacity"])["max_streams"] and c, 5, "capacity")
+    assert cap["samples"] > 40 and cap["tpot_target_s"] == pytest.approx(0.1)
+    assert cap["decode_step_s"]["a"] is not None and cap["decode_step_s"]["b"] is not None
+    assert 1 <= cap["max_streams"] <= 64
+    assert cap["decode_tokens_per_s"] > 0 and cap["prefill_tokens_per_s"] > 0
+
+
+def test_unload_drains_then_frees_weights_and_kv(multi, two_models):
+    _, a, b = two_models
+    load_ready(multi, a)
+    load_ready(multi, b)
+    before = multi.load()
+    held_b = before["models"][b]
+    out: dict = {}
+    stream = threading.Thread(target=lambda: out.update(
+        answer=generate(multi, PROMPTS[1], b, LONG, rid="long", ignore_eos=True)))  # fmt: skip
+    stream.start()
+    wait_for(lambda: multi.load()["models"][b]["active_requests"] == 1, 30, "the stream running")
+    unload = threading.Thread(target=lambda: out.update(unload=post(multi, "/internal/models/unload",
+                                                                    {"model": b, "timeout_s": 60}, timeout=90)))  # fmt: skip
+    unload.start()
+    wait_for(lambda: multi.load()["models"].get(b, {}).get("state") == "draining", 30, "draining")
+    code, detail = generate(multi, PROMPTS[2], b)
+    assert code == 503 and "draining" in detail  # new requests of a draining model are refused
+    assert generate(multi, PROMPTS[2], a)[1] == "length"  # the other model serves on
+    stream.join(120)
+    unload.join(120)
+    toks, reason = out["answer"]
+    assert len(toks) == LONG and reason == "length"  # the stream in flight finished
+    assert out["unload"].status_code == 200 and out["unload"].json() == {"unloaded": True, "drained": True}
+    after = multi.load()
+    assert b not in after["models"]
+    listed = httpx.get(multi.url + "/internal/models", headers=HEADERS, timeout=5).json()
+    assert [m["model"] for m in listed["models"]] == [a]
+    assert after["memory_used_bytes"] == before["memory_used_bytes"] - held_b["bytes"]
+    assert after["kv_blocks_total"] == before["kv_blocks_total"] - held_b["kv_blocks_total"]
+    drop = before["rss_bytes"] - after["rss_bytes"]
+    assert drop > 0.6 * held_b["bytes"], (drop, held_b["bytes"])  # weights and KV cache went back to the OS
+    code, detail = generate(multi, PROMPTS[2], b)
+    assert code == 503 and "not held" in detail
+
+
+def test_budget_for_one_model_evicts_the_idle_one_and_refuses_when_busy(tmp_path, two_models, multi):
+    locations, a, b = two_models
+    one = multi.load()["models"][a]["bytes"]
+    n = node(tmp_path, locations, extra=("--memory-gb", f"{1.5 * one / 2**30:.6f}"))
+    try:
+        n.wait_ready()
+        load_ready(n, a)
+        first = generate(n, PROMPTS[0], a)
+        r = load_ready(n, b)
+        assert r["evicted"] == [a]
+        load = n.load()
+        assert set(load["models"]) == {b} and load["memory_used_bytes"] <= load["memory_budget_bytes"]
+        assert load["kv_blocks_total"] == 256  # no KV block of the evicted model left
+        out: dict = {}
+        busy = threading.Thread(target=lambda: out.update(answer=generate(n, PROMPTS[3], b, LONG, ignore_eos=True)))
+        busy.start()
+        wait_for(lambda: n.load()["models"][b]["active_requests"] == 1, 30, "b busy")
+        r = post(n, "/internal/models/load", {"model": a})
+        assert r.status_code == 503 and "no room" in r.json()["detail"] and b in r.json()["detail"]
+        busy.join(120)
+        assert out["answer"][1] == "length" and len(out["answer"][0]) == LONG
+        assert load_ready(n, a)["evicted"] == [b]  # idle again: evicted for a
+        assert generate(n, PROMPTS[0], a) == first  # reloaded, same answers
+    finally:
+        n.stop()
