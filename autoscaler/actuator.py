@@ -1,8 +1,16 @@
 """The actuator contract: what the control loop needs from whatever runs the nodes.
 
-An actuator owns the set of nodes per role and nothing else: it does not decide
-(policy.py does) and does not loop (loop.py does). The loop calls it from one thread,
-once per tick; an implementation need not be thread-safe beyond that.
+An actuator owns a set of nodes per key and nothing else: it does not decide (policy.py
+does) and does not loop (loop.py does). The loop calls it from one thread, once per tick;
+an implementation need not be thread-safe beyond that. There are two levels, one contract:
+
+  runtime actuators  keyed by role ("decode"): `scale(role, n, prefer_remove=(urls...))` runs n
+                     node runtimes (processes, pods) of that role, empty (standby) or not;
+                     `current()` -> {role: [NodeInfo]}. The backends below.
+  the warm pool      keyed by (model, role): autoscaler/pool.py `RuntimePool` over a runtime
+                     actuator — a replica of (m, r) is a runtime of role r holding model m;
+                     `scale((m, r), n)` claims standby runtimes (inject m) or unloads m
+                     (the runtime returns to the pool). This is what the loop drives.
 
 Backends, registered in `make_actuator` and imported lazily by name:
   local       autoscaler/local.py       `pdserve node` processes on this machine (`pdserve up`)
@@ -61,12 +69,14 @@ class Actuator(abc.ABC):
         """
 
     @abc.abstractmethod
-    def scale(self, role: str, replicas: int) -> None:
+    def scale(self, role: str, replicas: int, prefer_remove: tuple[str, ...] = ()) -> None:
         """Ask for `replicas` nodes of `role`; returns once the request is accepted, not when nodes are ready.
 
         Idempotent: scaling to the current count is a no-op. On scale-down the backend
-        picks the nodes to remove and drains them (stop accepting, finish or hand back
-        in-flight requests, then exit) — no request is lost.
+        removes the nodes whose URL is in `prefer_remove` first, in that order (the pool's
+        standby runtimes), then picks the rest itself, and drains them (stop accepting,
+        finish or hand back in-flight requests, then exit) — no request is lost. (The pool,
+        keyed by (model, role), takes no `prefer_remove`: it chooses its own runtimes.)
         """
 
     # --- optional hooks, with safe defaults ---

@@ -2,14 +2,17 @@
 
 Lifecycle of one local node:
  1. ``scale`` up -> ``start``: a free port is picked, ``pdserve node --role R`` is spawned with
-    the internal token in its environment and its output in ``<log_dir>/<role>-<port>.log``;
+    the internal token in its environment (with ``--model M`` when the config names one; without, a
+    *standby* runtime the warm pool, autoscaler/pool.py, injects models into; ``--import-nice``
+    lets its imports yield the CPU to the nodes that serve) and its output in ``<log_dir>/<role>-<port>.log``;
     the node is tied to this process (compute/node/lifeline.py: it ends when we end, even on
     SIGKILL), so every spawn happens on one long-lived thread (the parent-death signal follows
     the thread that forked);
  2. a watcher thread polls ``/ready`` (weights are injected lazily; seconds) and calls
     ``on_ready(NodeInfo)`` — the gateway registers it and starts routing to it; a node not
     ready after ``ready_timeout_s`` is killed (and counts as a crash, below);
- 3. ``scale`` down -> the newest node of the role is drained: ``on_draining`` tells the gateway
+ 3. ``scale`` down -> the nodes named in ``prefer_remove`` first (the pool's standby runtimes),
+    then the newest of the role, are drained: ``on_draining`` tells the gateway
     to route nothing new to it, ``POST /internal/drain`` makes it refuse new work (in case) and
     returns once its requests are finished; then ``on_gone`` deregisters it, SIGTERM, and
     SIGKILL after ``stop_timeout_s``;
@@ -57,7 +60,7 @@ log = logging.getLogger("pdserve.autoscaler")
 class LocalConfig:
     """How local nodes are started and supervised."""
 
-    model: str = "smollm2"  # paramstore reference the nodes serve
+    model: str | None = None  # paramstore reference the nodes load at start; None: standby runtimes (the pool's)
     store: list[str] = field(default_factory=list)  # store locations (empty: the local default)
     internal_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     host: str = "127.0.0.1"
@@ -71,6 +74,7 @@ class LocalConfig:
     drain_timeout_s: float = 60.0
     stop_timeout_s: float = 10.0
     extra_args: tuple[str, ...] = ()
+    import_nice: int = 0  # > 0: nodes do their heavy imports niced by this much (--import-nice; pool refills)
     restart_backoff_s: float = 1.0  # first restart of a node that exited on its own, then doubling
     restart_backoff_max_s: float = 60.0  # cap of the restart delay
     restart_reset_s: float = 60.0  # a restart ready this long ends the crash loop (delays start again at 1 s)
@@ -83,6 +87,8 @@ class LocalConfig:
             raise ValueError("0 <= restart_backoff_s <= restart_backoff_max_s, restart_reset_s > 0")
         if self.supervise_interval_s <= 0 or self.stop_timeout_s < 0:
             raise ValueError("supervise_interval_s > 0, stop_timeout_s >= 0")
+        if not 0 <= self.import_nice <= 19:
+            raise ValueError(f"import_nice={self.import_nice} must be in 0..19")
 
 
 class LocalActuator(Actuator):
@@ -120,7 +126,10 @@ class LocalActuator(Actuator):
                 return self._desired[role]
             return sum(1 for p in self.nodes if p.role == role and p.state != "stopping")
 
-    def scale(self, role: str, replicas: int) -> None:
+    def scale(self, role: str, replicas: int, prefer_remove: tuple[str, ...] = ()) -> None:
+        """`replicas` nodes of `role`; fewer: the nodes whose URL is in `prefer_remove` leave first (in its
+        order), then the newest."""
+        order = {u: i for i, u in enumerate(prefer_remove)}
         with self._converge:
             with self._lock:
                 self._desired[role] = replicas
@@ -130,7 +139,9 @@ class LocalActuator(Actuator):
                 for s in waiting[::-1][: max(0, excess)]:  # fewer wanted: forget pending restarts first
                     self._waiting.remove(s)
                     excess -= 1
-                leaving = sorted(live, key=lambda p: p.started, reverse=True)[: max(0, excess)]
+                live.sort(key=lambda p: p.started, reverse=True)
+                live.sort(key=lambda p: order.get(p.url, len(order)))  # stable: newest first among the rest
+                leaving = live[: max(0, excess)]
                 for p in leaving:
                     p.state = "stopping"
                 missing = replicas - len(live) - len(waiting)
@@ -140,8 +151,8 @@ class LocalActuator(Actuator):
             threading.Thread(target=self.stop, args=(p,), name=f"drain-{p.port}", daemon=True).start()
 
     def prepare(self, role: str, replicas: int) -> None:
-        """Warm the model's shards into the shared node cache before nodes start."""
-        if not self.config.cache_dir:
+        """Warm the model's shards into the shared node cache before nodes start (standby runtimes: nothing)."""
+        if not self.config.cache_dir or not self.config.model:
             return
         from paramstore import ParamStore, StoreConfig
         from paramstore.cache import CacheConfig, NodeCache
@@ -257,9 +268,13 @@ class LocalActuator(Actuator):
         else:
             slot.backoff.started()
         port = free_port(c.host)
-        cmd = [sys.executable, "-m", "autoscaler.cli", "node", "--role", role, "--model", c.model, "--host", c.host,
-               "--port", str(port), "--weights", c.weights, "--kv-blocks", str(c.kv_blocks),
-               "--kv-transport", c.kv_transport, "--threads", str(c.threads), *c.extra_args]  # fmt: skip
+        cmd = [sys.executable, "-m", "autoscaler.cli", "node", "--role", role, "--host", c.host, "--port", str(port),
+               "--weights", c.weights, "--kv-blocks", str(c.kv_blocks), "--kv-transport", c.kv_transport,
+               "--threads", str(c.threads), *c.extra_args]  # fmt: skip
+        if c.model:
+            cmd += ["--model", c.model]
+        if c.import_nice:
+            cmd += ["--import-nice", str(c.import_nice)]
         for url in c.store:
             cmd += ["--store", url]
         if c.cache_dir:

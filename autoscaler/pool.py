@@ -1,0 +1,372 @@
+"""RuntimePool: the warm pool — models placed on interchangeable node runtimes, keyed by (model, role).
+
+Two levels of actuator (autoscaler/actuator.py): a *runtime actuator* (LocalActuator, KubernetesActuator)
+runs n runtimes per role, started empty (standby); this pool, the loop's actuator, places models on them.
+A replica of the key (m, r) is a runtime of role r whose ``/load`` says it holds m. Scaling up claims a
+runtime that is already running and injects m (weights from the store through its node cache: about a
+second) — not a process start (imports, tens of seconds on a busy CPU).
+
+One tick (the loop calls ``current()`` first, then ``prepare`` / ``scale`` per key):
+ 1. observe    ``runtimes.current()`` gives the runtime processes; each one up is read at ``GET /load``
+               (internal token): its state, the models it holds (state per model), memory budget and use,
+               and ``cached`` (the fraction of a model's shards its node cache holds);
+ 2. reconcile  each key ``scale()`` was asked about goes to its desired count:
+               short -> claim: ``POST /internal/models/load`` on the best runtime of role r not holding m
+               (ranking below); a 503 (no room) moves on to the next candidate; none left: the deficit
+               waits for a runtime from step 3. A claim that evicted an idle model lowers that model's
+               desired count (it went idle; the policy or the activator brings it back on demand);
+               surplus -> unload: ``POST /internal/models/unload`` in a background thread (that model
+               drains on the runtime, bounded, then its weights and KV are freed): the runtime returns to
+               the pool. Loading replicas go first, then the one with the fewest active requests;
+ 3. refill     runtimes per role = busy (holding a model) + ``pool_size``, capped at ``max_runtimes[role]``
+               (while claims wait for runtimes: busy + those claims — capacity first, on a small box the
+               refill follows once they are placed); surplus goes standby first (``scale(role, n, prefer_remove=urls)``,
+               the least cached first). New runtimes are the runtime actuator's to start (LocalActuator:
+               ``--import-nice``, so a refill's imports yield the CPU to the nodes that serve).
+
+Placement ranking (``rank``), best first, among runtimes of the role that are up, not draining and not
+holding m: the highest ``cached[m]`` (ServerlessLLM: load from what is local), then standby (no model),
+then one with memory room for m, then one with an idle model to evict (least recently used, the node's
+choice). A runtime with none of these would only answer 503: it is not a candidate.
+
+Concurrency: ``current`` / ``scale`` / ``prepare`` come from the loop's thread; unloads run in daemon
+threads and ``status()`` (``pdserve status``) from any thread: the shared records are under one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import httpx
+
+from .actuator import Actuator, NodeInfo
+
+log = logging.getLogger("pdserve.autoscaler")
+
+Key = tuple[str, str]  # (model, role)
+HOLDING = ("loading", "ready")  # model states that make a runtime a replica of (model, role)
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    """How many standby runtimes to keep, how many runtimes at most, and the bounds on node calls."""
+
+    pool_size: int = 1  # standby runtimes kept per role (AutoscalerConfig.pool_size)
+    max_runtimes: Mapping[str, int] = field(default_factory=dict)  # role -> runtimes at most; absent: 8
+    unload_timeout_s: float = 30.0  # a model's drain on unload is bounded by this
+    http_timeout_s: float = 2.0  # each /load read and load call
+    history: int = 20  # claims kept for status()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pool_size, int) or self.pool_size < 0:
+            raise ValueError(f"pool_size={self.pool_size} must be an int >= 0")
+        for role, n in self.max_runtimes.items():
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"max_runtimes[{role!r}]={n} must be an int >= 1")
+        if self.unload_timeout_s <= 0 or self.http_timeout_s <= 0 or self.history < 1:
+            raise ValueError("unload_timeout_s > 0, http_timeout_s > 0, history >= 1")
+
+    def cap(self, role: str) -> int:
+        return self.max_runtimes.get(role, 8)
+
+
+@dataclass(slots=True)
+class Runtime:
+    """One runtime as its last ``/load`` showed it."""
+
+    role: str
+    url: str
+    name: str = ""
+    up: bool = False  # its actuator saw /ready (a standby runtime is ready at once)
+    reachable: bool = False  # /load answered this tick
+    state: str = "starting"  # starting | standby | loading | ready | draining | unreachable
+    models: dict[str, dict] = field(default_factory=dict)  # name -> its /load.models entry
+    budget: int = 0  # memory_budget_bytes
+    used: int = 0  # memory_used_bytes
+    cached: dict[str, float] = field(default_factory=dict)
+
+    def holds(self, model: str) -> bool:
+        return self.models.get(model, {}).get("state") in HOLDING
+
+    @property
+    def standby(self) -> bool:
+        return self.reachable and not any(m.get("state") in (*HOLDING, "draining") for m in self.models.values())
+
+    def idle_models(self) -> list[str]:
+        """Ready models with no active request (the node's eviction candidates)."""
+        return [n for n, m in self.models.items() if m.get("state") == "ready" and not m.get("active_requests")]
+
+
+def rank(runtimes: list[Runtime], model: str, role: str, need_bytes: int = 0) -> list[tuple[Runtime, str]]:
+    """The runtimes a claim of (model, role) may go to, best first, each with why (see the module doc)."""
+    out = []
+    for rt in runtimes:
+        if rt.role != role or not (rt.up and rt.reachable) or rt.state == "draining" or model in rt.models:
+            continue  # a model held in any state (failed too: unload it first) is not claimed there again
+        free = rt.budget - rt.used
+        room = free > 0 and free >= need_bytes
+        idle = rt.idle_models()
+        if not (rt.standby or room or idle):
+            continue
+        cached = float(rt.cached.get(model, 0.0))
+        if cached > 0:
+            why = f"node cache holds {cached:.0%} of {model}'s shards"
+        elif rt.standby:
+            why = "standby runtime"
+        elif room:
+            why = f"memory room ({free / 2**30:.2f} GiB free)"
+        else:
+            why = f"evicts an idle model ({', '.join(sorted(idle))})"
+        out.append(((-cached, not rt.standby, not room, -len(idle), rt.url), rt, why))
+    return [(rt, why) for _, rt, why in sorted(out, key=lambda t: t[0])]
+
+
+class RuntimePool(Actuator):
+    """The loop's actuator over a runtime actuator (see the module doc); keys are (model, role)."""
+
+    def __init__(self, runtimes: Actuator, headers: Mapping[str, str], config: PoolConfig | None = None,
+                 roles: tuple[str, ...] = ("prefill", "decode")):  # fmt: skip
+        self.runtimes, self.config, self.roles = runtimes, config or PoolConfig(), tuple(roles)
+        self._http = httpx.Client(headers=dict(headers), timeout=self.config.http_timeout_s)
+        self._lock = threading.Lock()  # the records below (status() reads them from other threads)
+        self.view: dict[str, Runtime] = {}  # url -> runtime, as of the last observe
+        self._desired: dict[Key, int] = {}  # keys scale() was asked about
+        self._unloading: set[tuple[str, str]] = set()  # (model, url) being unloaded
+        self._claims: deque[dict] = deque(maxlen=self.config.history)
+        self.claims_done = 0
+        self.last_placement: dict | None = None
+        self._unmet: dict[str, int] = {}  # role -> claims that found no runtime (refill starts one)
+
+    # --- the key-level contract ---------------------------------------------------------
+    def current(self) -> dict[Key, list[NodeInfo]]:
+        """Observe every runtime, reconcile the keys, refill the pool; then the replicas per key."""
+        self._observe()
+        self._reconcile()
+        self._refill()
+        out: dict[Key, list[NodeInfo]] = {}
+        with self._lock:
+            for rt in self.view.values():
+                for m, d in rt.models.items():
+                    state = "draining" if (m, rt.url) in self._unloading else d.get("state", "")
+                    if state in (*HOLDING, "draining"):
+                        out.setdefault((m, rt.role), []).append(
+                            NodeInfo(rt.role, rt.url, state == "ready", name=rt.name, state=state))
+        return out
+
+    def replicas(self, key: Key) -> int:
+        """Replicas asked for: the desired count once scale() was asked, else the runtimes holding the model."""
+        with self._lock:
+            if key in self._desired:
+                return self._desired[key]
+            return len(self._holders(key))
+
+    def scale(self, key: Key, replicas: int) -> None:
+        """Claim (inject) or unload until `replicas` runtimes of the role hold the model; returns at once."""
+        model, role = key
+        if replicas < 0:
+            raise ValueError(f"replicas={replicas} must be >= 0")
+        if role not in self.roles:
+            raise ValueError(f"role {role!r} is not one of this pool's ({', '.join(self.roles)})")
+        with self._lock:
+            self._desired[key] = replicas
+        self._reconcile()
+        self._refill()
+
+    def prepare(self, key: Key, replicas: int) -> None:
+        """Nothing: a claim loads through the chosen runtime's node cache, and the ranking prefers the runtime
+        whose cache already holds the model."""
+
+    def place(self, models: list[str], counts: Mapping[str, int]) -> None:
+        """Ask for `counts[role]` replicas of every model (the models `pdserve up` serves from the start)."""
+        for m in models:
+            for role, n in counts.items():
+                with self._lock:
+                    self._desired[(m, role)] = n
+
+    def close(self) -> None:
+        self._http.close()
+
+    # --- observe ------------------------------------------------------------------------
+    def _observe(self) -> None:
+        nodes = self.runtimes.current()
+        seen: dict[str, Runtime] = {}
+        for role in self.roles:
+            for n in nodes.get(role, []):
+                rt = Runtime(role, n.url, n.name, up=n.ready)
+                if n.ready:
+                    self._read(rt)
+                seen[n.url] = rt
+        now = time.time()
+        with self._lock:
+            for rt in seen.values():
+                old = self.view.get(rt.url)
+                if old is not None and not rt.reachable and old.reachable:
+                    rt.models, rt.state = old.models, "unreachable"  # one missed read: keep what it held
+            self.view = seen
+            self._unloading = {(m, u) for m, u in self._unloading if u in seen}
+            for c in self._claims:  # claim -> ready, as first seen
+                rt = seen.get(c["url"])
+                if c["ready_s"] is None and rt and rt.models.get(c["model"], {}).get("state") == "ready":
+                    c["ready_s"] = round(now - c["t"], 3)
+
+    def _read(self, rt: Runtime) -> None:
+        try:
+            r = self._http.get(rt.url + "/load")
+            r.raise_for_status()
+            body = r.json()
+        except (httpx.HTTPError, ValueError):
+            rt.state = "unreachable"
+            return
+        rt.reachable = True
+        rt.state = body.get("state") or ("ready" if body.get("ready") else "standby")
+        rt.models = dict(body.get("models") or {})
+        rt.budget, rt.used = int(body.get("memory_budget_bytes") or 0), int(body.get("memory_used_bytes") or 0)
+        rt.cached = dict(body.get("cached") or {})
+
+    def _holders(self, key: Key) -> list[Runtime]:
+        """(holding _lock) Runtimes of the key's role holding its model, not being unloaded."""
+        m, role = key
+        return [rt for rt in self.view.values()
+                if rt.role == role and rt.holds(m) and (m, rt.url) not in self._unloading]  # fmt: skip
+
+    # --- reconcile ----------------------------------------------------------------------
+    def _reconcile(self) -> None:
+        self._unmet = {}
+        with self._lock:
+            keys = dict(self._desired)
+        for key, want in keys.items():
+            with self._lock:
+                have = self._holders(key)
+            if len(have) < want:
+                missed = sum(1 for _ in range(want - len(have)) if not self._claim(key))
+                # models may share a runtime: the role needs as many new runtimes as its largest deficit
+                self._unmet[key[1]] = max(self._unmet.get(key[1], 0), missed)
+            elif len(have) > want:
+                leaving = sorted(have, key=lambda rt: (rt.models[key[0]].get("state") == "ready",
+                                                       rt.models[key[0]].get("active_requests", 0), rt.url))
+                for rt in leaving[: len(have) - want]:
+                    self._unload(key[0], rt)
+
+    def _claim(self, key: Key) -> bool:
+        """Inject the model into the best runtime that takes it; False if none would."""
+        model, role = key
+        with self._lock:
+            candidates = rank(list(self.view.values()), model, role, self._need_bytes_locked(model))
+        for rt, why in candidates:
+            t = time.time()
+            try:
+                r = self._http.post(rt.url + "/internal/models/load", json={"model": model})
+            except httpx.HTTPError as e:
+                log.warning("pool: load %s on %s failed: %s", model, rt.url, e)
+                continue
+            if r.status_code == 404:
+                log.error("pool: %s is not in the store (%s): not placing it", model, _detail(r))
+                with self._lock:
+                    self._desired[key] = len(self._holders(key))
+                self._record(key, rt, why, t, f"not in the store: {_detail(r)}")
+                return True  # nothing to wait for
+            if r.status_code not in (200, 202):
+                log.info("pool: %s refused %s (%d: %s); next runtime", rt.url, model, r.status_code, _detail(r))
+                continue
+            body = r.json()
+            with self._lock:
+                rt.models[model] = {"state": body.get("state", "loading")}
+                for gone in body.get("evicted") or []:
+                    rt.models.pop(gone, None)
+                    k = (gone, role)
+                    if k in self._desired:
+                        self._desired[k] = max(0, min(self._desired[k], len(self._holders(k))))
+            self._record(key, rt, why, t, "", evicted=list(body.get("evicted") or []))
+            log.info("pool: claimed %s (%s) for %s: %s", rt.url, rt.name, model, why)
+            return True
+        return False
+
+    def _need_bytes_locked(self, model: str) -> int:
+        """(holding _lock) The model's size as some runtime reported it (0: not known yet)."""
+        sizes = [rt.models[model].get("bytes", 0) for rt in self.view.values() if model in rt.models]
+        return max(sizes, default=0)
+
+    def _record(self, key: Key, rt: Runtime, why: str, t: float, error: str, evicted: list | None = None) -> None:
+        row = {"t": t, "model": key[0], "role": key[1], "url": rt.url, "name": rt.name, "why": why,
+               "error": error, "evicted": evicted or [], "ready_s": None}  # fmt: skip
+        with self._lock:
+            self._claims.append(row)
+            self.last_placement = row
+            self.claims_done += 0 if error else 1
+
+    def _unload(self, model: str, rt: Runtime) -> None:
+        with self._lock:
+            if (model, rt.url) in self._unloading:
+                return
+            self._unloading.add((model, rt.url))
+        threading.Thread(target=self._unload_now, args=(model, rt.url), name=f"unload-{model}", daemon=True).start()
+
+    def _unload_now(self, model: str, url: str) -> None:
+        timeout = self.config.unload_timeout_s
+        try:
+            r = self._http.post(url + "/internal/models/unload", json={"model": model, "timeout_s": timeout},
+                                timeout=timeout + 10)  # fmt: skip
+            log.info("pool: unloaded %s from %s (%d %s)", model, url, r.status_code, _detail(r) or "")
+        except httpx.HTTPError as e:
+            log.warning("pool: unload of %s from %s failed: %s", model, url, e)
+        finally:
+            with self._lock:
+                rt = self.view.get(url)
+                if rt is not None:
+                    rt.models.pop(model, None)  # until the next /load read says otherwise
+                self._unloading.discard((model, url))
+
+    # --- refill -------------------------------------------------------------------------
+    def _refill(self) -> None:
+        """Runtimes per role = busy + (unmet claims or pool_size), capped; standby ones leave first."""
+        for role in self.roles:
+            with self._lock:
+                mine = [rt for rt in self.view.values() if rt.role == role]
+                busy = [rt for rt in mine if not rt.standby and rt.up]  # holding, draining, unreachable
+                spare = sorted((rt for rt in mine if rt.standby), key=lambda rt: (sum(rt.cached.values()), rt.url))
+            unmet = self._unmet.get(role, 0)  # while claims wait for runtimes only those start: capacity first
+            want = len(busy) + (unmet or self.config.pool_size)
+            want = max(len(busy), min(self.config.cap(role), want))
+            if want != self.runtimes.replicas(role):
+                log.info("pool: %s runtimes -> %d (%d busy, %d standby, pool %d)", role, want, len(busy), len(spare),
+                         self.config.pool_size)  # fmt: skip
+                self.runtimes.scale(role, want, prefer_remove=tuple(rt.url for rt in spare))
+
+    # --- pdserve status -----------------------------------------------------------------
+    def status(self) -> dict:
+        """Runtimes (url, role, state, models held), claims done, the last placement and why, desired per key."""
+        with self._lock:
+            rts = [{"url": rt.url, "role": rt.role, "name": rt.name,
+                    "state": "standby" if rt.standby else rt.state,
+                    "models": {m: ("draining" if (m, rt.url) in self._unloading else d.get("state"))
+                               for m, d in rt.models.items()},
+                    "memory_used_bytes": rt.used, "memory_budget_bytes": rt.budget}
+                   for rt in sorted(self.view.values(), key=lambda r: (r.role, r.url))]  # fmt: skip
+            return {"pool_size": self.config.pool_size, "runtimes": rts, "claims_done": self.claims_done,
+                    "claims": list(self._claims), "last_placement": self.last_placement,
+                    "desired": {f"{m}/{r}": n for (m, r), n in sorted(self._desired.items())}}  # fmt: skip
+
+
+def _detail(r: httpx.Response) -> str:
+    try:
+        return str(r.json().get("detail", ""))
+    except ValueError:
+        return r.text[:200]
+
+
+def pool_config(config, roles: tuple[str, ...]) -> PoolConfig:
+    """The pool's settings from an AutoscalerConfig: its pool_size (1 where it has none) standby runtimes per
+    role on top of at most {role}_max_replicas busy ones."""
+    size = int(getattr(config, "pool_size", 1))
+    caps = {}
+    for role in roles:
+        try:
+            caps[role] = config.bounds(role)[1] + size
+        except ValueError:  # a role the policy does not size ("both"): its runtimes as asked, plus the pool
+            caps[role] = 8 + size
+    return PoolConfig(pool_size=size, max_runtimes=caps)

@@ -1,0 +1,170 @@
+"""The warm pool (autoscaler/pool.py): placement as a pure ranking, then real runtimes claimed and released.
+
+- rank: a runtime whose node cache holds the model wins, then a standby one, then one with memory room,
+  then one with an idle model to evict; a runtime that holds the model, is draining, is not up, or is
+  full of busy models is no candidate.
+- a burst on real processes: the policy, driven tick by tick on a fake clock, decides +1 decode; the pool
+  claims the standby runtime that was already running (no process started for the scale-up), the model is
+  ready on it within a fraction of a cold start (process start -> ready) measured in the same run, and the
+  pool is refilled with a new standby process afterwards; scaled back down, the runtime returns to standby
+  with the model's weights gone, and surplus standby runtimes are stopped.
+- `pdserve up` with scale-to-zero: a model idle past its time goes to zero (its runtimes return to standby,
+  weights gone), and the next request is held by the gateway's activator and answered.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from autoscaler.pool import PoolConfig, Runtime, rank
+from tests.services import wait_for
+
+TOKEN = "pool-test-token"
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+GIB = 2**30
+
+
+# --- placement, pure -----------------------------------------------------------------------
+def _rt(url, models=None, cached=None, budget=4 * GIB, used=0, role="decode", up=True, state=None):
+    models = {m: {"state": s, "active_requests": a, "bytes": GIB} for m, (s, a) in (models or {}).items()}
+    return Runtime(role, url, up=up, reachable=up, state=state or ("ready" if models else "standby"),
+                   models=models, budget=budget, used=used, cached=cached or {})  # fmt: skip
+
+
+def test_rank_prefers_cached_shards_then_standby_then_room_then_an_idle_model_to_evict():
+    rts = [
+        _rt("http://evict", {"b": ("ready", 0)}, used=4 * GIB),  # full, but b is idle
+        _rt("http://room", {"b": ("ready", 3)}, used=GIB),  # busy model, room for one more
+        _rt("http://standby"),
+        _rt("http://cached", {"c": ("ready", 1)}, cached={"m": 1.0}, used=GIB),
+        _rt("http://full-busy", {"b": ("ready", 2)}, used=4 * GIB),  # nothing to evict, no room: not a candidate
+        _rt("http://holds", {"m": ("loading", 0)}),  # holds m already
+        _rt("http://draining", state="draining"),
+        _rt("http://starting", up=False),
+        _rt("http://prefill", role="prefill"),
+    ]
+    got = [(rt.url, why) for rt, why in rank(rts, "m", "decode", need_bytes=GIB)]
+    assert [u for u, _ in got] == ["http://cached", "http://standby", "http://room", "http://evict"], got
+    assert "100%" in got[0][1] and got[1][1] == "standby runtime" and "GiB free" in got[2][1]
+    assert got[3][1] == "evicts an idle model (b)"
+    # a partly cached runtime still beats a standby one; among equals, the URL decides (stable)
+    partly = _rt("http://partly", cached={"m": 0.25})
+    assert [rt.url for rt, _ in rank([_rt("http://s2"), partly, _rt("http://s1")], "m", "decode")] == [
+        "http://partly", "http://s1", "http://s2"]  # fmt: skip
+    # room is measured against the model's size once some runtime has reported it
+    assert [rt.url for rt, _ in rank([_rt("http://r", {"b": ("ready", 1)}, used=3 * GIB)], "m", "decode",
+                                     need_bytes=2 * GIB)] == []  # fmt: skip
+
+
+def test_pool_config_is_checked():
+    with pytest.raises(ValueError):
+        PoolConfig(pool_size=-1)
+    with pytest.raises(ValueError):
+        PoolConfig(max_runtimes={"decode": 0})
+    assert PoolConfig(max_runtimes={"decode": 3}).cap("decode") == 3 and PoolConfig().cap("prefill") == 8
+
+
+# --- real runtimes ---------------------------------------------------------------------------
+def _load(url: str) -> dict:
+    return httpx.get(url + "/load", headers=HEADERS, timeout=5).json()
+
+
+def _model_state(url: str, model: str) -> str | None:
+    try:
+        return (_load(url).get("models") or {}).get(model, {}).get("state")
+    except httpx.HTTPError:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_standby_runtime_is_claimed_on_a_burst_then_the_pool_is_refilled(tmp_path, real_model_store):
+    from autoscaler.config import AutoscalerConfig
+    from autoscaler.local import LocalActuator, LocalConfig
+    from autoscaler.loop import ControlLoop
+    from autoscaler.policy import RoleLoad
+    from autoscaler.pool import RuntimePool
+    from tests.procs import alive, started
+
+    locations, model = real_model_store
+    key = (model, "decode")
+    act = LocalActuator(LocalConfig(model=None, store=list(locations), internal_token=TOKEN, threads=1, kv_blocks=128,
+                                    log_dir=str(tmp_path / "logs"), ready_timeout_s=240, stop_timeout_s=5,
+                                    drain_timeout_s=10, import_nice=10))  # fmt: skip
+    pool = RuntimePool(act, HEADERS, PoolConfig(pool_size=1, max_runtimes={"decode": 3}, unload_timeout_s=10),
+                       roles=("decode",))  # fmt: skip
+    cfg = AutoscalerConfig(tick_s=1.0, target_running_streams_per_replica=4, stable_window_s=10.0, panic_window_s=2.0,
+                           scale_down_delay_s=5.0, decode_min_replicas=1, decode_max_replicas=2,
+                           scale_to_zero_after_s=0)  # fmt: skip
+    now, streams, seen = [1000.0], [0], {}
+    loop = ControlLoop(cfg, lambda: {key: RoleLoad(model=model, running_streams=streams[0])}, pool,
+                       clock=lambda: now[0])  # fmt: skip
+
+    def tick():
+        now[0] += cfg.tick_s
+        report = loop.tick()
+        assert not report.error, report
+        seen.update({p.proc.pid: seen.get(p.proc.pid) or started(p.proc.pid) for p in act.nodes})
+        return report
+
+    def ticking(fn, timeout, what):
+        def once():
+            tick()
+            return fn()
+        return wait_for(once, timeout, what, every=0.2)
+
+    def runtimes():
+        return {r["url"]: r for r in pool.status()["runtimes"]}
+
+    try:
+        # control: the first replica has no runtime to claim, so a cold process starts (spawn -> model ready)
+        t0 = time.monotonic()
+        ticking(lambda: any(n.ready for n in pool.current().get(key, [])), 240, "the first replica (cold)")
+        cold_s = time.monotonic() - t0
+        # then the pool is refilled: one standby runtime, up, holding nothing
+        ticking(lambda: [u for u, r in runtimes().items() if r["state"] == "standby"], 240, "a standby runtime")
+        (standby,) = [u for u, r in runtimes().items() if r["state"] == "standby"]
+        before = {p.proc.pid: p.url for p in act.nodes}
+        assert len(before) == 2 and _load(standby)["models"] == {}
+
+        # the burst: 20 streams at 4 per replica (the panic window's mean: 2.5x one replica) -> the policy asks
+        # for the maximum, 2 decode replicas; the standby is claimed
+        streams[0] = 20
+        t1 = time.monotonic()
+        report = tick()
+        assert report.asked == {key: 2}, report
+        (claim,) = [c for c in pool.status()["claims"] if c["url"] == standby]
+        assert claim["why"] == "standby runtime" and claim["error"] == "", claim
+        wait_for(lambda: _model_state(standby, model) == "ready", 60, "the model ready on the claimed runtime")
+        claim_s = time.monotonic() - t1
+        claimed_pid = next(pid for pid, url in before.items() if url == standby)
+        assert {p.proc.pid for p in act.nodes if p.url == standby} == {claimed_pid}  # the same process, no new one
+        print(f"\nclaim -> ready {claim_s:.2f} s; cold process start -> ready {cold_s:.2f} s "
+              f"({claim_s / cold_s:.0%} of it)")  # fmt: skip
+        assert claim_s < 0.5 * cold_s, (claim_s, cold_s)
+
+        # the pool refills: a new standby process appears, and both replicas of the model are ready
+        ticking(lambda: [u for u, r in runtimes().items() if r["state"] == "standby" and u not in before.values()],
+                240, "a new standby runtime")  # fmt: skip
+        assert len(pool.current()[key]) == 2 and len(act.nodes) == 3
+        assert set({p.proc.pid for p in act.nodes}) - set(before), "no new process for the refill"
+
+        # the burst ends: back to 1 replica; the unloaded runtime returns to standby with the weights gone, and
+        # the surplus standby runtime is stopped (runtimes = 1 busy + pool_size)
+        streams[0] = 0
+        ticking(lambda: len(pool.current().get(key, [])) == 1, 60, "the scale-down to one replica")
+        ticking(lambda: len(act.nodes) == 2 and sorted(r["state"] for r in runtimes().values()) == ["ready", "standby"],
+                60, "one busy and one standby runtime")  # fmt: skip
+        (back,) = [u for u, r in runtimes().items() if r["state"] == "standby"]
+        assert _load(back)["models"] == {} and _load(back)["memory_used_bytes"] == 0, _load(back)
+    finally:
+        pool.close()
+        act.close()
+    assert not alive(seen), f"left running: {alive(seen)}"
