@@ -8,6 +8,7 @@ environment.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,16 +18,35 @@ ROLES = ("prefill", "decode")  # the roles the autoscaler sizes, each independen
 
 @dataclass(slots=True)
 class AutoscalerConfig:
-    """Targets, bounds, windows and stabilisation of the per-role policy (see policy.py)."""
+    """SLOs, targets, bounds, windows and stabilisation of the per-(model, role) policy (see policy.py)."""
 
     # --- control loop ---
     tick_s: float = 1.0  # seconds between observe → decide → act ticks
 
-    # --- per-replica targets: the core formula is load / target (Ray Serve's shape) ---
+    # --- per-replica targets: the core formula is load / target (Ray Serve's shape); the two counts are
+    #     fallbacks, used only while no node of the key has measured its capacity (see slo.py) ---
     target_queued_prompt_tokens_per_replica: int = 8192  # prefill: queued prompt tokens one replica should carry
     target_running_streams_per_replica: int = 32  # decode: running + queued streams one replica should carry
     target_kv_utilisation: float = 0.7  # decode: KV block use per replica (0..1); the alert fires at 0.8
     target_queue_wait_p99_s: float = 2.0  # both: while the p99 queue wait is above this, no scale-down; 0 disables
+
+    # --- SLOs: the gateway-observed p99s (last 60 s) the policy sizes for; 0 turns one off ---
+    # Defaults fit a 2-core CPU box running SmolLM2-135M, where a decode step at batch 1 takes ~10-20 ms
+    # (1 thread) and a 512-token prefill 0.4-1 s.
+    slo_ttft_s: float = 2.0  # prefill: p99 time to first token. A 512-token prompt's prefill alone is up to ~1 s
+    #   here, so 1 s would be breached by long prompts that more replicas cannot help; 2 s still feels
+    #   interactive and leaves one prompt's worth of queue. Also sizes prefill: a replica carries
+    #   prefill_tokens_per_s x slo_ttft_s queued prompt tokens.
+    slo_tpot_s: float = 0.1  # decode: p99 time per output token. 10 tokens/s streams faster than anyone reads
+    #   (~4-8 tokens/s) and, at 10-20 ms a step at batch 1, leaves a batch of several streams per node; it is
+    #   the node's own default tpot_target_s (the capacity report's max_streams), so both agree.
+    slo_queue_wait_s: float = 1.0  # prefill: p99 wait for admission. Half the TTFT budget: a request that waited
+    #   longer cannot make its TTFT once a long prompt's prefill (~1 s here) is added.
+    scale_to_zero_after_s: float = 300.0  # a model idle this long (no request arrived or finished, no load) goes to
+    #   0 replicas of every role, whatever the min; 0 = never. Coming back costs a claim from the warm pool
+    #   (weights injected in ~0.5 s here) plus the first prefill, ~1-2 s; 5 minutes (Ollama's keep_alive
+    #   default) keeps a model through pauses of a conversation and frees its memory after.
+    pool_size: int = 1  # standby runtimes kept per role by the warm pool (autoscaler/pool.py); 0 = none
 
     # --- bounds per role (min 0 = scale to zero allowed, woken by activation) ---
     prefill_min_replicas: int = 1  # never fewer prefill replicas than this
@@ -57,6 +77,12 @@ class AutoscalerConfig:
         need(self.target_running_streams_per_replica > 0, "target_running_streams_per_replica must be > 0")
         need(0 < self.target_kv_utilisation <= 1, f"target_kv_utilisation={self.target_kv_utilisation} not in (0, 1]")
         need(self.target_queue_wait_p99_s >= 0, "target_queue_wait_p99_s must be >= 0 (0 disables)")
+        for name in ("slo_ttft_s", "slo_tpot_s", "slo_queue_wait_s", "scale_to_zero_after_s"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf,
+                 f"{name}={v!r} must be a number >= 0 (0 disables)")  # fmt: skip
+        need(isinstance(self.pool_size, int) and not isinstance(self.pool_size, bool) and self.pool_size >= 0,
+             f"pool_size={self.pool_size!r} must be an int >= 0")  # fmt: skip
         for role in ROLES:
             lo, hi = self.bounds(role)
             need(isinstance(lo, int) and lo >= 0, f"{role}_min_replicas={lo} must be an int >= 0")

@@ -1,12 +1,16 @@
 """ControlLoop: every tick, observe → decide → act; the policy stays a pure function.
 
+The loop is key-generic: a key is whatever the observer and the actuator agree on — `(model,
+role)` with the warm pool (autoscaler/pool.py); the policy sizes each key on its own.
+
 One tick:
- 1. observe   `observe()` returns {role: RoleLoad} with the gateway's queue signals; the
-              loop overlays the replica counts from the actuator (replicas asked for,
-              ready, starting), which is the truth about what runs.
+ 1. observe   `actuator.current()` -> {key: [NodeInfo]}, then `observe()` -> {key: RoleLoad}
+              with the gateway's and the nodes' signals; the loop overlays the replica counts
+              from the actuator (`replicas(key)` asked for, ready, starting), which is the
+              truth about what runs.
  2. decide    policy.decide(ctx, state) → Decision, state'.
- 3. act       for each role whose desired count differs: prepare() (pre-stage shards)
-              before a scale-up, then scale().
+ 3. act       for each key whose desired count differs: prepare(key, n) (pre-stage shards)
+              before a scale-up, then scale(key, n).
  4. record    `last` (a TickReport: decision, what was asked, error) for `pdserve status`;
               `publish(report, nodes)` hands every tick's report to the caller — failed and
               backing-off ticks too, with nodes {} — which shows it in `pdserve status`
@@ -17,8 +21,11 @@ Failures never leave the loop: an observe or actuator error backs the actuator o
 `last`; a failure during `prepare` is logged and the scale-up goes ahead.
 
 Concurrency: `run()` runs in the calling thread (`start()` gives it a daemon thread);
-`stop()` sets a threading.Event that also cuts the wait between ticks short. `last` is
-replaced by one assignment per tick, so other threads read it without a lock.
+`stop()` sets a threading.Event that also cuts the wait between ticks short. `wake()` (any
+thread: the gateway's activator calls it when it holds a request for a model at zero) cuts
+the current wait short so the next tick runs at once; wakes while a tick runs make the next
+wait end at once, and ticks stay at least MIN_GAP_S apart however often wake() is called.
+`last` is replaced by one assignment per tick, so other threads read it without a lock.
 """
 
 from __future__ import annotations
@@ -26,18 +33,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 
 from .actuator import Actuator, NodeInfo, TemporaryActuatorError
 from .backoff import Backoff, Throttler
 from .config import AutoscalerConfig
-from .policy import Decision, PolicyContext, PolicyState, RoleLoad, decide
+from .policy import Decision, PolicyContext, PolicyState, RoleLoad, decide, key_str
 
 log = logging.getLogger("pdserve.autoscaler")
 
-Observe = Callable[[], Mapping[str, RoleLoad]]
-Publish = Callable[["TickReport", Mapping[str, list[NodeInfo]]], None]
+Key = Hashable  # (model, role) with the warm pool
+Observe = Callable[[], Mapping[Key, RoleLoad]]
+Publish = Callable[["TickReport", Mapping[Key, list[NodeInfo]]], None]
+MIN_GAP_S = 0.05  # wake() never makes ticks closer than this
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,13 +55,14 @@ class TickReport:
 
     t: float  # loop clock
     decision: Decision | None  # None when the tick failed or was skipped while backing off
-    asked: Mapping[str, int] = field(default_factory=dict)  # role -> replicas asked of the actuator this tick
+    asked: Mapping[Key, int] = field(default_factory=dict)  # key -> replicas asked of the actuator this tick
     error: str = ""  # this tick's failure, "" if none
     failures: int = 0  # consecutive failed ticks
     note: str = ""  # e.g. "backing off: 3s left"
 
     def to_dict(self) -> dict:
-        return {"t": self.t, "decision": self.decision.to_dict() if self.decision else None, "asked": dict(self.asked),
+        return {"t": self.t, "decision": self.decision.to_dict() if self.decision else None,
+                "asked": {key_str(k): n for k, n in self.asked.items()},
                 "error": self.error, "failures": self.failures, "note": self.note}  # fmt: skip
 
 
@@ -70,6 +80,7 @@ class ControlLoop:
         self.last: TickReport | None = None  # the latest tick
         self.last_decision: Decision | None = None  # the latest tick that decided
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     # --- one tick ---
@@ -83,20 +94,20 @@ class ControlLoop:
             self.last = report
             self._publish(report, {})
             return report
-        asked: dict[str, int] = {}
+        asked: dict[Key, int] = {}
         try:
             nodes = self.actuator.current()
             loads = self._loads(self.observe(), nodes, now)
             decision, self.state = decide(PolicyContext(self.config, loads, now), self.state)
             self.last_decision = decision
-            for role, d in decision.roles.items():
+            for key, d in decision.roles.items():
                 if d.replicas == d.current:
                     continue
                 if d.replicas > d.current:
-                    self._prepare(role, d.replicas)
-                self.actuator.scale(role, d.replicas)
-                asked[role] = d.replicas
-                log.info("autoscaler: %s %d -> %d: %s", role, d.current, d.replicas, d.reason)
+                    self._prepare(key, d.replicas)
+                self.actuator.scale(key, d.replicas)
+                asked[key] = d.replicas
+                log.info("autoscaler: %s %d -> %d: %s", key_str(key), d.current, d.replicas, d.reason)
         except Exception as e:  # noqa: BLE001 — a failed tick never ends the loop
             delay = e.delay if isinstance(e, TemporaryActuatorError) else None
             wait = t.failure(now, e, delay)
@@ -115,24 +126,24 @@ class ControlLoop:
         self._publish(report, nodes)
         return report
 
-    def _loads(self, observed: Mapping[str, RoleLoad], nodes: Mapping[str, list[NodeInfo]],
-               now: float) -> dict[str, RoleLoad]:  # fmt: skip
-        """The observed queue signals, with replica counts from the actuator."""
+    def _loads(self, observed: Mapping[Key, RoleLoad], nodes: Mapping[Key, list[NodeInfo]],
+               now: float) -> dict[Key, RoleLoad]:  # fmt: skip
+        """The observed signals, with replica counts from the actuator."""
         out = {}
-        for role, load in observed.items():
-            replicas = self.actuator.replicas(role)
-            ready = sum(1 for n in nodes.get(role, []) if n.ready)
-            out[role] = replace(load, replicas=replicas, ready=min(ready, replicas),
+        for key, load in observed.items():
+            replicas = self.actuator.replicas(key)
+            ready = sum(1 for n in nodes.get(key, []) if n.ready)
+            out[key] = replace(load, replicas=replicas, ready=min(ready, replicas),
                                 starting=max(0, replicas - ready), t=load.t or now)  # fmt: skip
         return out
 
-    def _prepare(self, role: str, replicas: int) -> None:
+    def _prepare(self, key: Key, replicas: int) -> None:
         try:
-            self.actuator.prepare(role, replicas)
+            self.actuator.prepare(key, replicas)
         except Exception as e:  # noqa: BLE001 — a cold start is slower, not wrong
-            log.warning("autoscaler: prepare %s x%d failed, scaling anyway: %s", role, replicas, e)
+            log.warning("autoscaler: prepare %s x%d failed, scaling anyway: %s", key_str(key), replicas, e)
 
-    def _publish(self, report: TickReport, nodes: Mapping[str, list[NodeInfo]]) -> None:
+    def _publish(self, report: TickReport, nodes: Mapping[Key, list[NodeInfo]]) -> None:
         if self.publish is None:
             return
         try:
@@ -145,10 +156,10 @@ class ControlLoop:
     def run(self, max_ticks: int | None = None, wait: Callable[[float], bool] | None = None) -> int:
         """Tick every config.tick_s until stop() (or max_ticks); returns the ticks run.
 
-        `wait(seconds) -> stopped` defaults to the stop event's wait; tests pass one that
+        `wait(seconds) -> stopped` defaults to waiting for stop() or wake(); tests pass one that
         advances a fake clock.
         """
-        wait = wait or self._stop.wait
+        wait = wait or self._wait
         ticks = 0
         while not self._stop.is_set() and (max_ticks is None or ticks < max_ticks):
             started = self.clock()
@@ -160,16 +171,31 @@ class ControlLoop:
                 break
         return ticks
 
+    def wake(self) -> None:
+        """Run the next tick now rather than at the end of the wait (thread-safe; e.g. a request is held)."""
+        self._wake.set()
+
+    def _wait(self, seconds: float) -> bool:
+        """Until `seconds` pass, stop() or wake(); -> stopped. A wake still leaves MIN_GAP_S since the last tick."""
+        started = time.monotonic()
+        self._wake.wait(seconds)
+        self._wake.clear()
+        if not self._stop.is_set():
+            self._stop.wait(max(0.0, min(seconds, MIN_GAP_S) - (time.monotonic() - started)))
+        return self._stop.is_set()
+
     def start(self) -> ControlLoop:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("control loop already running")
         self._stop.clear()
+        self._wake.clear()
         self._thread = threading.Thread(target=self.run, name="pdserve-autoscaler", daemon=True)
         self._thread.start()
         return self
 
     def stop(self, timeout: float | None = 5.0) -> None:
         self._stop.set()
+        self._wake.set()  # ends the wait between ticks
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None

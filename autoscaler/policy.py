@@ -1,30 +1,34 @@
-"""The scaling policy: a pure function of observed load per role → desired replicas per role.
+"""The scaling policy: a pure function of observed load per (model, role) → desired replicas per key.
 
     decide(ctx, state) -> (Decision, state')
 
 No clock, no I/O, no mutation: the loop (loop.py) observes, calls `decide` with the
-time and the previous state, and acts. Prefill and decode are sized independently,
-each through the same stages, in order:
+time and the previous state, and acts. A key is `(model, role)` ("model/role" in JSON);
+every key is sized independently, through the same stages, in order:
 
- 1. core      load / per-replica target, in replicas (Ray Serve's formula); the
-              largest signal of the role wins (prefill: queued + in-flight prompt
-              tokens; decode: running + queued streams, and KV blocks in use, i.e.
-              mean utilisation x ready replicas). All are absolute amounts of work,
-              so the result does not compound as replicas are added.
+ 1. core      load / what one replica carries, in replicas (Ray Serve's formula), with the
+              per-replica figure *measured* by the nodes where they report one (slo.py:
+              decode streams / capacity_streams; prefill queued prompt tokens /
+              (prefill_tokens_per_s x slo_ttft_s)); the configured targets only until then.
  2. windows   the core load averaged over a stable window (60 s) and a panic window
               (6 s). Panic starts when the panic-window load is >= panic_threshold x
               ready capacity; in panic replicas only go up (never below the panic
               peak or the current count); panic ends once the stable window has
               caught up with the peak, or a stable window after the last
               over-threshold tick (Knative KPA).
- 3. bounds    min/max per role; with min 0 a role may scale to zero, and is woken
-              ("activation") to 1 replica as soon as a request queues for it — the
-              gateway holds that request while the node starts.
- 4. stabilise scale-down waits for a cooldown since the last change, is held while the
-              role's p99 queue wait is over its target (a lagging signal: it vetoes
-              cuts rather than sizing), and removes at most max_scale_down_fraction
-              of the replicas (and max_scale_down_step) per decision. Scale-up is
-              never delayed.
+ 3. SLO       a TTFT / TPOT / queue-wait p99 over its SLO, while the key has work, raises
+              the count to at least current + 1: one step per cooldown-free tick (none
+              while a replica is still starting), so the lagging p99 cannot run away.
+ 4. bounds    min/max per role. Scale to zero (per model, both roles at once): a model
+              idle for scale_to_zero_after_s with no load goes to 0 replicas whatever
+              the min, and stays there until a request is held or queued for it; then
+              "activation" wakes it to >= 1 replica of each role in that tick (the
+              gateway's activator holds the request meanwhile).
+ 5. stabilise scale-down waits for a cooldown since the last change, is held while any
+              SLO signal (or the legacy target_queue_wait_p99_s) is breached — lagging
+              signals veto cuts rather than size — and removes at most
+              max_scale_down_fraction of the replicas (and max_scale_down_step) per
+              decision. Scale-up is never delayed; scale to zero skips this stage.
 
 Each stage is a small function; the one that decided the number writes the reason
 `pdserve status` prints ("panic: 6s load 3.1x capacity", "cooldown: 12s left").
@@ -37,32 +41,48 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from .config import ROLES, AutoscalerConfig
+from .slo import Breach, breaches, busy, core_load
 
-__all__ = ["AutoscalerConfig", "Decision", "PolicyContext", "PolicyState", "RoleDecision", "RoleLoad", "RoleState",
-           "decide"]  # fmt: skip
+__all__ = ["AutoscalerConfig", "Decision", "Key", "PolicyContext", "PolicyState", "RoleDecision", "RoleLoad",
+           "RoleState", "decide", "key_str"]  # fmt: skip
 
 _EPS = 1e-9  # 2.0000000001 replicas of load is 2 replicas, not 3
+
+Key = tuple[str, str]  # (model, role)
+
+
+def key_str(key) -> str:
+    """A key as JSON writes it: ("smollm2", "decode") -> "smollm2/decode" (a plain string stays as it is)."""
+    return "/".join(key) if isinstance(key, tuple) else str(key)
 
 
 @dataclass(slots=True)
 class RoleLoad:
-    """What the gateway and the nodes of one role report, at time `t`."""
+    """What the gateway and the nodes report for one (model, role), at time `t`."""
 
     replicas: int = 0  # replicas the actuator runs now (its spec: ready + starting)
     ready: int = 0  # replicas serving (readiness: weights loaded)
     starting: int = 0  # replicas started, not ready yet
-    queue_depth: int = 0  # requests waiting for this role at the gateway
+    queue_depth: int = 0  # requests of this model waiting at the gateway (for admission, or held)
     queue_wait_p50_s: float = 0.0  # queue waiting time, median (s)
     queue_wait_p99_s: float = 0.0  # queue waiting time, p99 (s)
     queued_prompt_tokens: int = 0  # prefill: prompt tokens waiting or being prefilled
     running_streams: int = 0  # decode: streams being decoded
     kv_utilisation: float = 0.0  # decode: KV blocks used / total, mean over ready replicas, 0..1
     t: float = 0.0  # when this was observed (the loop's clock)
+    model: str = ""  # the model this load is for
+    held: int = 0  # requests of this model the gateway's activator holds (no node has it ready)
+    node_queued: int = 0  # requests waiting inside the role's nodes (decode: for a batch slot or their KV)
+    ttft_p99_s: float = 0.0  # time to first token, p99 over the gateway's last 60 s (0: no sample)
+    tpot_p99_s: float = 0.0  # time per output token, p99, likewise
+    idle_s: float = 0.0  # since the model's last request arrived or finished (gateway)
+    capacity_streams: float | None = None  # decode: streams one ready replica carries within TPOT (measured)
+    prefill_tokens_per_s: float | None = None  # prefill: prompt tokens/s of one ready replica (measured)
 
 
 @dataclass(slots=True, frozen=True)
 class RoleState:
-    """What one role's policy remembers between ticks."""
+    """What one key's policy remembers between ticks."""
 
     samples: tuple[tuple[float, float], ...] = ()  # (t, core load in replicas), newest last, <= stable window
     panic_over_t: float | None = None  # last tick the panic window was over threshold; None = not in panic
@@ -72,13 +92,13 @@ class RoleState:
 
 @dataclass(slots=True, frozen=True)
 class PolicyState:
-    roles: Mapping[str, RoleState] = field(default_factory=dict)  # per role; a role first seen starts fresh
+    roles: Mapping[Key, RoleState] = field(default_factory=dict)  # per key; a key first seen starts fresh
 
 
 @dataclass(slots=True, frozen=True)
 class PolicyContext:
     config: AutoscalerConfig
-    loads: Mapping[str, RoleLoad]  # per role; a role left out is not decided this tick
+    loads: Mapping[Key, RoleLoad]  # per (model, role); a key left out is not decided this tick
     now: float  # decision time on the loop's clock
 
 
@@ -89,43 +109,29 @@ class RoleDecision:
     current: int  # replicas when decided
     reason: str  # why, in words, from the stage that set `replicas`
     panic: bool = False  # in panic mode (only scaling up)
-    activation: bool = False  # woken from zero by a queued request
+    activation: bool = False  # woken from zero by a held or queued request
     stable_load: float = 0.0  # stable-window load, in replicas
     panic_load: float = 0.0  # panic-window load, in replicas
+    model: str = ""
+    slo: str = ""  # the SLO breaches seen this tick, "" if none
 
 
 @dataclass(slots=True, frozen=True)
 class Decision:
     t: float
-    roles: Mapping[str, RoleDecision]
+    roles: Mapping[Key, RoleDecision]
 
     @property
-    def replicas(self) -> dict[str, int]:
-        return {r: d.replicas for r, d in self.roles.items()}
+    def replicas(self) -> dict[Key, int]:
+        return {k: d.replicas for k, d in self.roles.items()}
 
     @property
     def reason(self) -> str:
-        return "; ".join(f"{r}: {d.reason}" for r, d in self.roles.items())
+        return "; ".join(f"{key_str(k)}: {d.reason}" for k, d in self.roles.items())
 
     def to_dict(self) -> dict:
         """JSON-ready, for `pdserve status --json` and the gateway's status endpoint."""
-        return {"t": self.t, "roles": {r: asdict(d) for r, d in self.roles.items()}}
-
-
-# --- stage 1: core formula ----------------------------------------------------------
-
-
-def core_load(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> tuple[float, str]:
-    """Replicas the observed load needs now, and the signal that said so (the largest)."""
-    signals: dict[str, float] = {}
-    if role == "prefill":
-        signals["queued prompt tokens"] = load.queued_prompt_tokens / cfg.target_queued_prompt_tokens_per_replica
-    else:
-        streams = load.running_streams + load.queue_depth
-        signals["streams"] = streams / cfg.target_running_streams_per_replica
-        signals["kv blocks"] = load.kv_utilisation / cfg.target_kv_utilisation * load.ready
-    name = max(signals, key=signals.__getitem__)
-    return signals[name], name
+        return {"t": self.t, "roles": {key_str(k): asdict(d) for k, d in self.roles.items()}}
 
 
 # --- stage 2: stable and panic windows ------------------------------------------------
@@ -169,20 +175,37 @@ def _stable_reason(stable: float, signal: str, cfg: AutoscalerConfig) -> str:
     return f"stable: {cfg.stable_window_s:g}s load {stable:.1f} replicas ({signal})"
 
 
-# --- stage 3: bounds and activation -------------------------------------------------------
+# --- stage 3: SLO signals push up ------------------------------------------------------------
 
 
-def wants_activation(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> bool:
-    """A role at zero replicas with a request queued for it must wake now."""
-    return cfg.bounds(role)[0] == 0 and load.replicas == 0 and load.queue_depth > 0
+def slo_push(desired: int, load: RoleLoad, rs: RoleState, now: float, cfg: AutoscalerConfig,
+             found: list[Breach]) -> tuple[int, str | None]:  # fmt: skip
+    """A p99 over its SLO while the key has work: current + 1, once per cooldown, none while one is starting."""
+    pushing = [b for b in found if b.pushes]
+    if not pushing or desired > load.replicas or not busy(load):
+        return desired, None  # nothing breached, the load already asks for more, or nothing to serve faster
+    what = ", ".join(map(str, pushing))
+    if load.starting:
+        return desired, f"SLO: {what}: waiting for {load.starting} starting"
+    if rs.last_change_t is not None and now - rs.last_change_t < cfg.scale_down_delay_s:
+        left = cfg.scale_down_delay_s - (now - rs.last_change_t)
+        return desired, f"SLO: {what}: next step in {left:.0f}s"
+    return load.replicas + 1, f"SLO: {what}: {load.replicas} -> {load.replicas + 1}"
 
 
-def bounds(role: str, desired: int, load: RoleLoad, cfg: AutoscalerConfig, wake: bool) -> tuple[int, bool, str | None]:
-    """Clamp to [min, max]; wake a role at zero when a request waits (activation)."""
+# --- stage 4: bounds, scale to zero and activation ----------------------------------------------
+
+
+def bounds(role: str, desired: int, load: RoleLoad, cfg: AutoscalerConfig, wake: bool,
+           zero: str | None) -> tuple[int, bool, str | None]:  # fmt: skip
+    """Clamp to [min, max]; a model scaled to zero (`zero`: why) stays at 0; a woken key gets >= 1."""
     lo, hi = cfg.bounds(role)
+    if zero:
+        return 0, False, zero
     if wake and load.replicas == 0:
-        why = f"{load.queue_depth} queued" if load.queue_depth else "other role woke"
-        return min(max(desired, 1), hi), True, f"activation: {why}, 0 replicas"
+        waiting = load.held or load.queue_depth
+        why = (f"{load.held} held" if load.held else f"{waiting} queued") if waiting else "other role woke"
+        return min(max(desired, 1, lo), hi), True, f"activation: {why}, 0 replicas"
     if desired > hi:
         return hi, False, f"bounds: max {hi} (load wants {desired})"
     if desired < lo:
@@ -190,14 +213,38 @@ def bounds(role: str, desired: int, load: RoleLoad, cfg: AutoscalerConfig, wake:
     return desired, False, None
 
 
-# --- stage 4: scale-down stabilisation ------------------------------------------------------
+def to_zero(keys: list[Key], loads: Mapping[Key, RoleLoad], cfg: AutoscalerConfig) -> str | None:
+    """Why a model (all its keys) goes to / stays at 0 replicas, or None. Only with scale_to_zero_after_s > 0."""
+    after = cfg.scale_to_zero_after_s
+    mine = [loads[k] for k in keys]
+    if not after or any(x.held or busy(x) for x in mine):
+        return None
+    if all(x.replicas == 0 for x in mine):
+        return "at zero: nothing held or queued"
+    idle = min(x.idle_s for x in mine)
+    return f"scale to zero: idle {idle:.0f}s >= {after:g}s" if idle >= after else None
 
 
-def stabilise(desired: int, load: RoleLoad, rs: RoleState, now: float, cfg: AutoscalerConfig) -> tuple[int, str | None]:
-    """Hold scale-down during the cooldown or while requests wait too long; then cut at most a fraction / step."""
+def woken(keys: list[Key], loads: Mapping[Key, RoleLoad], cfg: AutoscalerConfig) -> set[Key]:
+    """Keys at 0 replicas to wake now: a request is held or queued for them (or for the model's other role)."""
+    at_zero = [k for k in keys if loads[k].replicas == 0]
+    wake = {k for k in at_zero if loads[k].held or loads[k].queue_depth}
+    if wake and cfg.coactivate_roles:  # a request needs both roles: waking one wakes the other
+        wake.update(at_zero)
+    return wake
+
+
+# --- stage 5: scale-down stabilisation ------------------------------------------------------
+
+
+def stabilise(desired: int, load: RoleLoad, rs: RoleState, now: float, cfg: AutoscalerConfig,
+              found: list[Breach]) -> tuple[int, str | None]:  # fmt: skip
+    """Hold scale-down during the cooldown or while an SLO is breached; then cut at most a fraction / step."""
     current = load.replicas
     if desired >= current:
         return desired, None
+    if found:
+        return current, f"SLO: {', '.join(map(str, found))}: holding {current} (load wants {desired})"
     if cfg.target_queue_wait_p99_s and load.queue_wait_p99_s > cfg.target_queue_wait_p99_s:
         return current, (f"queue wait p99 {load.queue_wait_p99_s:.2f}s > {cfg.target_queue_wait_p99_s:g}s target: "
                          f"holding {current} (load wants {desired})")  # fmt: skip
@@ -216,32 +263,47 @@ def stabilise(desired: int, load: RoleLoad, rs: RoleState, now: float, cfg: Auto
 
 
 def decide(ctx: PolicyContext, state: PolicyState) -> tuple[Decision, PolicyState]:
-    """One tick: desired replicas for every role in ctx.loads, and the state for the next tick."""
-    cfg, now = ctx.config, ctx.now
-    loads = {r: ctx.loads[r] for r in ROLES if r in ctx.loads}
-    woken = [r for r, load in loads.items() if wants_activation(r, load, cfg)]
+    """One tick: desired replicas for every (model, role) in ctx.loads, and the state for the next tick."""
+    cfg, now, loads = ctx.config, ctx.now, ctx.loads
+    models: dict[str, list[Key]] = {}
+    for key in sorted(loads, key=lambda k: (k[0], ROLES.index(k[1]) if k[1] in ROLES else len(ROLES), k[1])):
+        models.setdefault(key[0], []).append(key)
     decisions, states = {}, dict(state.roles)
-    for role, load in loads.items():
-        rs = state.roles.get(role) or RoleState(last_change_t=now)  # a fresh loop waits a cooldown before cutting
-        core, signal = core_load(role, load, cfg)
-        samples = tuple((t, v) for t, v in rs.samples if t > now - cfg.stable_window_s) + ((now, core),)
-        rs = replace(rs, samples=samples)
-        stable = window_mean(samples, now, cfg.stable_window_s)
-        panic = window_mean(samples, now, cfg.panic_window_s)
-
-        desired, rs, reason, event = windows(rs, load, stable, panic, now, cfg, signal)
-        wake = role in woken or (bool(woken) and cfg.coactivate_roles and cfg.bounds(role)[0] == 0)
-        desired, activated, why = bounds(role, desired, load, cfg, wake)
-        reason = why or reason
-        desired, why = stabilise(desired, load, rs, now, cfg)
-        reason = why or reason
-        reason = f"{event}; {reason}" if event else reason
-        desired = min(desired, cfg.bounds(role)[1])  # bounds are hard: a lowered max wins over the cooldown
-
-        if desired != load.replicas:
-            rs = replace(rs, last_change_t=now)
-        states[role] = rs
-        decisions[role] = RoleDecision(role=role, replicas=desired, current=load.replicas, reason=reason,
-                                       panic=rs.panic_over_t is not None, activation=activated,
-                                       stable_load=round(stable, 3), panic_load=round(panic, 3))  # fmt: skip
+    for keys in models.values():
+        zero, wake = to_zero(keys, loads, cfg), woken(keys, loads, cfg)
+        for key in keys:
+            decisions[key], states[key] = _decide_key(key, loads[key], state.roles.get(key), cfg, now,
+                                                      key in wake, zero)  # fmt: skip
     return Decision(t=now, roles=decisions), PolicyState(roles=states)
+
+
+def _decide_key(key: Key, load: RoleLoad, rs: RoleState | None, cfg: AutoscalerConfig, now: float, wake: bool,
+                zero: str | None) -> tuple[RoleDecision, RoleState]:  # fmt: skip
+    model, role = key
+    rs = rs or RoleState(last_change_t=now)  # a fresh key waits a cooldown before cutting
+    core, signal = core_load(role, load, cfg)
+    samples = tuple((t, v) for t, v in rs.samples if t > now - cfg.stable_window_s) + ((now, core),)
+    rs = replace(rs, samples=samples)
+    stable = window_mean(samples, now, cfg.stable_window_s)
+    panic = window_mean(samples, now, cfg.panic_window_s)
+    found = breaches(role, load, cfg)
+
+    desired, rs, reason, event = windows(rs, load, stable, panic, now, cfg, signal)
+    desired, why = slo_push(desired, load, rs, now, cfg, found)
+    reason = why or reason
+    desired, activated, why = bounds(role, desired, load, cfg, wake, zero)
+    reason = why or reason
+    if zero:
+        rs = replace(rs, panic_over_t=None, panic_peak=0)
+    else:
+        desired, why = stabilise(desired, load, rs, now, cfg, found)
+        reason = why or reason
+        desired = min(desired, cfg.bounds(role)[1])  # bounds are hard: a lowered max wins over the cooldown
+    reason = f"{event}; {reason}" if event else reason
+
+    if desired != load.replicas:
+        rs = replace(rs, last_change_t=now)
+    decision = RoleDecision(role=role, model=model, replicas=desired, current=load.replicas, reason=reason,
+                            panic=rs.panic_over_t is not None, activation=activated, stable_load=round(stable, 3),
+                            panic_load=round(panic, 3), slo="; ".join(map(str, found)))  # fmt: skip
+    return decision, rs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -18,6 +19,8 @@ from autoscaler import (
     make_actuator,
 )
 from autoscaler.fake import FakeActuator
+
+P, D = ("m", "prefill"), ("m", "decode")  # the keys: (model, role)
 
 
 class Clock:
@@ -47,7 +50,7 @@ def cfg(**kw) -> AutoscalerConfig:
 
 
 class Gateway:
-    """What the gateway reports: queue signals per role (replica counts come from the actuator)."""
+    """What the gateway reports: signals per (model, role) (replica counts come from the actuator)."""
 
     def __init__(self):
         self.prefill_tokens = 0
@@ -58,13 +61,13 @@ class Gateway:
         if self.fail:
             self.fail -= 1
             raise ConnectionError("gateway unreachable")
-        return {"prefill": RoleLoad(queued_prompt_tokens=self.prefill_tokens, queue_depth=self.prefill_tokens // 500),
-                "decode": RoleLoad(running_streams=self.decode_streams)}  # fmt: skip
+        return {P: RoleLoad(model="m", queued_prompt_tokens=self.prefill_tokens, queue_depth=self.prefill_tokens // 500),
+                D: RoleLoad(model="m", running_streams=self.decode_streams)}  # fmt: skip
 
 
 def setup(start_delay_s: float = 0.0, **kw):
     clock, gw = Clock(), Gateway()
-    act = FakeActuator({"prefill": 1, "decode": 1}, start_delay_s=start_delay_s, clock=clock)
+    act = FakeActuator({P: 1, D: 1}, start_delay_s=start_delay_s, clock=clock)
     published = []
     loop = ControlLoop(cfg(**kw), gw, act, clock=clock, backoff=Backoff(base_s=1.0, factor=2.0, max_s=8.0),
                        publish=lambda report, nodes: published.append((report, nodes)))  # fmt: skip
@@ -74,32 +77,35 @@ def setup(start_delay_s: float = 0.0, **kw):
 def test_burst_scales_up_with_prepare_first_and_records_the_decision():
     clock, gw, act, loop, published = setup(start_delay_s=3.0)
     assert loop.run(max_ticks=10, wait=clock.advance) == 10
-    assert act.replicas("prefill") == 1 and not [c for c in act.calls if c[0] == "scale"]
+    assert act.replicas(P) == 1 and not [c for c in act.calls if c[0] == "scale"]
     gw.prefill_tokens = 8000
     loop.run(max_ticks=8, wait=clock.advance)
-    assert act.replicas("prefill") == 8 and act.replicas("decode") == 1
+    assert act.replicas(P) == 8 and act.replicas(D) == 1
     scales = [c for c in act.calls if c[0] in ("scale", "prepare")]
     assert scales[0][0] == "prepare" and scales[1][0] == "scale"  # warm the shards, then start the nodes
-    assert all(c[1] == "prefill" for c in scales)
-    d = loop.last_decision.roles["prefill"]
+    assert all(c[1] == P for c in scales)
+    d = loop.last_decision.roles[P]
     assert d.replicas == 8 and d.reason.startswith("panic:")
     status = loop.status()
-    assert status["last_decision"]["roles"]["prefill"]["replicas"] == 8 and status["failures"] == 0
+    assert status["last_decision"]["roles"]["m/prefill"]["replicas"] == 8 and status["failures"] == 0
+    asked = [r.to_dict()["asked"] for r, _ in published if r.asked]
+    assert asked and all(set(a) == {"m/prefill"} for a in asked) and asked[-1]["m/prefill"] == 8  # JSON: "model/role"
     # new nodes come up "loading" and turn ready after start_delay_s; the loop sees them as starting meanwhile
     _, nodes = published[-1]
-    assert len(nodes["prefill"]) == 8 and any(not n.ready for n in nodes["prefill"])
+    assert len(nodes[P]) == 8 and any(not n.ready for n in nodes[P])
+    assert all(n.role == "prefill" and n.name.startswith("m-prefill-") for n in nodes[P])
     loop.run(max_ticks=4, wait=clock.advance)
-    assert all(n.ready for n in act.current()["prefill"])
+    assert all(n.ready for n in act.current()[P])
 
 
 def test_scale_down_drains_the_removed_nodes():
     clock, gw, act, loop, _ = setup()
     gw.prefill_tokens = 4000
     loop.run(max_ticks=6, wait=clock.advance)
-    assert act.replicas("prefill") == 4
+    assert act.replicas(P) == 4
     gw.prefill_tokens = 0
     loop.run(max_ticks=200, wait=clock.advance)
-    assert act.replicas("prefill") == 1
+    assert act.replicas(P) == 1
     assert len(act.drained) == 3 and all(n.state == "draining" and n.role == "prefill" for n in act.drained)
 
 
@@ -116,7 +122,7 @@ def test_actuator_failures_back_off_and_never_leave_the_loop():
     assert failed[-1].note == "repeated failures" and "TemporaryActuatorError: HTTP 500" in failed[-1].error
     skipped = [r for r in reports if r.note.startswith("backing off")]
     assert len(skipped) == 0 + 1 + 3 + 7  # waits of 1, 2, 4, 8 s between tries on a 1 s tick
-    assert act.replicas("prefill") == 5  # recovered and scaled
+    assert act.replicas(P) == 5  # recovered and scaled
     assert reports[-1].error == "" and loop.status()["failures"] == 0
 
 
@@ -142,19 +148,19 @@ def test_observe_failure_acts_on_nothing():
 def test_prepare_failure_does_not_block_scale_up():
     clock, gw, act, loop, _ = setup()
 
-    def broken(role, n):
+    def broken(key, n):
         raise OSError("store unreachable")
 
     act.prepare = broken
     gw.prefill_tokens = 3000
     loop.run(max_ticks=4, wait=clock.advance)
-    assert act.replicas("prefill") == 3
+    assert act.replicas(P) == 3
 
 
 def test_run_in_a_thread_stops_promptly():
     """A stop interrupts the wait between ticks: it returns in a small part of a tick (a loop that slept out
     its tick would take the whole 30 s), whatever this machine's speed."""
-    act = FakeActuator({"prefill": 1, "decode": 1})
+    act = FakeActuator({P: 1, D: 1})
     tick_s = 30.0
     loop = ControlLoop(cfg(tick_s=tick_s), Gateway(), act).start()
     with pytest.raises(RuntimeError, match="already running"):
@@ -166,6 +172,45 @@ def test_run_in_a_thread_stops_promptly():
     started = time.monotonic()
     loop.stop()
     assert time.monotonic() - started < tick_s / 10
+    assert not any(t.name == "pdserve-autoscaler" for t in threading.enumerate())
+
+
+def test_wake_cuts_the_wait_short_and_ticks_stay_apart():
+    """wake() (the activator's call) runs the next tick at once instead of after the 30 s tick; a storm of
+    wakes still leaves ticks at least MIN_GAP_S apart. Margins from a control measured here: the loop's own
+    first tick time."""
+    from autoscaler.loop import MIN_GAP_S
+
+    gw = Gateway()
+    ticks: list[float] = []
+
+    def observe():
+        ticks.append(time.monotonic())
+        return gw()
+
+    tick_s = 30.0
+    loop = ControlLoop(cfg(tick_s=tick_s), observe, FakeActuator({P: 1, D: 1})).start()
+    try:
+        deadline = time.monotonic() + 10
+        while not ticks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(ticks) == 1
+        time.sleep(0.2)
+        assert len(ticks) == 1  # waiting out its 30 s tick
+        woke = time.monotonic()
+        loop.wake()
+        while len(ticks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(ticks) == 2 and ticks[1] - woke < tick_s / 10
+        storm_end = time.monotonic() + 0.5
+        while time.monotonic() < storm_end:  # wakes far faster than MIN_GAP_S
+            loop.wake()
+            time.sleep(0.001)
+        gaps = [b - a for a, b in itertools.pairwise(ticks[1:])]
+        assert len(ticks) >= 3 and min(gaps) >= MIN_GAP_S * 0.9  # (the wait's own timer granularity)
+        assert len(ticks) <= 2 + 0.5 / MIN_GAP_S + 1
+    finally:
+        loop.stop()
     assert not any(t.name == "pdserve-autoscaler" for t in threading.enumerate())
 
 

@@ -1,35 +1,137 @@
-"""The observer's pure part: a gateway status snapshot (gateway/internal.py) -> RoleLoad per role."""
+"""The observer's pure part: a gateway status snapshot (gateway/internal.py) -> RoleLoad per (model, role)."""
 
 from __future__ import annotations
 
-from autoscaler.observer import loads_from_status, merge_status
+from autoscaler.actuator import NodeInfo
+from autoscaler.loop import TickReport
+from autoscaler.observer import loads_from_status, merge_status, report_body
+from autoscaler.policy import Decision, RoleDecision
 
 
 def node(url, role, state="ready", **load):
+    """A node entry of the snapshot, with an old-style /load (one model, fields at the top)."""
     return {"url": url, "role": role, "state": state, "source": "autoscaler", "load": load}
 
 
-SNAP = {"queue_depth": 3, "running": 5, "queue_wait_p99_s": 0.7, "nodes": [
-    node("http://p1", "prefill", queued_prompt_tokens=900),
-    node("http://p2", "prefill", "unhealthy", queued_prompt_tokens=5000),  # not answering: its load is stale
-    node("http://d1", "decode", running=4, kv_blocks_used=30, kv_blocks_total=100),
-    node("http://d2", "decode", "loading", running=0, kv_blocks_used=0, kv_blocks_total=100),
-]}  # fmt: skip
+def held(state="ready", max_streams=None, prefill_tps=None, **fields):
+    """One entry of a node's /load "models" (contract A)."""
+    cap = {"tpot_target_s": 0.1, "decode_step_s": None, "max_streams": max_streams, "decode_tokens_per_s": None,
+           "prefill_tokens_per_s": prefill_tps, "samples": 0 if max_streams is None else 40}  # fmt: skip
+    return {"state": state, "ref": "x@v1", "weights": "int8", "bytes": 1, "weights_bytes": 1, "kv_bytes": 0,
+            "last_used": None, "active_requests": 0, "queued": 0, "running": 0, "importing": 0,
+            "queued_prompt_tokens": 0, "kv_blocks_used": 0, "kv_blocks_free": 100, "kv_blocks_total": 100,
+            "kv_transfers_held": 0, "progress": {}, "error": None, "capacity": cap, **fields}  # fmt: skip
 
 
-def test_loads_from_status_sums_healthy_nodes_per_role():
+def runtime(url, role, registry_state="ready", **models):
+    """A node entry whose /load is the multi-model shape: state standby when it holds nothing."""
+    state = "ready" if any(m["state"] == "ready" for m in models.values()) else ("loading" if models else "standby")
+    first = next((n for n, m in models.items() if m["state"] == "ready"), None)
+    load = {"role": role, "state": state, "ready": state == "ready", "draining": False, "model": first,
+            "models": models, "memory_budget_bytes": 1 << 30, "memory_used_bytes": 0, "cached": {}}  # fmt: skip
+    return {"url": url, "role": role, "state": registry_state, "source": "autoscaler", "load": load}
+
+
+def gw_model(**kw):
+    return {"queue_depth": 0, "held": 0, "running": 0, "queue_wait_p99_s": 0.0, "ttft_p99_s": 0.0,
+            "tpot_p99_s": 0.0, "requests": 0, "last_request_t": None, "idle_s": 0.0, **kw}  # fmt: skip
+
+
+# two models on a pool: smollm2 on two prefill runtimes and two decode runtimes (one of them loading it),
+# big only on a decode runtime that is draining it; two standby runtimes holding nothing; one runtime
+# that stopped answering (its load is stale)
+SNAP = {"t": 1.0, "queue_depth": 7, "running": 9, "queue_wait_p99_s": 0.4, "nodes": [
+    runtime("http://p1", "prefill", smollm2=held(queued_prompt_tokens=900, queued=2, prefill_tps=1200.0)),
+    runtime("http://p2", "prefill", smollm2=held(queued_prompt_tokens=300, prefill_tps=800.0)),
+    runtime("http://p3", "prefill"),  # standby
+    runtime("http://d1", "decode", smollm2=held(running=6, queued=1, kv_blocks_used=30, max_streams=12),
+            big=held("draining", running=2)),
+    runtime("http://d2", "decode", smollm2=held("loading", progress={"fraction": 0.4})),
+    runtime("http://d3", "decode"),  # standby
+    runtime("http://d4", "decode", "unhealthy", smollm2=held(running=50, kv_blocks_used=99, max_streams=90)),
+], "models": {
+    "smollm2": gw_model(queue_depth=4, held=0, running=8, queue_wait_p99_s=0.7, ttft_p99_s=1.9, tpot_p99_s=0.12,
+                        requests=120, last_request_t=1.0, idle_s=0.5),
+    "big": gw_model(queue_depth=3, held=3, idle_s=0.0),  # nobody holds it ready: its requests are held
+    "tiny": gw_model(idle_s=400.0),  # served, never asked for, held by no node
+}, "autoscaler": None}  # fmt: skip
+
+
+def test_loads_from_status_per_model_and_role_on_a_realistic_snapshot():
     loads = loads_from_status(SNAP)
-    p, d = loads["prefill"], loads["decode"]
+    assert set(loads) == {(m, r) for m in ("smollm2", "big", "tiny") for r in ("prefill", "decode")}
+    p, d = loads[("smollm2", "prefill")], loads[("smollm2", "decode")]
+    assert (p.model, p.replicas, p.ready, p.starting) == ("smollm2", 2, 2, 0)  # the standby p3 holds nothing
+    assert (p.queued_prompt_tokens, p.node_queued, p.prefill_tokens_per_s) == (1200, 2, 1000.0)  # mean of 1200, 800
+    # d1 ready, d2 loading it, d4 unhealthy: a replica whose stale load is not summed
+    assert (d.replicas, d.ready, d.starting) == (3, 1, 1)
+    assert (d.running_streams, d.node_queued, d.capacity_streams, d.kv_utilisation) == (6, 1, 12.0, 0.15)
+    for x in (p, d):  # the gateway's per-model signals, on both roles
+        assert (x.queue_depth, x.held, x.queue_wait_p99_s, x.ttft_p99_s, x.tpot_p99_s, x.idle_s) == (
+            4, 0, 0.7, 1.9, 0.12, 0.5)  # fmt: skip
+    b = loads[("big", "decode")]
+    assert (b.replicas, b.ready, b.running_streams, b.held, b.queue_depth) == (0, 0, 0, 3, 3)  # draining: leaving
+    t = loads[("tiny", "prefill")]
+    assert (t.replicas, t.idle_s, t.capacity_streams, t.prefill_tokens_per_s) == (0, 400.0, None, None)
+
+
+def test_nothing_measured_yet_gives_none_and_roles_can_be_restricted():
+    snap = {"nodes": [runtime("http://d1", "decode", m=held())], "models": {"m": gw_model()}}
+    d = loads_from_status(snap)[("m", "decode")]
+    assert (d.capacity_streams, d.prefill_tokens_per_s, d.ready) == (None, None, 1)
+    assert set(loads_from_status(snap, roles=("decode",))) == {("m", "decode")}
+    assert loads_from_status({"nodes": []}) == {}  # no model named anywhere: nothing to size
+    empty = loads_from_status({"models": {"m": gw_model()}, "nodes": [runtime("http://d1", "decode")]})
+    assert empty[("m", "decode")].kv_utilisation == 0.0 and empty[("m", "decode")].replicas == 0  # no division by 0
+
+
+def test_a_node_without_models_counts_for_its_top_level_model():
+    """Nodes and gateways from before multi-model: one model, fields at the top."""
+    old = {"model": "smollm2", "queue_depth": 3, "queue_wait_p99_s": 0.7, "nodes": [
+        node("http://p1", "prefill", model="smollm2", ready=True, queued_prompt_tokens=900),
+        node("http://p2", "prefill", "unhealthy", model="smollm2", ready=True, queued_prompt_tokens=5000),
+        node("http://d1", "decode", model="smollm2", ready=True, running=4, kv_blocks_used=30, kv_blocks_total=100),
+        node("http://d2", "decode", "loading", model="smollm2", ready=False, kv_blocks_used=0, kv_blocks_total=100),
+    ]}  # fmt: skip
+    loads = loads_from_status(old)
+    assert set(loads) == {("smollm2", "prefill"), ("smollm2", "decode")}
+    p, d = loads[("smollm2", "prefill")], loads[("smollm2", "decode")]
     assert (p.replicas, p.ready, p.queued_prompt_tokens, p.queue_depth, p.queue_wait_p99_s) == (2, 1, 900, 3, 0.7)
-    assert (d.replicas, d.ready, d.running_streams, d.kv_utilisation) == (2, 2, 4, 0.15)
-    assert loads_from_status({"nodes": []})["decode"].kv_utilisation == 0.0  # no nodes: no division by zero
+    assert (d.replicas, d.ready, d.starting, d.running_streams, d.kv_utilisation) == (2, 1, 1, 4, 0.15)
+    # a new gateway's snapshot beside an old node: the node still counts for the model it names
+    mixed = {"models": {"smollm2": gw_model(queue_depth=1)}, "nodes": old["nodes"][:1]}
+    assert loads_from_status(mixed)[("smollm2", "prefill")].ready == 1
 
 
 def test_merge_status_of_gateway_replicas():
-    other = {"queue_depth": 2, "running": 1, "queue_wait_p99_s": 1.5,
-             "nodes": [node("http://p2", "prefill", queued_prompt_tokens=10), node("http://d3", "decode", running=1)]}
+    other = {"queue_depth": 2, "running": 1, "queue_wait_p99_s": 1.5, "nodes": [
+        runtime("http://d4", "decode", smollm2=held(running=1, max_streams=8)),  # this gateway still reaches d4
+        runtime("http://d5", "decode", big=held(running=1)),
+    ], "models": {"smollm2": gw_model(queue_depth=1, held=0, ttft_p99_s=3.0, requests=5, last_request_t=2.0,
+                                      idle_s=0.1),
+                  "big": gw_model(queue_depth=1, held=1, idle_s=9.0)}}  # fmt: skip
     m = merge_status([SNAP, other])
-    assert (m["queue_depth"], m["running"], m["queue_wait_p99_s"], m["gateways"]) == (5, 6, 1.5, 2)
+    assert (m["queue_depth"], m["running"], m["queue_wait_p99_s"], m["gateways"]) == (9, 10, 1.5, 2)
     by_url = {n["url"]: n for n in m["nodes"]}
-    assert len(by_url) == 5 and by_url["http://p2"]["state"] == "ready"  # one gateway still reaches it
-    assert loads_from_status(m)["decode"].running_streams == 5
+    assert len(by_url) == 8 and by_url["http://d4"]["state"] == "ready"
+    s = m["models"]["smollm2"]
+    assert (s["queue_depth"], s["requests"], s["ttft_p99_s"], s["tpot_p99_s"], s["idle_s"], s["last_request_t"]) == (
+        5, 125, 3.0, 0.12, 0.1, 2.0)  # fmt: skip
+    assert (m["models"]["big"]["held"], m["models"]["big"]["idle_s"], m["models"]["tiny"]["idle_s"]) == (4, 0.0, 400.0)
+    loads = loads_from_status(m)
+    assert loads[("smollm2", "decode")].running_streams == 7 and loads[("smollm2", "decode")].capacity_streams == 10.0
+    assert loads[("big", "decode")].ready == 1
+    # old gateways (no "models"): the merge stays old-style
+    old = merge_status([{"model": "x", "queue_depth": 1, "nodes": []}, {"model": "x", "queue_depth": 2, "nodes": []}])
+    assert "models" not in old and loads_from_status(old)[("x", "decode")].queue_depth == 3
+
+
+def test_report_body_writes_keys_as_model_slash_role():
+    d = Decision(t=5.0, roles={("m", "decode"): RoleDecision(role="decode", model="m", replicas=2, current=1,
+                                                              reason="panic: 6s load 3.0x capacity")})  # fmt: skip
+    report = TickReport(t=5.0, decision=d, asked={("m", "decode"): 2})
+    nodes = {("m", "decode"): [NodeInfo(role="decode", url="http://d1", ready=True)]}
+    body = report_body(report, nodes, "local")
+    assert body["asked"] == {"m/decode": 2} and list(body["nodes"]) == ["m/decode"]
+    assert body["decision"]["roles"]["m/decode"]["model"] == "m" and body["reason"].startswith("m/decode: panic")
+    assert body["nodes"]["m/decode"][0]["url"] == "http://d1"

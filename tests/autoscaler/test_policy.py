@@ -32,28 +32,45 @@ def config(**kw) -> AutoscalerConfig:
     return AutoscalerConfig(**(base | kw))
 
 
-class Sim:
-    """A fake clock and a cluster whose replicas follow the decision at once (all ready)."""
+M = "m"  # the model of the single-model tests
+P, D = (M, "prefill"), (M, "decode")
 
-    def __init__(self, cfg: AutoscalerConfig, prefill: int = 1, decode: int = 1):
+
+class Sim:
+    """A fake clock and a cluster whose replicas follow the decision at once (all ready), per (model, role)."""
+
+    def __init__(self, cfg: AutoscalerConfig, prefill: int = 1, decode: int = 1, **more: int):
         self.cfg, self.t, self.state = cfg, 0.0, PolicyState()
-        self.replicas = {"prefill": prefill, "decode": decode}
+        self.replicas = {P: prefill, D: decode}  # more: {"model__role": n} for other models
+        self.replicas.update({tuple(k.split("__")): n for k, n in more.items()})
         self.history: list = []
 
-    def tick(self, prefill: dict | None = None, decode: dict | None = None):
+    def step(self, loads: dict | None = None):
+        """One tick; `loads` {key: RoleLoad kwargs, or a function of the replicas serving}; other keys idle."""
         self.t += self.cfg.tick_s
-        loads = {}
-        for role, kw in (("prefill", prefill), ("decode", decode)):
-            n = self.replicas[role]
+        ctx = {}
+        for key, n in self.replicas.items():
+            kw = (loads or {}).get(key)
             kw = kw(n) if callable(kw) else kw  # load may depend on the replicas serving it
-            loads[role] = RoleLoad(replicas=n, ready=n, t=self.t, **(kw or {}))
-        d, self.state = decide(PolicyContext(self.cfg, loads, self.t), self.state)
+            ctx[key] = RoleLoad(model=key[0], replicas=n, ready=n, t=self.t, **(kw or {}))
+        d, self.state = decide(PolicyContext(self.cfg, ctx, self.t), self.state)
         self.replicas.update(d.replicas)
         self.history.append(d)
         return d
 
+    def tick(self, prefill: dict | None = None, decode: dict | None = None):
+        return self.step({P: prefill, D: decode})
+
     def run(self, ticks: int, **kw):
         return [self.tick(**kw) for _ in range(ticks)]
+
+    def of(self, model: str = M) -> dict[str, int]:
+        return {r: n for (m, r), n in self.replicas.items() if m == model}
+
+
+def rep(d, model: str = M) -> dict[str, int]:
+    """A decision's replicas of one model, by role."""
+    return {r: n for (m, r), n in d.replicas.items() if m == model}
 
 
 def tokens(n: int) -> dict:
@@ -63,21 +80,21 @@ def tokens(n: int) -> dict:
 def test_steady_load_holds():
     sim = Sim(config(), prefill=2)
     ds = sim.run(180, prefill=tokens(1500))
-    assert {d.replicas["prefill"] for d in ds} == {2}
-    assert not any(d.roles["prefill"].panic for d in ds)
-    assert ds[-1].roles["prefill"].reason.startswith("stable: 60s load 1.5 replicas (queued prompt tokens)")
+    assert {d.replicas[P] for d in ds} == {2}
+    assert not any(d.roles[P].panic for d in ds)
+    assert ds[-1].roles[P].reason.startswith("stable: 60s load 1.5 replicas (queued prompt tokens)")
 
 
 def test_10x_burst_enters_panic_and_scales_up_within_two_ticks():
     sim = Sim(config(), prefill=2)
     sim.run(60, prefill=tokens(1500))
     burst = sim.run(2, prefill=tokens(15000))
-    assert burst[-1].roles["prefill"].panic
-    assert burst[-1].replicas["prefill"] > 2
-    assert burst[-1].roles["prefill"].reason.startswith("panic: 6s load ")
-    assert "x capacity" in burst[-1].roles["prefill"].reason
+    assert burst[-1].roles[P].panic
+    assert burst[-1].replicas[P] > 2
+    assert burst[-1].roles[P].reason.startswith("panic: 6s load ")
+    assert "x capacity" in burst[-1].roles[P].reason
     more = sim.run(6, prefill=tokens(15000))
-    assert more[-1].replicas["prefill"] == 15  # the whole burst, long before the 60 s window sees it
+    assert more[-1].replicas[P] == 15  # the whole burst, long before the 60 s window sees it
 
 
 def test_panic_never_scales_down_and_ends_a_stable_window_after_the_burst():
@@ -85,14 +102,14 @@ def test_panic_never_scales_down_and_ends_a_stable_window_after_the_burst():
     sim = Sim(cfg, prefill=2)
     sim.run(60, prefill=tokens(1500))
     sim.run(8, prefill=tokens(15000))
-    peak = sim.replicas["prefill"]
+    peak = sim.replicas[P]
     after = sim.run(200, prefill=tokens(500))  # the burst is over
-    in_panic = [d for d in after if d.roles["prefill"].panic]
-    assert in_panic and all(d.replicas["prefill"] == peak for d in in_panic)
-    leave = next(i for i, d in enumerate(after) if not d.roles["prefill"].panic)
+    in_panic = [d for d in after if d.roles[P].panic]
+    assert in_panic and all(d.replicas[P] == peak for d in in_panic)
+    leave = next(i for i, d in enumerate(after) if not d.roles[P].panic)
     assert 50 <= leave <= 62  # calm for a full stable window since the last over-threshold tick
-    assert after[leave].roles["prefill"].reason.startswith("leaving panic (calm for 60s)")
-    counts = [d.replicas["prefill"] for d in after]
+    assert after[leave].roles[P].reason.startswith("leaving panic (calm for 60s)")
+    counts = [d.replicas[P] for d in after]
     assert all(b <= a for a, b in itertools.pairwise(counts))  # once down, only down
     assert counts[-1] == 1
 
@@ -101,112 +118,115 @@ def test_leaving_panic_when_the_stable_window_catches_up():
     sim = Sim(config(), prefill=2)
     sim.run(60, prefill=tokens(1500))
     ds = sim.run(90, prefill=tokens(15000))  # a burst that stays
-    counts = [d.replicas["prefill"] for d in ds]
+    counts = [d.replicas[P] for d in ds]
     assert all(b >= a for a, b in itertools.pairwise(counts))
     leave = next(
-        i for i, d in enumerate(ds) if i > 0 and ds[i - 1].roles["prefill"].panic and not d.roles["prefill"].panic
+        i for i, d in enumerate(ds) if i > 0 and ds[i - 1].roles[P].panic and not d.roles[P].panic
     )
-    assert ds[leave].roles["prefill"].reason.startswith("leaving panic (stable window caught up)")
-    assert ds[-1].replicas["prefill"] == 15 and not ds[-1].roles["prefill"].panic
+    assert ds[leave].roles[P].reason.startswith("leaving panic (stable window caught up)")
+    assert ds[-1].replicas[P] == 15 and not ds[-1].roles[P].panic
 
 
 def test_scale_down_waits_for_cooldown_and_respects_the_max_rate():
     sim = Sim(config(), prefill=16)
     ds = sim.run(160, prefill=tokens(0))
-    counts = [d.replicas["prefill"] for d in ds]
+    counts = [d.replicas[P] for d in ds]
     assert counts[:28] == [16] * 28  # a fresh policy waits a cooldown before cutting
-    assert ds[10].roles["prefill"].reason.startswith("cooldown: 20s left (load wants 1, holding 16)")
+    assert ds[10].roles[P].reason.startswith("cooldown: 20s left (load wants 1, holding 16)")
     changes = [(i, a, b) for i, (a, b) in enumerate(zip([16] + counts, counts)) if a != b]
     assert [(a, b) for _, a, b in changes] == [(16, 12), (12, 8), (8, 4), (4, 2), (2, 1)]  # <= 4 and <= half each
     gaps = [j - i for (i, *_), (j, *_) in itertools.pairwise(changes)]
     assert all(g >= 30 for g in gaps)  # cooldown since the last change
-    assert "scale-down rate: 16 -> 12 (load wants 1)" in ds[changes[0][0]].roles["prefill"].reason
+    assert "scale-down rate: 16 -> 12 (load wants 1)" in ds[changes[0][0]].roles[P].reason
 
 
 def test_scale_down_fraction_without_step_limit():
     sim = Sim(config(max_scale_down_step=0, scale_down_delay_s=0.0), prefill=16)
-    counts = [d.replicas["prefill"] for d in sim.run(5, prefill=tokens(0))]
+    counts = [d.replicas[P] for d in sim.run(5, prefill=tokens(0))]
     assert counts == [8, 4, 2, 1, 1]
 
 
 def test_bounds_clamp_both_ways():
     sim = Sim(config(prefill_max_replicas=5, decode_min_replicas=3), prefill=1, decode=3)
     d = sim.run(8, prefill=tokens(50_000))[-1]
-    assert d.replicas["prefill"] == 5
-    assert d.roles["prefill"].reason.startswith("bounds: max 5 (load wants")
+    assert d.replicas[P] == 5
+    assert d.roles[P].reason.startswith("bounds: max 5 (load wants")
     ds = sim.run(200, prefill=tokens(50_000))
-    assert {x.replicas["decode"] for x in ds} == {3}
-    assert ds[-1].roles["decode"].reason == "bounds: min 3 (load wants 0)"
+    assert {x.replicas[D] for x in ds} == {3}
+    assert ds[-1].roles[D].reason == "bounds: min 3 (load wants 0)"
 
 
 def test_scale_to_zero_then_activation_on_the_first_queued_request():
     cfg = config(prefill_min_replicas=0, decode_min_replicas=0)
     sim = Sim(cfg, prefill=1, decode=1)
     sim.run(200)
-    assert sim.replicas == {"prefill": 0, "decode": 0}
+    assert sim.of() == {"prefill": 0, "decode": 0}
     d = sim.tick(prefill={"queue_depth": 1, "queued_prompt_tokens": 12})
-    assert d.replicas == {"prefill": 1, "decode": 1}  # at once: no window, no delay
-    assert d.roles["prefill"].activation and d.roles["prefill"].reason == "activation: 1 queued, 0 replicas"
-    assert d.roles["decode"].activation and d.roles["decode"].reason == "activation: other role woke, 0 replicas"
+    assert rep(d) == {"prefill": 1, "decode": 1}  # at once: no window, no delay
+    assert d.roles[P].activation and d.roles[P].reason == "activation: 1 queued, 0 replicas"
+    assert d.roles[D].activation and d.roles[D].reason == "activation: other role woke, 0 replicas"
     # the woken replicas stay for a cooldown even when the request is done quickly
-    assert {x.replicas["prefill"] for x in sim.run(25)} == {1}
+    assert {x.replicas[P] for x in sim.run(25)} == {1}
 
 
 def test_activation_without_coactivation_wakes_only_the_queued_role():
     sim = Sim(config(prefill_min_replicas=0, decode_min_replicas=0, coactivate_roles=False), prefill=0, decode=0)
     d = sim.tick(prefill={"queue_depth": 2})
-    assert d.replicas == {"prefill": 1, "decode": 0}
-    assert not d.roles["decode"].activation
+    assert rep(d) == {"prefill": 1, "decode": 0}
+    assert not d.roles[D].activation
 
 
 def test_no_activation_when_min_is_not_zero_or_nothing_queued():
     sim = Sim(config(prefill_min_replicas=0, decode_min_replicas=0), prefill=0, decode=0)
-    assert sim.tick().replicas == {"prefill": 0, "decode": 0}
+    assert rep(sim.tick()) == {"prefill": 0, "decode": 0}
 
 
 def test_prefill_and_decode_scale_independently():
     sim = Sim(config(), prefill=1, decode=2)
     ds = sim.run(10, prefill=tokens(12_000), decode={"running_streams": 12, "kv_utilisation": 0.3})
-    assert ds[-1].replicas == {"prefill": 12, "decode": 2}
-    assert any(d.roles["prefill"].panic for d in ds) and not any(d.roles["decode"].panic for d in ds)
-    assert {d.replicas["decode"] for d in ds} == {2}
+    assert rep(ds[-1]) == {"prefill": 12, "decode": 2}
+    assert any(d.roles[P].panic for d in ds) and not any(d.roles[D].panic for d in ds)
+    assert {d.replicas[D] for d in ds} == {2}
 
 
 def test_decode_sizes_on_streams_and_kv_blocks():
     sim = Sim(config(), decode=4)
     d = sim.run(8, decode={"running_streams": 40, "queue_depth": 20})[-1]  # 60 streams / 10 per replica
-    assert d.replicas["decode"] == 6 and "x capacity" not in d.roles["decode"].reason
+    assert d.replicas[D] == 6 and "x capacity" not in d.roles[D].reason
     # 3.6 replicas' worth of KV blocks in use, spread over whoever is ready; target 0.5 -> 7.2 replicas
     sim = Sim(config(), decode=4)
     ds = sim.run(30, decode=lambda n: {"running_streams": 4, "kv_utilisation": min(1.0, 3.6 / n)})
-    assert "kv blocks" in ds[0].roles["decode"].reason
-    assert ds[-1].replicas["decode"] == 8 and {d.replicas["decode"] for d in ds[-10:]} == {8}  # settles, no runaway
+    assert "kv blocks" in ds[0].roles[D].reason
+    assert ds[-1].replicas[D] == 8 and {d.replicas[D] for d in ds[-10:]} == {8}  # settles, no runaway
 
 
 def test_long_queue_waits_veto_scale_down():
-    sim = Sim(config(target_queue_wait_p99_s=1.0, scale_down_delay_s=0.0), prefill=4)
+    sim = Sim(config(target_queue_wait_p99_s=1.0, slo_queue_wait_s=0.0, scale_down_delay_s=0.0), prefill=4)
     ds = sim.run(20, prefill={"queue_wait_p99_s": 1.6, "queue_wait_p50_s": 0.4})
-    assert {d.replicas["prefill"] for d in ds} == {4}
-    assert ds[-1].roles["prefill"].reason == "queue wait p99 1.60s > 1s target: holding 4 (load wants 1)"
-    assert sim.tick(prefill={"queue_wait_p99_s": 0.2}).replicas["prefill"] == 2  # waits back to normal: cut
+    assert {d.replicas[P] for d in ds} == {4}
+    assert ds[-1].roles[P].reason == "queue wait p99 1.60s > 1s target: holding 4 (load wants 1)"
+    assert sim.tick(prefill={"queue_wait_p99_s": 0.2}).replicas[P] == 2  # waits back to normal: cut
 
 
 def test_decide_is_pure():
     cfg = config()
-    loads = {"prefill": RoleLoad(replicas=2, ready=2, queued_prompt_tokens=9000, t=1.0)}
+    loads = {P: RoleLoad(model=M, replicas=2, ready=2, queued_prompt_tokens=9000, t=1.0)}
     state = PolicyState()
     a, s1 = decide(PolicyContext(cfg, loads, 1.0), state)
     b, s2 = decide(PolicyContext(cfg, loads, 1.0), state)
     assert a == b and s1 == s2 and state == PolicyState()
-    assert set(a.roles) == {"prefill"}  # a role not observed is not decided
-    assert a.to_dict()["roles"]["prefill"]["replicas"] == a.replicas["prefill"]
-    assert a.reason.startswith("prefill: ")
+    assert set(a.roles) == {P}  # a key not observed is not decided
+    out = a.to_dict()["roles"]["m/prefill"]
+    assert (out["replicas"], out["model"], out["role"]) == (a.replicas[P], M, "prefill")
+    assert a.reason.startswith("m/prefill: ")
 
 
 @pytest.mark.parametrize("kw", [
     {"tick_s": 0}, {"prefill_min_replicas": 3, "prefill_max_replicas": 2}, {"decode_max_replicas": 0},
     {"panic_window_s": 60.0}, {"panic_threshold": 1.0}, {"max_scale_down_fraction": 0.0},
     {"target_kv_utilisation": 1.5}, {"max_scale_down_step": -1}, {"prefill_min_replicas": -1},
+    {"slo_ttft_s": -1.0}, {"slo_tpot_s": float("nan")}, {"slo_queue_wait_s": float("inf")},
+    {"scale_to_zero_after_s": -5.0}, {"pool_size": -1}, {"pool_size": 1.5},
 ])  # fmt: skip
 def test_config_rejects_bad_knobs(kw):
     with pytest.raises(ValueError, match="invalid autoscaler config"):
@@ -227,3 +247,120 @@ def test_config_from_mapping():
         AutoscalerConfig.from_mapping({"nope": 1})
     with pytest.raises(ValueError, match="expected int"):
         AutoscalerConfig.from_mapping({"decode_max_replicas": "2.5"})
+
+
+# --- measured capacity, SLOs, scale to zero, many models ------------------------------------------------
+
+
+def streams(n: int, capacity: float | None = None, **kw) -> dict:
+    return {"running_streams": n, "capacity_streams": capacity, **kw}
+
+
+def test_measured_capacity_sets_the_replica_count_for_the_same_load():
+    """Same 40 streams / 6000 queued prompt tokens; only what the nodes measured differs."""
+    def settle(decode=None, prefill=None):
+        sim = Sim(config(), prefill=1, decode=1)
+        return rep(sim.run(70, decode=decode, prefill=prefill)[-1])
+
+    assert settle(decode=streams(40))["decode"] == 4  # nothing measured: the configured 10 per replica
+    assert settle(decode=streams(40, capacity=20.0))["decode"] == 2
+    assert settle(decode=streams(40, capacity=5.0))["decode"] == 8
+    assert settle(decode=streams(40, capacity=0.3))["decode"] == 32  # < 1 stream measured: still one each, capped
+    # prefill: a replica carries prefill_tokens_per_s x slo_ttft_s queued prompt tokens (2 s SLO here)
+    queued = {"queued_prompt_tokens": 6000, "queue_depth": 6}
+    assert settle(prefill=queued)["prefill"] == 6  # nothing measured: the configured 1000 per replica
+    assert settle(prefill=queued | {"prefill_tokens_per_s": 1000.0})["prefill"] == 3
+    assert settle(prefill=queued | {"prefill_tokens_per_s": 3000.0})["prefill"] == 1
+    sim = Sim(config(), decode=1)
+    d = sim.tick(decode=streams(40, capacity=20.0))
+    assert "streams, 20.0 per replica measured" in sim.run(70, decode=streams(40, capacity=20.0))[-1].roles[D].reason
+    assert d.roles[D].model == M
+
+
+def test_a_burst_over_measured_capacity_scales_within_the_panic_window():
+    cfg = config(target_running_streams_per_replica=32)  # the constant that never fired on a fast box
+    sim = Sim(cfg, decode=1)
+    sim.run(60, decode=streams(6, capacity=8.0))
+    assert sim.of()["decode"] == 1
+    burst = sim.run(int(cfg.panic_window_s), decode=streams(40, capacity=8.0))
+    assert burst[1].replicas[D] > 1 and burst[1].roles[D].panic  # the 6 s mean passes 2x capacity at tick 2
+    assert burst[-1].replicas[D] == 5  # 40 streams / 8 measured, within the 6 s window
+    # the same burst judged by the configured constant: 40 / 32 -> 2, no panic
+    sim = Sim(cfg, decode=1)
+    sim.run(60, decode=streams(6))
+    ds = sim.run(int(cfg.panic_window_s), decode=streams(40))
+    assert not any(d.roles[D].panic for d in ds) and ds[-1].replicas[D] <= 2
+
+
+def test_slo_breach_pushes_one_step_per_cooldown_and_vetoes_scale_down():
+    cfg = config(scale_down_delay_s=10.0, decode_max_replicas=4)
+    sim = Sim(cfg, decode=2)
+    slow = streams(4, capacity=20.0, tpot_p99_s=0.3)  # core load wants 1 replica; TPOT p99 is 3x its 0.1 s SLO
+    ds = sim.run(45, decode=slow)
+    counts = [d.replicas[D] for d in ds]
+    assert min(counts) >= 2  # never cut while breached
+    ups = [i for i, (a, b) in enumerate(itertools.pairwise([2, *counts])) if b > a]
+    assert [counts[i] for i in ups] == [3, 4]  # one step at a time, bounded by max 4
+    assert all(j - i >= 10 for i, j in itertools.pairwise(ups))  # at most one step per cooldown
+    assert ds[ups[0]].roles[D].reason == "SLO: TPOT p99 0.30s > 0.1s SLO: 2 -> 3"
+    assert ds[-1].replicas[D] == 4 and ds[-1].roles[D].reason.startswith("bounds: max 4")
+    assert ds[-1].roles[D].slo == "TPOT p99 0.30s > 0.1s SLO"
+    # the breach over (p99 back under its SLO): the load's own count wins after the cooldown
+    after = sim.run(40, decode=streams(4, capacity=20.0, tpot_p99_s=0.05))
+    assert after[-1].replicas[D] < 4 and not after[-1].roles[D].slo
+    # TTFT and queue wait speak for prefill; while breached without work they hold, never push
+    sim = Sim(config(scale_down_delay_s=0.0), prefill=3)
+    d = sim.run(5, prefill={"ttft_p99_s": 5.0})[-1]
+    assert d.replicas[P] == 3 and d.roles[P].reason == "SLO: TTFT p99 5.00s > 2s SLO: holding 3 (load wants 1)"
+    d = sim.run(3, prefill={"queue_wait_p99_s": 1.5, "queued_prompt_tokens": 100, "queue_depth": 1})[-1]
+    assert d.replicas[P] == 6  # one step a tick: no cooldown in this config, and nothing starting
+
+
+def test_slo_step_waits_for_a_starting_replica():
+    sim = Sim(config(scale_down_delay_s=0.0), decode=2)
+    load = RoleLoad(model=M, replicas=3, ready=2, starting=1, running_streams=25, tpot_p99_s=0.5)  # 3 replicas' worth
+    d, _ = decide(PolicyContext(sim.cfg, {D: load}, 100.0), PolicyState())
+    assert d.replicas[D] == 3 and d.roles[D].reason == "SLO: TPOT p99 0.50s > 0.1s SLO: waiting for 1 starting"
+
+
+def test_idle_model_scales_to_zero_then_a_held_request_activates_both_roles_in_one_tick():
+    cfg = config(scale_to_zero_after_s=120.0)  # min 1 per role: scale to zero overrides it for an idle model
+    sim = Sim(cfg, prefill=2, decode=2)
+    idle = [sim.tick(prefill={"idle_s": t}, decode={"idle_s": t}) for t in range(1, 200)]
+    first_zero = next(i for i, d in enumerate(idle) if rep(d) == {"prefill": 0, "decode": 0})
+    assert all(rep(d) != {"prefill": 0, "decode": 0} for d in idle[:first_zero])
+    assert first_zero + 1 == 120  # idle_s 120 is the first tick at the threshold: both roles at once
+    assert idle[first_zero].roles[P].reason == "scale to zero: idle 120s >= 120s"
+    assert idle[-1].roles[D].reason == "at zero: nothing held or queued" and sim.of() == {"prefill": 0, "decode": 0}
+    # a request for it: held by the gateway's activator (counted in queue_depth too)
+    d = sim.tick(prefill={"held": 1, "queue_depth": 1}, decode={"held": 1, "queue_depth": 1})
+    assert rep(d) == {"prefill": 1, "decode": 1}
+    assert d.roles[P].activation and d.roles[D].activation and d.roles[P].reason == "activation: 1 held, 0 replicas"
+    # woken, busy again: min 1 holds
+    assert {rep(x)["decode"] for x in sim.run(30, decode={"running_streams": 1})} == {1}
+
+
+def test_a_model_with_work_or_a_recent_request_is_not_scaled_to_zero():
+    sim = Sim(config(scale_to_zero_after_s=60.0, prefill_min_replicas=0, decode_min_replicas=0))
+    ds = sim.run(100, prefill={"idle_s": 500.0}, decode={"idle_s": 500.0, "running_streams": 1})
+    assert {rep(d)["decode"] for d in ds} == {1}  # a stream still decoding: not idle, whatever the clock says
+    off = Sim(config(scale_to_zero_after_s=0.0), prefill=0, decode=0)  # 0 = never: the min brings it back
+    assert rep(off.tick()) == {"prefill": 1, "decode": 1}
+    on = Sim(config(), prefill=0, decode=0)  # at zero with nothing held: stays there, whatever the min
+    assert rep(on.tick()) == {"prefill": 0, "decode": 0}
+
+
+def test_two_models_are_decided_independently():
+    sim = Sim(config(), prefill=1, decode=1, b__prefill=2, b__decode=1)
+    B_P, B_D = ("b", "prefill"), ("b", "decode")
+    ds = [sim.step({D: streams(60, capacity=10.0), B_P: tokens(1500), B_D: streams(3, capacity=10.0)})
+          for _ in range(10)]  # fmt: skip
+    assert rep(ds[-1]) == {"prefill": 1, "decode": 6} and any(d.roles[D].panic for d in ds)
+    assert {rep(d, "b")["prefill"] for d in ds} == {2} and not any(d.roles[B_P].panic for d in ds)
+    assert {rep(d, "b")["decode"] for d in ds} == {1}
+    assert {k: d.model for k, d in ds[-1].roles.items()} == {P: M, D: M, B_P: "b", B_D: "b"}
+    assert set(ds[-1].to_dict()["roles"]) == {"m/prefill", "m/decode", "b/prefill", "b/decode"}
+    # one model held at zero while the other one wakes: activation is per model
+    sim = Sim(config(), prefill=0, decode=0, b__prefill=0, b__decode=0)
+    d = sim.step({B_P: {"held": 2, "queue_depth": 2}, B_D: {"held": 2, "queue_depth": 2}})
+    assert rep(d) == {"prefill": 0, "decode": 0} and rep(d, "b") == {"prefill": 1, "decode": 1}

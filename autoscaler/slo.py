@@ -1,0 +1,82 @@
+"""What one replica carries, from what the nodes measured, and the SLO signals: stages 1 and 3 of policy.py.
+
+Stage 1, `core_load` — replicas the observed load of one (model, role) needs now:
+  decode   streams (running + queued at the nodes + queued at the gateway) / streams one replica
+           carries within the TPOT target. That figure is `capacity_streams`: the mean over the
+           ready replicas of the batch at which the node's own fitted step time passes its TPOT
+           target (compute/node/capacity.py). KV blocks in use / target utilisation is a second
+           signal; the larger wins.
+  prefill  queued prompt tokens / the tokens one replica prefills within the TTFT SLO, i.e.
+           `prefill_tokens_per_s` (measured, mean over the ready replicas) x `slo_ttft_s`.
+  The configured per-replica targets (`target_*_per_replica`) are used only while no node has
+  measured anything yet; the reason says which figure was used.
+
+Stage 3, `breaches` — the gateway-observed p99s over their SLOs, per role:
+  prefill  TTFT and queue wait (a request waits, then is prefilled: both are prefill's to fix)
+  decode   TPOT (pushes), queue wait (only vetoes scale-down: more decoders do not admit faster)
+A breach that pushes raises the desired count to at least current + 1 (see policy.slo_push);
+any breach holds scale-down. A p99 is a lagging signal: it sizes nothing on its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from .config import AutoscalerConfig
+    from .policy import RoleLoad
+
+
+class Breach(NamedTuple):
+    what: str  # "TTFT" | "TPOT" | "queue wait"
+    p99_s: float  # observed
+    slo_s: float  # configured
+    pushes: bool  # raises the replica count (else it only vetoes scale-down)
+
+    def __str__(self) -> str:
+        return f"{self.what} p99 {self.p99_s:.2f}s > {self.slo_s:g}s SLO"
+
+
+# role -> (label, RoleLoad field, AutoscalerConfig field, pushes up)
+_SIGNALS = {
+    "prefill": (("TTFT", "ttft_p99_s", "slo_ttft_s", True), ("queue wait", "queue_wait_p99_s", "slo_queue_wait_s", True)),
+    "decode": (("TPOT", "tpot_p99_s", "slo_tpot_s", True), ("queue wait", "queue_wait_p99_s", "slo_queue_wait_s", False)),
+}  # fmt: skip
+
+
+def core_load(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> tuple[float, str]:
+    """Replicas the observed load needs now, and the signal that said so (the largest)."""
+    signals: dict[str, float] = {}
+    if role == "prefill":
+        tps = load.prefill_tokens_per_s
+        if tps and cfg.slo_ttft_s:  # (an SLO of 0 is off: then the configured target sizes it)
+            per, name = tps * cfg.slo_ttft_s, f"queued prompt tokens, {tps:.0f} tok/s measured x {cfg.slo_ttft_s:g}s"
+        else:
+            per, name = cfg.target_queued_prompt_tokens_per_replica, "queued prompt tokens"
+        signals[name] = load.queued_prompt_tokens / per
+    else:
+        streams = load.running_streams + load.node_queued + load.queue_depth
+        if load.capacity_streams:
+            per = max(1.0, load.capacity_streams)  # a node that carries less than one stream still carries one
+            name = f"streams, {per:.1f} per replica measured"
+        else:
+            per, name = cfg.target_running_streams_per_replica, "streams"
+        signals[name] = streams / per
+        signals["kv blocks"] = load.kv_utilisation / cfg.target_kv_utilisation * load.ready
+    name = max(signals, key=signals.__getitem__)
+    return signals[name], name
+
+
+def breaches(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> list[Breach]:
+    """The role's SLO signals over their SLO now (an SLO of 0 is off)."""
+    out = []
+    for what, field, slo, pushes in _SIGNALS.get(role, ()):
+        p99, limit = getattr(load, field), getattr(cfg, slo)
+        if limit and p99 > limit:
+            out.append(Breach(what, p99, limit, pushes))
+    return out
+
+
+def busy(load: RoleLoad) -> bool:
+    """Work in flight or waiting for this (model, role): only then can more replicas help a breach."""
+    return bool(load.queue_depth or load.running_streams or load.node_queued or load.queued_prompt_tokens)
