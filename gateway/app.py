@@ -1,4 +1,5 @@
-"""The gateway's HTTP surface: OpenAI-compatible /v1 API, health, metrics and admin routes."""
+"""The gateway's HTTP surface: OpenAI-compatible /v1 API (several models: /v1/models lists them),
+health, readiness, metrics; admin routes in ``admin``, internal ones in ``internal``."""
 
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ from starlette.routing import Match
 from compute.tokenizer import TemplateError
 
 from . import protocol as p
+from .activator import NotPlaced
+from .admin import add_admin_routes
 from .admission import Overloaded
 from .internal import add_internal_routes
+from .models import UnknownModel
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, errors
 from .relay import Unavailable
 from .service import REQUEST_SECONDS, REQUESTS, BadRequest, Gateway
@@ -62,7 +66,8 @@ def create_app(gw: Gateway) -> FastAPI:
             if not (cfg.open and not cfg.admin_key):
                 bearer["admin_key"] = ["/admin/"]
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            app.openapi_schema = p.describe(doc, cfg.model, gw.max_tokens_maximum, gw.vocab_size, bearer)
+            max_tokens, vocab = gw.document_limits()
+            app.openapi_schema = p.describe(doc, gw.models.names, max_tokens, vocab, bearer)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -107,9 +112,7 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.get("/ready", responses={200: {"model": p.Ready}, 503: {"model": p.Ready, "description": "no route to a node"}})
     async def ready():
-        from .router import pick
-
-        ok = pick(gw.registry.views()) is not None
+        ok = gw.ready()
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -123,52 +126,61 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.get("/v1/models", response_model=p.ModelList, responses=errors(401))
     async def models():
-        return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "pdserve"}]}
+        await gw.models.refresh()
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve"}
+                                           for name in gw.models.names]}  # fmt: skip
 
-    def _model_ok(name: str) -> JSONResponse | None:
-        if name != cfg.model:
-            return _err(404, f"model {name!r} does not exist; this gateway serves {cfg.model!r}", "not_found_error", "model")
-        return None
+    async def _text(name: str):
+        """The model's text, or the 404 (not served) / 503 (its bundle unreadable now) to return."""
+        try:
+            return await gw.text(name)
+        except UnknownModel as e:
+            return _err(404, str(e), "not_found_error", "model")
+        except Exception as e:  # noqa: BLE001 - the store failing is this request's 503, not the process's end
+            return _err(503, f"model {name!r}: its tokenizer could not be read from the store: {e}", "server_error")
 
     generation_errors = errors(400, 401, 404, 429, 503)
 
     @app.post("/v1/chat/completions", responses={200: {"model": p.ChatCompletion, "content": p.SSE}, **generation_errors})
     async def chat(req: ChatCompletionRequest):
-        if (bad := _model_ok(req.model)) is not None:
-            return bad
+        if isinstance(text := await _text(req.model), JSONResponse):
+            return text
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            prompt = gw.chat_prompt(messages)
+            prompt = gw.chat_prompt(text, messages)
             if req.max_completion_tokens and req.max_tokens:  # both given: both are checked
-                gw.check_len(prompt, req.max_tokens)
-            max_tokens = gw.check_len(prompt, req.limit())
+                gw.check_len(text, prompt, req.max_tokens)
+            max_tokens = gw.check_len(text, prompt, req.limit())
         except (BadRequest, TemplateError, ValueError) as e:
             return _err(400, str(e), param=getattr(e, "param", None))
-        return await _respond(req, prompt, max_tokens, chat=True)
+        return await _respond(text, req, prompt, max_tokens, chat=True)
 
     @app.post("/v1/completions", responses={200: {"model": p.Completion, "content": p.SSE}, **generation_errors})
     async def completions(req: CompletionRequest):
-        if (bad := _model_ok(req.model)) is not None:
-            return bad
+        if isinstance(text := await _text(req.model), JSONResponse):
+            return text
         try:
-            prompt = req.prompt if isinstance(req.prompt, list) else gw.bundle.encode(req.prompt)
-            max_tokens = gw.check_len(prompt, req.limit(), default=16)  # the OpenAI default for completions
+            prompt = req.prompt if isinstance(req.prompt, list) else text.bundle.encode(req.prompt)
+            max_tokens = gw.check_len(text, prompt, req.limit(), default=16)  # the OpenAI default for completions
         except BadRequest as e:
             return _err(400, str(e), param=e.param)
-        return await _respond(req, prompt, max_tokens, chat=False)
+        return await _respond(text, req, prompt, max_tokens, chat=False)
 
-    async def _respond(req, prompt: list[int], max_tokens: int, chat: bool):
+    async def _respond(text, req, prompt: list[int], max_tokens: int, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         params, stops = gw.node_params(req), req.stop_list()
         timing: dict = {}
         t0 = time.monotonic()
-        gen = gw.generate(prompt, max_tokens, params, stops, timing)
-        try:  # admission happens before the first delta: surface 429/503 as plain HTTP errors
+        gen = gw.generate(text, prompt, max_tokens, params, stops, timing)
+        try:  # the hold and admission happen before the first delta: surface 429/503 as plain HTTP errors
             first = await gen.__anext__()
         except Overloaded as e:
             await gen.aclose()
             return _err(429, str(e), "rate_limit_error", headers={"Retry-After": str(int(e.retry_after))})
+        except NotPlaced as e:
+            await gen.aclose()
+            return _err(503, str(e), "server_error", headers={"Retry-After": str(int(e.retry_after))})
         except Unavailable as e:
             await gen.aclose()
             return _err(503, str(e), "server_error")
@@ -191,10 +203,10 @@ def create_app(gw: Gateway) -> FastAPI:
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": reason}  # fmt: skip
-            return {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model,
+            return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                     "choices": [choice], "usage": usage}  # fmt: skip
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model,
+        return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                 "choices": [choice], "usage": usage}  # fmt: skip
 
     async def _sse(gen, first, rid, created, req, n_prompt, chat, t0):
@@ -206,7 +218,7 @@ def create_app(gw: Gateway) -> FastAPI:
                 ch = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
                 ch = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-            body = {"id": rid, "object": obj, "created": created, "model": cfg.model,
+            body = {"id": rid, "object": obj, "created": created, "model": req.model,
                     "choices": [ch] if choices else []}  # fmt: skip
             if usage is not None:
                 body["usage"] = usage
@@ -239,34 +251,6 @@ def create_app(gw: Gateway) -> FastAPI:
             REQUEST_SECONDS.observe(time.monotonic() - t0)
         yield "data: [DONE]\n\n"
 
-    # --- admin ---------------------------------------------------------------------------
-    admin_errors = errors(400, 401)
-
-    @app.get("/admin/nodes", response_model=p.NodeList, responses=errors(401))
-    async def list_nodes():
-        return {"nodes": [n.as_dict() for n in gw.registry.nodes.values()]}
-
-    @app.post("/admin/nodes", response_model=p.NodeAdded, responses=admin_errors)
-    async def add_node(body: p.NodeSpec):
-        gw.registry.add(body.url, body.role, source=body.source)
-        await gw.registry.refresh(body.url)  # the new node checked now; the others keep their poll
-        return {"added": body.url}
-
-    @app.delete("/admin/nodes", response_model=p.NodeRemoved, responses=admin_errors)
-    async def remove_node(url: str):
-        return {"removed": gw.registry.remove(url)}
-
-    @app.get("/admin/status", responses={200: {"model": p.AdminStatus}, **errors(401)})  # documented, not filtered
-    async def status():
-        return {"model": cfg.model, "nodes": [n.as_dict() for n in gw.registry.nodes.values()],
-                "queue_depth": gw.admission.waiting, "running": gw.admission.running,
-                "autoscaler": gw.autoscaler_status,
-                "supervisor": gw.supervisor() if gw.supervisor else None}  # fmt: skip
-
-    @app.post("/admin/autoscaler", response_model=p.Ok, responses=admin_errors)
-    async def autoscaler_report(body: dict):
-        gw.autoscaler_status = body
-        return {"ok": True}
-
+    add_admin_routes(app, gw)  # /admin/*: nodes, status, the autoscaler's report (admin key)
     add_internal_routes(app, gw)  # /internal/*: the autoscaler's view and its reports (internal token)
     return app

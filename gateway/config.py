@@ -13,7 +13,9 @@ class GatewayConfig:
 
     host: str = "127.0.0.1"  # bind address; forced to 127.0.0.1 when no API key is configured
     port: int = 8000
-    model: str = "smollm2"  # served model: a paramstore reference NAME[@vN]
+    models: list[str] = field(default_factory=list)  # served models, paramstore refs NAME[@vN]; empty: every model in the store
+    model: str | None = None  # one served model (older configs, `--model` once): joins `models`
+    models_refresh_s: float = 30.0  # with `models` empty: the store's model list is read again this often (and on a miss)
     store: list[str] = field(default_factory=list)  # store locations (empty: the local default)
     api_keys: tuple[str, ...] = ()  # Bearer keys for /v1/*; empty = open, loopback only
     admin_key: str | None = None  # Bearer key for /admin/*
@@ -32,6 +34,17 @@ class GatewayConfig:
     max_tokens_limit: int | None = None  # most tokens one request may generate: max_tokens' maximum and default
 
     def __post_init__(self) -> None:
+        from paramstore.config import parse_ref
+
+        if self.model:
+            self.models = [self.model, *self.models]
+        self.models = list(dict.fromkeys(self.models))  # in order, once each
+        for ref in self.models:
+            parse_ref(ref)  # InvalidRequest (a ValueError) naming the bad reference
+        if not self.model and self.models:
+            self.model = self.models[0]  # older readers of `model`: the first served model
+        if self.models_refresh_s <= 0:
+            raise ValueError("models_refresh_s must be > 0")
         if not 0 < self.port < 65536 and self.port != 0:
             raise ValueError(f"invalid port {self.port}")
         for name in ("max_running", "max_queue"):

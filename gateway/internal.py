@@ -6,8 +6,9 @@ auth middleware, beside the /v1 and /admin keys). They are left out of /openapi.
 contract is /v1.
 
   GET    /internal/status           snapshot(): queue depth, running, p99 queue wait, the node
-                                    registry (role, state, last /load of each node), the last
-                                    published autoscaler report — the autoscaler's observation
+                                    registry (role, state, models, last /load of each node), the
+                                    last published autoscaler report, and per model ("models":
+                                    model_status) — the autoscaler's observation
   POST   /internal/autoscaler       publish a control-loop report (what `pdserve status` shows)
   POST   /internal/nodes            {"url", "role", "source"?}: register a node (checked at once)
   POST   /internal/nodes/draining   {"url"}: route nothing new to it (it is about to drain)
@@ -28,7 +29,17 @@ def snapshot(gw) -> dict:
     nodes = list(gw.registry.nodes.values())
     return {"model": gw.config.model, "t": time.time(), "queue_depth": gw.admission.waiting,
             "running": gw.admission.running, "queue_wait_p99_s": gw.admission.wait_p99(),
+            "held": gw.activator.held_total(), "served": gw.models.names, "models": model_status(gw),
             "nodes": [n.as_dict() for n in nodes], "autoscaler": gw.autoscaler_status}  # fmt: skip
+
+
+def model_status(gw) -> dict[str, dict]:
+    """Per model — every served one, and any other a request was made or held for: queue_depth
+    (waiting for admission + held), held, running, the p99s of queue wait, TTFT and TPOT over the
+    last minute, requests since start, last_request_t, idle_s (see gateway.traffic)."""
+    held = dict(gw.activator.held)
+    names = list(dict.fromkeys([*gw.models.names, *list(gw.traffic.models), *held]))
+    return {m: gw.traffic.snapshot(m, held.get(m, 0)) for m in names if m}
 
 
 def add_internal_routes(app: FastAPI, gw) -> None:

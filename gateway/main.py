@@ -25,7 +25,9 @@ def add_arguments(p) -> None:
     """Every flag defaults to None: unset flags fall back to the environment, then [gateway], then defaults."""
     from paramstore.config import add_store_arguments
 
-    p.add_argument("--model", help="paramstore reference NAME[@vN] the nodes serve (default smollm2)")
+    p.add_argument("--model", action="append", default=None, metavar="NAME[@vN]",
+                   help="a model to serve (repeat for several; replaces [gateway] model/models); "
+                        "default: every model in the store")  # fmt: skip
     add_store_arguments(p)
     p.add_argument("--host", help="bind address (default 127.0.0.1; loopback only without API keys)")
     p.add_argument("--port", type=int, help="default 8000")
@@ -59,13 +61,19 @@ def gateway_config(args, tables: dict, path: str | None, **fixed):
     from .config import GatewayConfig, keys_from_env
 
     g = tables.get("gateway", {})
-    flags = {"model": getattr(args, "model", None), "host": getattr(args, "host", None),
+    flags = {"host": getattr(args, "host", None),
              "port": getattr(args, "port", None), "max_running": getattr(args, "max_running", None),
              "max_queue": getattr(args, "max_queue", None), "queue_timeout_s": getattr(args, "queue_timeout", None),
              "retry_attempts": getattr(args, "retries", None), **fixed}  # fmt: skip
     node_flags = getattr(args, "node", None)
     flags["nodes"] = parse_nodes(node_flags, "--node") if node_flags else None
     kw = resolve(GatewayConfig, "gateway", tables, path, flags, keys_from_env(), hints=SECRETS, skip=CLIENT_KEYS)
+    models = getattr(args, "model", None)
+    if isinstance(models, str):
+        models = [models]
+    if models:  # --model: exactly these (the file's model / models replaced)
+        kw.pop("model", None)
+        kw["models"] = list(models)
     if "nodes" not in kw and "nodes" in g:
         kw["nodes"] = parse_nodes(g["nodes"], f"config {path}: [gateway] nodes")
     return GatewayConfig(**kw)
@@ -78,27 +86,39 @@ def gateway_url(tables: dict, flag: str | None = None) -> str:
 
 
 def open_gateway(cfg, store_cfg):
-    """The model's text bundle from the store (opened with its HMAC key, if any) -> Gateway."""
-    from compute.tokenizer import TextBundle
+    """The store (opened with its HMAC key, if any; kept open for the models' text bundles, read on
+    first use) -> Gateway. Every listed model must be in the store (NotFound: one line at the CLI);
+    with none listed, the store's models are listed now."""
     from paramstore import ParamStore
 
+    from .models import ModelCatalogue
     from .service import Gateway
 
     cfg.store = list(store_cfg.locations)
-    with ParamStore(store_cfg) as ps:
-        m = ps.manifest(cfg.model)
-        with ps.reader(m) as r:
-            bundle = TextBundle.from_files(r.bundle())
-    return Gateway(cfg, bundle, int(m.config.get("max_position_embeddings", 2048)))
+    ps = ParamStore(store_cfg)
+    try:
+        for ref in cfg.models:
+            ps.manifest(ref)  # NotFound / IntegrityError naming the model
+        catalogue = ModelCatalogue(ps, cfg.models, cfg.models_refresh_s, cfg.max_model_len)
+        catalogue.relist()
+    except BaseException:
+        ps.close()
+        raise
+    if not catalogue.names:
+        logging.getLogger("pdserve.gateway").warning("the store holds no model yet: nothing served until one is "
+                                                     "imported (listed again every %g s)", cfg.models_refresh_s)
+    return Gateway(cfg, catalogue)
 
 
-def build_gateway(model: str, store: list[str], store_cfg=None, **kw):
-    """GatewayConfig (keys from the environment) + the model's text bundle from the store -> Gateway."""
+def build_gateway(model, store: list[str], store_cfg=None, **kw):
+    """GatewayConfig (keys from the environment) + the store -> Gateway. `model`: one name, a list,
+    or None/empty (every model in the store)."""
     from paramstore import StoreConfig
 
     from .config import GatewayConfig, keys_from_env
 
-    cfg = GatewayConfig(model=model, store=store, **keys_from_env(), **kw)
+    models = [model] if isinstance(model, str) else list(model or [])
+    cfg = GatewayConfig(models=models, store=store, **keys_from_env(), **kw)
     if store_cfg is None:
         store_cfg = StoreConfig(locations=store) if store else StoreConfig.local_default()
     return open_gateway(cfg, store_cfg)
@@ -138,7 +158,10 @@ def announce(gw, requested_host: str | None) -> None:
         moved = (requested_host or cfg.host) != cfg.host
         note = " (no API key configured: listening on 127.0.0.1 only)" if moved else ""
         print(f"pdserve gateway: no API key set — open to local clients{note}", file=sys.stderr)
-    print(f"pdserve gateway: model {cfg.model} on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
+    names = gw.models.names
+    what = f"model{'s' if len(names) != 1 else ''} {', '.join(names)}" if names else "no model yet"
+    every = " (every model in the store)" if not cfg.models else ""
+    print(f"pdserve gateway: {what}{every} on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
 
 
 def main(args) -> int:

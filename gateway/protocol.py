@@ -225,7 +225,9 @@ class NodeRemoved(BaseModel):
 
 
 class AdminStatus(BaseModel):
-    model: str
+    model: str | None  # the first served model (older readers)
+    served: list[str] = []  # every served model
+    models: dict[str, dict] = {}  # per model: traffic as in /internal/status (queue_depth, held, running, p99s, idle_s)
     nodes: list[dict]
     queue_depth: int
     running: int
@@ -243,32 +245,42 @@ SSE = {"text/event-stream": {"schema": {  # one event (schemathesis and OpenAPI 
                             "or an error body as JSON; the last event is [DONE]"}}}}}  # fmt: skip
 RETRY_AFTER = {"Retry-After": {"required": True, "schema": {"type": "integer", "minimum": 1},
                                "description": "seconds: the queue now waiting drains in about this long"}}  # fmt: skip
+RETRY_AFTER_HELD = {"Retry-After": {"required": False, "schema": {"type": "integer", "minimum": 1},
+                                    "description": "set when the model was held while no node held it and was "
+                                                   "not placed in time: seconds after which to retry"}}  # fmt: skip
 
 
 def errors(*codes: int) -> dict:
     """FastAPI ``responses=`` for these error statuses, each with the error body (429 with Retry-After)."""
     what = {400: "invalid request (message and param say what)", 401: "missing or invalid key",
-            404: "no such model", 429: "cannot start in time: retry after Retry-After seconds",
-            503: "no node could serve the request"}  # fmt: skip
+            404: "no such model (the message lists the served ones)",
+            429: "cannot start in time: retry after Retry-After seconds",
+            503: "no node could serve the request (or none held the model in time: Retry-After)"}  # fmt: skip
     out = {}
     for c in codes:
         out[c] = {"model": ErrorResponse, "description": what[c]}
         if c == 429:
             out[c]["headers"] = RETRY_AFTER
+        if c == 503:
+            out[c]["headers"] = RETRY_AFTER_HELD
     return out
 
 
-def describe(schema: dict, model: str, max_tokens: int, vocab: int, bearer: dict[str, list[str]]) -> dict:
-    """What only the running gateway knows, written into its OpenAPI document: the one model it serves,
-    the largest max_tokens, the token id range; 400 (not FastAPI's 422) for invalid bodies; and the
-    bearer schemes (`bearer`: scheme name -> path prefixes it guards; empty: open)."""
+def describe(schema: dict, models: list[str] | str, max_tokens: int, vocab: int, bearer: dict[str, list[str]]) -> dict:
+    """What only the running gateway knows, written into its OpenAPI document: the models it serves
+    (an enum; an open string when none is listed yet: they come from the store), the largest
+    max_tokens and token id range over them (each model's own context and vocabulary bound it
+    further: 400 with the message); 400 (not FastAPI's 422) for invalid bodies; and the bearer
+    schemes (`bearer`: scheme name -> path prefixes it guards; empty: open)."""
+    models = [models] if isinstance(models, str) else list(models)
     comp = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         comp.pop(name, None)
     for req in ("ChatCompletionRequest", "CompletionRequest"):
         props = comp.get(req, {}).get("properties", {})
         if "model" in props:
-            props["model"] = {"type": "string", "enum": [model], "title": "Model"}
+            props["model"] = ({"type": "string", "enum": models, "title": "Model"} if models else
+                              {"type": "string", "minLength": 1, "title": "Model"})  # fmt: skip
         for key in ("max_tokens", "max_completion_tokens"):
             for alt in props.get(key, {}).get("anyOf", []):
                 if alt.get("type") == "integer":

@@ -5,6 +5,11 @@ also over the admin API) or by Kubernetes endpoints. A health loop polls each
 node's ``/load``: ``health_failures`` consecutive failures evict a node from
 routing (it stays known and is re-admitted when it answers again); a node still
 loading weights reports ready=false and is not routed to.
+
+A node may hold several models (its /load has "models": {NAME: {"state", "queued", ...}}):
+``views(model)`` sees each node as it serves that one model — routable only where that model is
+"ready", with that model's queue, streams and free KV blocks. A node whose /load has no
+"models" (a node of one model, as before) holds its top-level "model".
 """
 
 from __future__ import annotations
@@ -32,18 +37,55 @@ class NodeState:
     source: str = "static"
     draining: bool = False  # told by the actuator before it drains the node: stop routing at once
 
-    def view(self) -> NodeView:
+    def view(self, model: str | None = None) -> NodeView:
+        """This node as the router sees it: as a whole (`model` None), or as it serves `model`."""
         ld = self.load
+        draining = self.draining or bool(ld.get("draining"))
+        if model is not None:
+            m = self.model_load(model)
+            if m is None:
+                return NodeView(url=self.url, role=self.role, ready=False, draining=draining)
+            if m is not ld:  # a node of several models: that model's own state and load
+                draining = draining or m.get("state") == "draining"
+                ready = self.healthy and m.get("state") == "ready"
+                ld = m
+            else:
+                ready = self.healthy and bool(ld.get("ready"))
+        else:
+            ready = self.healthy and bool(ld.get("ready"))
         return NodeView(
-            url=self.url, role=self.role, ready=self.healthy and bool(ld.get("ready")),
-            draining=self.draining or bool(ld.get("draining")), queued_prompt_tokens=int(ld.get("queued_prompt_tokens", 0)),
-            running=int(ld.get("running", 0)), kv_blocks_free=int(ld.get("kv_blocks_free", 0)),
+            url=self.url, role=self.role, ready=ready, draining=draining,
+            queued_prompt_tokens=int(ld.get("queued_prompt_tokens", 0)), running=int(ld.get("running", 0)),
+            kv_blocks_free=int(ld.get("kv_blocks_free", 0)),
         )  # fmt: skip
 
+    def model_load(self, model: str) -> dict | None:
+        """`model`'s entry of /load["models"]; the whole /load for a one-model node holding it; else None."""
+        models = self.load.get("models")
+        if isinstance(models, dict):
+            m = models.get(model)
+            return m if isinstance(m, dict) else None
+        return self.load if self.load.get("model") == model else None
+
+    def held_models(self) -> dict[str, str]:
+        """model -> its state on this node (loading, ready, draining, failed)."""
+        models = self.load.get("models")
+        if isinstance(models, dict):
+            return {k: str(v.get("state", "?")) for k, v in models.items() if isinstance(v, dict)}
+        name = self.load.get("model")
+        if not name:
+            return {}
+        return {name: "draining" if self.load.get("draining") else ("ready" if self.load.get("ready") else "loading")}
+
+    def routable_models(self) -> set[str]:
+        return {m for m in self.held_models() if self.view(m).routable}
+
     def as_dict(self) -> dict:
-        state = "unhealthy" if not self.healthy else ("draining" if self.draining or self.load.get("draining") else
-                                                      ("ready" if self.load.get("ready") else "loading"))  # fmt: skip
-        return {"url": self.url, "role": self.role, "state": state, "load": self.load, "source": self.source}
+        ld = self.load
+        state = "unhealthy" if not self.healthy else ("draining" if self.draining or ld.get("draining") else
+                                                      (ld.get("state") or ("ready" if ld.get("ready") else "loading")))  # fmt: skip
+        return {"url": self.url, "role": self.role, "state": state, "models": self.held_models(), "load": ld,
+                "source": self.source}  # fmt: skip
 
 
 class NodeRegistry:
@@ -54,7 +96,9 @@ class NodeRegistry:
         self.max_failures = failures
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
-        self.changed = asyncio.Event()  # set whenever a node becomes routable
+        self.changed = asyncio.Event()  # set whenever a node (or a model on it) becomes routable
+        self._polled = 0.0  # monotonic time of the last poll of every node
+        self._poll_lock: asyncio.Lock | None = None
 
     def add(self, url: str, role: str, source: str = "static") -> NodeState:
         url = url.rstrip("/")
@@ -78,8 +122,13 @@ class NodeRegistry:
         if n is not None and self._client is not None:
             await self._check(n)
 
-    def views(self) -> list[NodeView]:
-        return [n.view() for n in self.nodes.values()]
+    def views(self, model: str | None = None) -> list[NodeView]:
+        """Every node as it serves `model` (None: as a whole)."""
+        return [n.view(model) for n in self.nodes.values()]
+
+    def routable_models(self) -> set[str]:
+        """The models some ready node holds ready now (a split route may still lack a role)."""
+        return set().union(*(n.routable_models() for n in self.nodes.values()))
 
     def suspect(self, url: str) -> None:
         """A request failed on this node: stop routing to it until its next good health check."""
@@ -111,16 +160,32 @@ class NodeRegistry:
                 log.exception("health poll failed")
 
     async def poll_once(self) -> None:
+        self._polled = time.monotonic()
         await asyncio.gather(*(self._check(n) for n in list(self.nodes.values())))
+
+    async def poll_stale(self, max_age_s: float) -> None:
+        """Poll every node now unless that was done in the last `max_age_s` (the activator, while it
+        holds requests, calls this from many requests at once: one poll serves them all)."""
+        if self._client is None:
+            return
+        if self._poll_lock is None:
+            self._poll_lock = asyncio.Lock()
+        async with self._poll_lock:
+            if time.monotonic() - self._polled >= max_age_s:
+                await self.poll_once()
 
     async def _check(self, n: NodeState) -> None:
         try:
             r = await self._client.get(n.url + "/load")
             r.raise_for_status()
-            was_routable = n.view().routable
-            n.load, n.healthy, n.failures, n.seen = r.json(), True, 0, time.monotonic()
-            if n.view().routable and not was_routable:
-                log.info("node ready: %s (%s)", n.url, n.role)
+            body = r.json()
+            if not isinstance(body, dict):
+                raise ValueError("/load is not a JSON object")
+            was_routable, before = n.view().routable, n.routable_models()
+            n.load, n.healthy, n.failures, n.seen = body, True, 0, time.monotonic()
+            new = n.routable_models() - before
+            if (n.view().routable and not was_routable) or new:
+                log.info("node ready: %s (%s)%s", n.url, n.role, f": {', '.join(sorted(new))}" if new else "")
                 self.changed.set()
         except (httpx.HTTPError, ValueError) as e:
             n.failures += 1

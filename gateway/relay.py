@@ -1,10 +1,12 @@
 """The life of one request inside the gateway, with failover. No accepted request is lost.
 
  1. admitted (``Admission.slot``), tokenized by the API layer;
- 2. routed: ``router.pick`` over ready nodes minus those this request failed on; with
-    no node at all, wait for one to become ready (activation) until the deadline;
+ 2. routed: ``router.pick`` over the nodes holding the request's model ready, minus those this
+    request failed on; with none, the request is held by the ``Activator`` until its deadline
+    (then ``NotPlaced``: 503 with Retry-After);
  3. split route: POST /internal/prefill -> first token + KV handle; POST /internal/decode
-    with the handle streams the rest. ``both`` route: POST /internal/generate;
+    with the handle streams the rest. ``both`` route: POST /internal/generate. Every body
+    names the model (``"model"``): a node of several models serves that one;
  4. a node failing (connection error, timeout, 5xx, stream cut) -> exponential backoff with
     full jitter, then back to 2 with prompt := prompt + tokens already streamed and
     max_tokens reduced: the client's stream continues without repeating or skipping tokens;
@@ -18,16 +20,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from prometheus_client import Counter
 
+from .activator import Activator
 from .nodes import NodeClient, NodeFailed
 from .registry import NodeRegistry
-from .router import Route, decode_key, pick
+from .router import Route, decode_key
 
 log = logging.getLogger("pdserve.gateway")
 RETRIES = Counter("pdserve_gateway_retries_total", "Node failures retried on another node", ["phase"])
@@ -43,6 +45,7 @@ class GenRequest:
     prompt_ids: list[int]
     max_tokens: int
     params: dict = field(default_factory=dict)  # temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
+    model: str = ""  # the served model name ("": any node, and no "model" in the node bodies)
     deadline: float = 0.0  # monotonic; for waiting on capacity
     produced: list[int] = field(default_factory=list)
     attempts: int = 0
@@ -51,28 +54,20 @@ class GenRequest:
 
 class Relay:
     def __init__(self, registry: NodeRegistry, client: NodeClient, retry_attempts: int,
-                 backoff_base_s: float, backoff_max_s: float, activate=None):  # fmt: skip
+                 backoff_base_s: float, backoff_max_s: float, activator: Activator | None = None):  # fmt: skip
         self.registry, self.client = registry, client
         self.retry_attempts, self.base, self.cap = retry_attempts, backoff_base_s, backoff_max_s
-        self.activate = activate  # optional callable: ask the autoscaler for a node (scale from zero)
+        self.activator = activator or Activator(registry)  # holds a request whose model no node holds
 
     async def _route(self, req: GenRequest, exclude: set[str]) -> Route:
-        while True:
-            route = pick(self.registry.views(), exclude)
-            if route is None and exclude:  # every node failed once: allow them again rather than give up
-                route = pick(self.registry.views())
-            if route is not None:
-                return route
-            left = req.deadline - time.monotonic()
-            if left <= 0:
-                raise Unavailable("no ready node to serve the request")
-            if self.activate is not None:
-                self.activate()
-            await self.registry.wait_changed(min(left, 0.25))
+        return await self.activator.hold(req.model or None, req.deadline, exclude)
 
     def _body(self, req: GenRequest, node_rid: str) -> dict:
         params = dict(req.params, max_tokens=req.max_tokens - len(req.produced), replay_tokens=len(req.produced))
-        return {"request_id": node_rid, "prompt_token_ids": req.prompt_ids + req.produced, "params": params}
+        body = {"request_id": node_rid, "prompt_token_ids": req.prompt_ids + req.produced, "params": params}
+        if req.model:
+            body["model"] = req.model
+        return body
 
     async def run(self, req: GenRequest) -> AsyncIterator[tuple[list[int], str | None]]:
         """Yields (new token ids, finish_reason or None) until a finish reason."""
@@ -121,7 +116,7 @@ class Relay:
             yield toks, reason or "stop"
             return
         yield toks, None
-        route = req.route = self._decode_still_live(route)
+        route = req.route = self._decode_still_live(route, req.model or None)
         holding.append(route.decode)
         dbody = {**body, "first_token_id": toks[-1], "kv": _reachable(first["kv"], route.prefill),
                  "params": {**body["params"], "max_tokens": body["params"]["max_tokens"] - len(toks),
@@ -130,10 +125,10 @@ class Relay:
             holding[:] = [route.decode]  # the decode side confirmed the KV: prefill has freed it
             yield _unpack(route.decode, msg)
 
-    def _decode_still_live(self, route: Route) -> Route:
+    def _decode_still_live(self, route: Route, model: str | None = None) -> Route:
         """The decode node picked before the prefill may have started draining (scale-down) since:
-        hand the KV to another ready decode node instead (any decode node can claim the handle)."""
-        views = self.registry.views()
+        hand the KV to another ready decode node of the model instead (any can claim the handle)."""
+        views = self.registry.views(model)
         if any(v.url == route.decode and v.routable for v in views):
             return route
         live = [v for v in views if v.role == "decode" and v.routable]

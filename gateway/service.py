@@ -1,12 +1,17 @@
-"""The gateway's state: model text bundle, node registry, admission, relay. One per process.
+"""The gateway's state: the served models (``models``), node registry, activator, admission,
+relay, per-model traffic. One per process.
 
-Lifecycle of a request (see ``relay`` for the node side): validate -> render chat
-template / tokenize -> check context -> admit (or 429) -> relay token ids from the
-nodes -> detokenize incrementally, apply stop strings -> stream to the client.
+Lifecycle of a request (see ``relay`` for the node side): validate -> the model's text (404 if
+not served; its bundle read from the store on first use) -> render chat template / tokenize ->
+check the model's context -> no node holds the model: held by the activator (503 with
+Retry-After past the deadline) -> admit (or 429) -> relay token ids from the nodes of that model
+-> detokenize incrementally, apply stop strings -> stream to the client.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -16,16 +21,18 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
-from compute.tokenizer import TextBundle
-
+from .activator import Activator
 from .admission import Admission
 from .config import GatewayConfig
+from .models import ModelCatalogue, Text
 from .nodes import NodeClient
 from .registry import NodeRegistry
 from .relay import GenRequest, Relay
 from .stops import StopMatcher
+from .traffic import Traffic
 
 log = logging.getLogger("pdserve.gateway")
+PRELOAD_MAX = 16  # at start, the texts of this many served models are read in the background
 REQUESTS = Counter("pdserve_gateway_requests_total", "Requests by final HTTP status", ["status"])
 REQUEST_SECONDS = Histogram("pdserve_gateway_request_seconds", "Whole-request latency",
                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))  # fmt: skip
@@ -49,51 +56,90 @@ class Delta:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, bundle: TextBundle, max_model_len: int):
+    def __init__(self, config: GatewayConfig, models: ModelCatalogue):
         self.config = config
-        self.bundle = bundle
-        self.max_model_len = config.max_model_len or max_model_len
-        self.vocab_size = bundle.tokenizer.get_vocab_size(with_added_tokens=True)  # token ids are 0 .. vocab_size - 1
+        self.models = models
         headers = {"Authorization": f"Bearer {config.internal_token}"} if config.internal_token else {}
         self.registry = NodeRegistry(headers, config.health_interval_s, config.health_failures)
         for role, url in config.nodes:
             self.registry.add(url, role)
         self.client = NodeClient(headers, config.node_timeout_s)
         self.admission = Admission(config.max_running, config.max_queue, config.queue_timeout_s)
+        self.activator = Activator(self.registry)
         self.relay = Relay(self.registry, self.client, config.retry_attempts, config.backoff_base_s,
-                           config.backoff_max_s)  # fmt: skip
+                           config.backoff_max_s, self.activator)  # fmt: skip
+        self.traffic = Traffic()
         self.autoscaler_status: dict = {}
         self.supervisor = None  # () -> dict: the local actuator's status() (`pdserve up`: restarts, crash loops)
         self.sources: list = []  # registry sources beyond static nodes, started with the gateway (gateway.discovery)
+        self._refresher: asyncio.Task | None = None
+
+    @property
+    def activate(self):
+        """`activate(model)`: ask for `model` to be placed (the activator calls it while it holds requests)."""
+        return self.activator.activate
+
+    @activate.setter
+    def activate(self, fn) -> None:
+        self.activator.activate = fn
 
     async def start(self) -> None:
         await self.registry.start()
         for source in self.sources:
             await source.start()
+        self._refresher = asyncio.create_task(self._refresh_models())
 
     async def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
         for source in self.sources:
             await source.stop()
         await self.registry.stop()
         await self.client.close()
+        await asyncio.to_thread(self.models.close)
+
+    async def _refresh_models(self) -> None:
+        """Read the served models' texts in the background now (a first request finds its model's
+        ready, or waits on that same read), then list the store again every refresh_s."""
+        for name in self.models.names[:PRELOAD_MAX]:
+            try:
+                await self.models.text(name)
+            except Exception as e:  # noqa: BLE001 - its first request reports it (404 / 503)
+                log.warning("model %s: text bundle not read: %s", name, e)
+        while True:  # ends with stop()
+            await asyncio.sleep(self.models.refresh_s)
+            await self.models.refresh()
+
+    def ready(self) -> bool:
+        """/ready: some served model is routable, or an activator is set and some node is registered."""
+        if self.activator.activate is not None and self.registry.nodes:
+            return True
+        return any(self.activator.route(m) is not None for m in self.registry.routable_models())
 
     # --- request preparation --------------------------------------------------------
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        return self.bundle.encode(self.bundle.render_chat(messages))
+    async def text(self, model: str) -> Text:
+        """The model's text side (UnknownModel: not served)."""
+        return await self.models.text(model)
 
-    def check_len(self, prompt: list[int], max_tokens: int | None, default: int | None = None) -> int:
+    def chat_prompt(self, text: Text, messages: list[dict]) -> list[int]:
+        return text.bundle.encode(text.bundle.render_chat(messages))
+
+    def check_len(self, text: Text, prompt: list[int], max_tokens: int | None, default: int | None = None) -> int:
         """-> max_tokens to use (unset: `default`, else up to the context; never beyond max_tokens_limit);
-        BadRequest when the prompt (plus max_tokens) exceeds the context."""
+        BadRequest when the prompt (plus max_tokens) exceeds the model's context."""
         if not prompt:
             raise BadRequest("the prompt is empty", "prompt")
-        if any(not 0 <= t < self.vocab_size for t in prompt):
+        if any(not 0 <= t < text.vocab_size for t in prompt):
             raise BadRequest("prompt token id out of the vocabulary", "prompt")
-        room = self.max_model_len - len(prompt)
+        ctx = text.max_model_len
+        room = ctx - len(prompt)
         if room < 1:
-            raise BadRequest(f"this model's maximum context length is {self.max_model_len} tokens; "
+            raise BadRequest(f"this model's maximum context length is {ctx} tokens; "
                              f"the prompt has {len(prompt)} tokens", "messages")  # fmt: skip
         if max_tokens is not None and max_tokens > room:
-            raise BadRequest(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+            raise BadRequest(f"this model's maximum context length is {ctx} tokens; the prompt "
                              f"has {len(prompt)} and max_tokens asks for {max_tokens}", "max_tokens")  # fmt: skip
         limit = self.config.max_tokens_limit
         if max_tokens is not None and limit is not None and max_tokens > limit:
@@ -101,10 +147,18 @@ class Gateway:
                              "per request", "max_tokens")  # fmt: skip
         return min(max_tokens or default or room, limit or room, room)
 
-    @property
-    def max_tokens_maximum(self) -> int:
-        """The largest max_tokens any request may ask for (the OpenAPI document states it)."""
-        return min(self.config.max_tokens_limit or self.max_model_len, self.max_model_len)
+    def document_limits(self) -> tuple[int, int]:
+        """(largest max_tokens, vocabulary size) over the served models, for the OpenAPI document
+        (each model's text read now if not yet: once, when the document is first asked for)."""
+        texts = []
+        for name in self.models.names:
+            try:
+                texts.append(self.models.text_sync(name))
+            except Exception as e:  # noqa: BLE001 - a model that cannot be read is left out of the limits
+                log.warning("model %s: text bundle not readable for the OpenAPI document: %s", name, e)
+        ctx = max((t.max_model_len for t in texts), default=self.config.max_model_len or 2048)
+        vocab = max((t.vocab_size for t in texts), default=1)
+        return min(self.config.max_tokens_limit or ctx, ctx), vocab
 
     def node_params(self, req) -> dict:
         seed = None if req.seed is None else req.seed % 2**63
@@ -112,30 +166,56 @@ class Gateway:
                 "seed": seed, "ignore_eos": req.ignore_eos}  # fmt: skip
 
     # --- generation ------------------------------------------------------------------
-    async def generate(self, prompt: list[int], max_tokens: int, params: dict, stops: list[str],
+    async def generate(self, text: Text, prompt: list[int], max_tokens: int, params: dict, stops: list[str],
                        timing: dict) -> AsyncIterator[Delta]:  # fmt: skip
-        """Admitted, relayed, detokenized deltas; the last one carries finish_reason."""
+        """Held (no node holds the model yet), admitted, relayed, detokenized deltas; the last one
+        carries finish_reason. One bound on the whole wait before the start (queue_timeout_s):
+        the hold, admission, then a node to exist — past it NotPlaced / Overloaded / Unavailable."""
         t0 = time.monotonic()
-        async with self.admission.slot():
-            # one bound on the whole wait before the start: admission, then a node to exist (else 503)
-            req = GenRequest(uuid.uuid4().hex, list(prompt), max_tokens, params,
-                             deadline=t0 + self.config.queue_timeout_s)  # fmt: skip
-            detok = self.bundle.detokenizer(prompt)
-            matcher = StopMatcher(stops)
-            first = True
-            async with aclosing(self.relay.run(req)) as stream:
-                async for toks, reason in stream:
-                    if first:
-                        timing["ttft"] = time.monotonic() - t0
-                        TTFT.observe(timing["ttft"])
-                        first = False
-                    text, stopped = matcher.feed(detok.add([t for t in toks if t not in self.bundle.eos_token_ids]))
-                    if stopped:
-                        yield Delta(text, toks, "stop")
-                        return
-                    if reason:
-                        tail, hit = matcher.feed(detok.flush())
-                        tail = tail if hit else tail + matcher.flush()
-                        yield Delta(text + tail, toks, "stop" if reason in ("stop", "eos") else reason)
-                        return
-                    yield Delta(text, toks, None)
+        model, traffic = text.name, self.traffic
+        deadline = t0 + self.config.queue_timeout_s
+        traffic.arrived(model)
+        if self.activator.route(model) is None:  # held outside admission: a cold model takes no slot
+            await self.activator.hold(model, deadline)
+        traffic.admitting(model, 1)
+        admitted = False
+        try:
+            async with self.admission.slot() as waited:
+                traffic.admitting(model, -1)
+                admitted = True
+                traffic.admitted(model, waited)
+                req = GenRequest(uuid.uuid4().hex, list(prompt), max_tokens, params, model=model, deadline=deadline)
+                marks: dict = {"first": None, "n": 0}
+                try:
+                    async with aclosing(self._relayed(text, req, stops, t0, timing, marks)) as deltas:
+                        async for d in deltas:
+                            yield d
+                finally:
+                    traffic.finished(model, marks["n"], marks["first"], time.monotonic())
+        finally:
+            if not admitted:
+                traffic.admitting(model, -1)
+
+    async def _relayed(self, text: Text, req: GenRequest, stops: list[str], t0: float, timing: dict,
+                       marks: dict) -> AsyncIterator[Delta]:  # fmt: skip
+        detok = text.bundle.detokenizer(req.prompt_ids)
+        eos = text.bundle.eos_token_ids
+        matcher = StopMatcher(stops)
+        async with aclosing(self.relay.run(req)) as stream:
+            async for toks, reason in stream:
+                marks["n"] += len(toks)
+                if marks["first"] is None:
+                    marks["first"] = time.monotonic()
+                    timing["ttft"] = marks["first"] - t0
+                    TTFT.observe(timing["ttft"])
+                    self.traffic.first_token(req.model, timing["ttft"])
+                out, stopped = matcher.feed(detok.add([t for t in toks if t not in eos]))
+                if stopped:
+                    yield Delta(out, toks, "stop")
+                    return
+                if reason:
+                    tail, hit = matcher.feed(detok.flush())
+                    tail = tail if hit else tail + matcher.flush()
+                    yield Delta(out + tail, toks, "stop" if reason in ("stop", "eos") else reason)
+                    return
+                yield Delta(out, toks, None)

@@ -1,6 +1,7 @@
-"""`pdserve status`: the nodes per role with state and load, the local nodes' restarts and crash loops
-(`pdserve up`: the actuator's supervised slots, with a crashing node's last log lines), and the
-autoscaler's last decision."""
+"""`pdserve status`: per model, the gateway's traffic, its nodes by role and state with their load
+and the autoscaler's last decision and reason for its keys; the standby runtimes (no model) apart;
+the local nodes' restarts and crash loops (`pdserve up`: the actuator's supervised slots, with a
+crashing node's last log lines), and the autoscaler's last report."""
 
 from __future__ import annotations
 
@@ -34,14 +35,10 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(st, indent=1))
         return 0
-    print(f"model {st['model']}: {st['running']} running, {st['queue_depth']} queued at the gateway")
-    print(f"{'ROLE':8} {'STATE':10} {'URL':28} {'RUN':>4} {'QUEUED_TOK':>10} {'KV_USED':>8}")
-    for n in sorted(st["nodes"], key=lambda n: (n["role"], n["url"])):
-        ld = n.get("load", {})
-        print(f"{n['role']:8} {n['state']:10} {n['url']:28} {ld.get('running', 0):>4} "
-              f"{ld.get('queued_prompt_tokens', 0):>10} {ld.get('kv_blocks_used', 0):>4}/{ld.get('kv_blocks_total', 0)}")  # fmt: skip
-    _print_supervised(st.get("supervisor"))
     a = st.get("autoscaler") or {}
+    for line in render(st):
+        print(line)
+    _print_supervised(st.get("supervisor"))
     if not a:
         print("autoscaler: not running")
         return 0
@@ -49,6 +46,57 @@ def main(args) -> int:
     print(f"autoscaler ({a.get('actuator', '?')}{age}): {a.get('reason') or a.get('note') or 'no decision yet'}"
           + (f"; error: {a['error']} ({a.get('failures', 0)} in a row)" if a.get("error") else ""))  # fmt: skip
     return 0
+
+
+NODE_HEADER = f"  {'ROLE':8} {'STATE':10} {'URL':28} {'RUN':>4} {'QUEUED_TOK':>10} {'KV_USED':>8}"
+
+
+def _node_line(n: dict, ld: dict, state: str) -> str:
+    return (f"  {n['role']:8} {state:10} {n['url']:28} {ld.get('running', 0):>4} {ld.get('queued_prompt_tokens', 0):>10} "
+            f"{ld.get('kv_blocks_used', 0):>4}/{ld.get('kv_blocks_total', 0)}")  # fmt: skip
+
+
+def render(st: dict) -> list[str]:
+    """The lines of `pdserve status` per model: the gateway's traffic for it, its nodes by role and
+    state (with that model's load on each), the autoscaler's last decision for its keys ("model/role");
+    then the standby runtimes (holding no model) apart."""
+    out = [f"gateway: {st['running']} running, {st['queue_depth']} queued"]
+    nodes = sorted(st.get("nodes", []), key=lambda n: (n["role"], n["url"]))
+    traffic = st.get("models") or {}
+    held_by = {m for n in nodes for m in (n.get("models") or {})}
+    names = list(dict.fromkeys([*(st.get("served") or []), *traffic, *sorted(held_by)]))
+    if not names and st.get("model"):
+        names = [st["model"]]
+    decided = ((st.get("autoscaler") or {}).get("decision") or {}).get("roles") or {}
+    for m in names:
+        t = traffic.get(m, {})
+        line = f"model {m}: {t.get('running', 0)} running, {t.get('queue_depth', 0)} queued"
+        if t.get("held"):
+            line += f" ({t['held']} held: no node holds it yet)"
+        if t:
+            line += (f"; {t.get('requests', 0)} requests, idle {t.get('idle_s', 0):.0f} s; p99 ttft "
+                     f"{t.get('ttft_p99_s', 0):.2f} s, tpot {t.get('tpot_p99_s', 0) * 1000:.0f} ms")  # fmt: skip
+        out.append(line)
+        mine = [n for n in nodes if m in (n.get("models") or {})]
+        if mine:
+            out.append(NODE_HEADER)
+        else:
+            out.append("  no node holds it")
+        for n in mine:
+            ld = n.get("load") or {}
+            per = (ld.get("models") or {}).get(m) if isinstance(ld.get("models"), dict) else None
+            state = n["state"] if n["state"] in ("unhealthy", "draining") else n["models"][m]
+            out.append(_node_line(n, per if isinstance(per, dict) else ld, state))
+        for key in sorted(k for k in decided if k.startswith(m + "/")):
+            d = decided[key]
+            out.append(f"  autoscaler {key.split('/', 1)[1]}: {d.get('current', '?')} -> {d.get('replicas', '?')} "
+                       f"replicas: {d.get('reason') or '-'}")  # fmt: skip
+    standby = [n for n in nodes if not n.get("models")]
+    if standby:
+        out.append(f"standby runtimes (no model held): {len(standby)}")
+        out.append(NODE_HEADER)
+        out.extend(_node_line(n, n.get("load") or {}, n["state"]) for n in standby)
+    return out
 
 
 def _print_supervised(sup: dict | None) -> None:

@@ -13,7 +13,7 @@ class Registry:
     def __init__(self, views):
         self.v = {x.url: x for x in views}
 
-    def views(self):
+    def views(self, model=None):
         return list(self.v.values())
 
     def suspect(self, url):

@@ -1,0 +1,147 @@
+"""The models the gateway serves, and each one's text bundle (tokenizer, chat template, context).
+
+Lifecycle of one model here:
+ 1. named: listed in the config (``GatewayConfig.models``: exactly those), or — the list empty —
+    found in the store (``ParamStore.models()``: every model name it holds), listed at start and
+    listed again every ``refresh_s`` and on a request for a name not seen yet (at most once per
+    ``MISS_RELIST_S``: a client asking for junk names does not list the store per request);
+ 2. first used: its text bundle is read from the store in a worker thread (manifest -> bundle
+    shard -> ``TextBundle``), once — concurrent first requests wait on the same load;
+ 3. kept for the life of the gateway (a bundle is a few MB); a model that leaves the store's
+    listing is no longer served, its bundle dropped.
+A name not served is ``UnknownModel`` (HTTP 404). ``Text`` is what the API layer needs of a model:
+the bundle, its context length (``max_model_len``: the config's, else the model's) and vocabulary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from compute.tokenizer import TextBundle
+
+log = logging.getLogger("pdserve.gateway")
+MISS_RELIST_S = 2.0  # a request for an unknown name lists the store again at most this often
+
+
+class UnknownModel(LookupError):
+    """The gateway does not serve this model (HTTP 404): the message lists what it serves."""
+
+
+@dataclass(slots=True)
+class Text:
+    """One model's text side: what validating, tokenizing and detokenizing a request needs."""
+
+    name: str
+    bundle: TextBundle
+    max_model_len: int  # context limit, in tokens
+    vocab_size: int  # token ids are 0 .. vocab_size - 1 (read once: the tokenizer is slow to ask)
+
+
+def text_from_store(ps, name: str, max_model_len: int | None = None) -> Text:
+    """Read `name`'s bundle from an open ParamStore (blocking) -> Text."""
+    m = ps.manifest(name)
+    with ps.reader(m) as r:
+        bundle = TextBundle.from_files(r.bundle())
+    ctx = max_model_len or int(m.config.get("max_position_embeddings", 2048))
+    return Text(name, bundle, ctx, bundle.tokenizer.get_vocab_size(with_added_tokens=True))
+
+
+class ModelCatalogue:
+    """Served model names and their lazily loaded ``Text``; `store` is an open ParamStore (or None:
+    only the `preloaded` texts are served — tests and in-process gateways built from a bundle)."""
+
+    def __init__(self, store, names: list[str] | tuple[str, ...] = (), refresh_s: float = 30.0,
+                 max_model_len: int | None = None, preloaded: dict[str, Text] | None = None):  # fmt: skip
+        self.store = store
+        self.fixed = list(dict.fromkeys(names))  # configured: served exactly; empty: the store's listing
+        self.refresh_s, self.max_model_len = refresh_s, max_model_len
+        self._texts: dict[str, Text] = dict(preloaded or {})
+        self._loading: dict[str, asyncio.Future] = {}
+        self._listed: list[str] = list(self._texts)
+        self._listed_at = 0.0
+        self._lock = threading.Lock()  # listing may run in a worker thread
+
+    # --- which models ------------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        """The served model names, in config order (else the store's, sorted)."""
+        if self.fixed:
+            return list(self.fixed)
+        return list(self._listed)
+
+    def relist(self) -> list[str]:
+        """List the store now (blocking; a no-op with fixed names or without a store)."""
+        if self.fixed or self.store is None:
+            return self.names
+        try:
+            listed = sorted(self.store.models())
+        except Exception as e:  # noqa: BLE001 - a store that does not answer keeps the last listing
+            log.warning("listing the store's models failed: %s", e)
+            listed = self._listed
+        with self._lock:
+            self._listed, self._listed_at = listed, time.monotonic()
+            for gone in set(self._texts) - set(listed):
+                self._texts.pop(gone, None)
+        return self.names
+
+    async def refresh(self, force: bool = False) -> None:
+        """List the store again if the last listing is older than refresh_s (or `force`: a miss)."""
+        age = time.monotonic() - self._listed_at
+        if self.fixed or self.store is None or age < (MISS_RELIST_S if force else self.refresh_s):
+            return
+        await asyncio.to_thread(self.relist)
+
+    async def check(self, name: str) -> None:
+        """UnknownModel unless `name` is served (a name not seen yet lists the store again first)."""
+        if name not in self.names:
+            await self.refresh(force=True)
+        if name not in self.names:
+            raise UnknownModel(self.unknown_message(name))
+
+    def unknown_message(self, name: str) -> str:
+        served = ", ".join(repr(n) for n in self.names) or "no model (the store holds none)"
+        return f"model {name!r} does not exist; this gateway serves {served}"
+
+    # --- the text of one model ---------------------------------------------------------------
+    def loaded(self) -> dict[str, Text]:
+        return dict(self._texts)
+
+    async def text(self, name: str) -> Text:
+        """`name`'s Text, read from the store on first use (UnknownModel if not served)."""
+        await self.check(name)
+        if (t := self._texts.get(name)) is not None:
+            return t
+        fut = self._loading.get(name)
+        if fut is None:
+            fut = self._loading[name] = asyncio.ensure_future(asyncio.to_thread(self._load, name))
+            fut.add_done_callback(lambda _f: self._loading.pop(name, None))
+        return await asyncio.shield(fut)
+
+    def text_sync(self, name: str) -> Text:
+        """The same, blocking (the OpenAPI document; startup)."""
+        if (t := self._texts.get(name)) is not None:
+            return t
+        return self._load(name)
+
+    def _load(self, name: str) -> Text:
+        if self.store is None:
+            raise UnknownModel(self.unknown_message(name))
+        from paramstore.errors import NotFound
+
+        t0 = time.monotonic()
+        try:
+            t = text_from_store(self.store, name, self.max_model_len)
+        except NotFound as e:
+            raise UnknownModel(f"model {name!r} is served but not readable from the store: {e}") from None
+        with self._lock:
+            self._texts[name] = t
+        log.info("model %s: text bundle loaded in %.2f s (context %d)", name, time.monotonic() - t0, t.max_model_len)
+        return t
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
