@@ -171,8 +171,11 @@ class ControlLoop:
                 break
         return ticks
 
-    def wake(self) -> None:
-        """Run the next tick now rather than at the end of the wait (thread-safe; e.g. a request is held)."""
+    def wake(self, model: str | None = None) -> None:
+        """Run the next tick now rather than at the end of the wait (thread-safe; e.g. a request is held).
+
+        `model` (the one a request is held for) is accepted so this can be the gateway's `activate`
+        as it is; the tick observes every model anyway."""
         self._wake.set()
 
     def _wait(self, seconds: float) -> bool:

@@ -18,7 +18,9 @@ every key is sized independently, through the same stages, in order:
               over-threshold tick (Knative KPA).
  3. SLO       a TTFT / TPOT / queue-wait p99 over its SLO, while the key has work, raises
               the count to at least current + 1: one step per cooldown-free tick (none
-              while a replica is still starting), so the lagging p99 cannot run away.
+              while a replica is still starting), so the lagging p99 cannot run away. For a
+              stable window after a key is woken from zero, TTFT and queue wait are not read
+              (they still hold the wait of the requests held while it woke).
  4. bounds    min/max per role. Scale to zero (per model, both roles at once): a model
               idle for scale_to_zero_after_s with no load goes to 0 replicas whatever
               the min, and stays there until a request is held or queued for it; then
@@ -41,19 +43,24 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from .config import ROLES, AutoscalerConfig
-from .slo import Breach, breaches, busy, core_load
+from .slo import HELD_COUNTS, Breach, breaches, busy, core_load
 
 __all__ = ["AutoscalerConfig", "Decision", "Key", "PolicyContext", "PolicyState", "RoleDecision", "RoleLoad",
-           "RoleState", "decide", "key_str"]  # fmt: skip
+           "RoleState", "decide", "key_str", "split_key"]  # fmt: skip
 
 _EPS = 1e-9  # 2.0000000001 replicas of load is 2 replicas, not 3
 
-Key = tuple[str, str]  # (model, role)
+Key = tuple[str, str]  # (model, role); a plain role ("decode") is read as ("", "decode"): one unnamed model
 
 
 def key_str(key) -> str:
     """A key as JSON writes it: ("smollm2", "decode") -> "smollm2/decode" (a plain string stays as it is)."""
     return "/".join(key) if isinstance(key, tuple) else str(key)
+
+
+def split_key(key) -> tuple[str, str]:
+    """(model, role) of a key."""
+    return key if isinstance(key, tuple) else ("", key)
 
 
 @dataclass(slots=True)
@@ -88,6 +95,7 @@ class RoleState:
     panic_over_t: float | None = None  # last tick the panic window was over threshold; None = not in panic
     panic_peak: int = 0  # replicas held during this panic (only grows)
     last_change_t: float | None = None  # when the policy last asked for a different replica count
+    activated_t: float | None = None  # when this key was last woken from zero
 
 
 @dataclass(slots=True, frozen=True)
@@ -266,8 +274,8 @@ def decide(ctx: PolicyContext, state: PolicyState) -> tuple[Decision, PolicyStat
     """One tick: desired replicas for every (model, role) in ctx.loads, and the state for the next tick."""
     cfg, now, loads = ctx.config, ctx.now, ctx.loads
     models: dict[str, list[Key]] = {}
-    for key in sorted(loads, key=lambda k: (k[0], ROLES.index(k[1]) if k[1] in ROLES else len(ROLES), k[1])):
-        models.setdefault(key[0], []).append(key)
+    for key in sorted(loads, key=lambda k: _order(*split_key(k))):
+        models.setdefault(split_key(key)[0], []).append(key)
     decisions, states = {}, dict(state.roles)
     for keys in models.values():
         zero, wake = to_zero(keys, loads, cfg), woken(keys, loads, cfg)
@@ -277,9 +285,13 @@ def decide(ctx: PolicyContext, state: PolicyState) -> tuple[Decision, PolicyStat
     return Decision(t=now, roles=decisions), PolicyState(roles=states)
 
 
+def _order(model: str, role: str) -> tuple:
+    return model, ROLES.index(role) if role in ROLES else len(ROLES), role
+
+
 def _decide_key(key: Key, load: RoleLoad, rs: RoleState | None, cfg: AutoscalerConfig, now: float, wake: bool,
                 zero: str | None) -> tuple[RoleDecision, RoleState]:  # fmt: skip
-    model, role = key
+    model, role = split_key(key)
     rs = rs or RoleState(last_change_t=now)  # a fresh key waits a cooldown before cutting
     core, signal = core_load(role, load, cfg)
     samples = tuple((t, v) for t, v in rs.samples if t > now - cfg.stable_window_s) + ((now, core),)
@@ -287,12 +299,18 @@ def _decide_key(key: Key, load: RoleLoad, rs: RoleState | None, cfg: AutoscalerC
     stable = window_mean(samples, now, cfg.stable_window_s)
     panic = window_mean(samples, now, cfg.panic_window_s)
     found = breaches(role, load, cfg)
+    if rs.activated_t is not None and now - rs.activated_t < cfg.stable_window_s:
+        # the requests held while it woke count in the gateway's TTFT / queue-wait p99 for a while: not a
+        # sign that the woken replicas are too few
+        found = [b for b in found if b.what not in HELD_COUNTS]
 
     desired, rs, reason, event = windows(rs, load, stable, panic, now, cfg, signal)
     desired, why = slo_push(desired, load, rs, now, cfg, found)
     reason = why or reason
     desired, activated, why = bounds(role, desired, load, cfg, wake, zero)
     reason = why or reason
+    if activated:
+        rs = replace(rs, activated_t=now)
     if zero:
         rs = replace(rs, panic_over_t=None, panic_peak=0)
     else:

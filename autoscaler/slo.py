@@ -44,6 +44,9 @@ _SIGNALS = {
 }  # fmt: skip
 
 
+HELD_COUNTS = ("TTFT", "queue wait")  # the signals a request held during activation counts in
+
+
 def core_load(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> tuple[float, str]:
     """Replicas the observed load needs now, and the signal that said so (the largest)."""
     signals: dict[str, float] = {}

@@ -221,6 +221,14 @@ def test_decide_is_pure():
     assert a.reason.startswith("m/prefill: ")
 
 
+def test_a_plain_role_key_is_one_unnamed_model():
+    """A role-level actuator driven directly (no warm pool): keys "prefill"/"decode" are the model ""."""
+    loads = {r: RoleLoad(replicas=1, ready=1, queued_prompt_tokens=30_000, queue_depth=20) for r in ("prefill", "decode")}
+    d, _ = decide(PolicyContext(config(), loads, 1.0), PolicyState())
+    assert set(d.replicas) == {"prefill", "decode"} and set(d.to_dict()["roles"]) == {"prefill", "decode"}
+    assert d.roles["prefill"].model == "" and d.reason.startswith("prefill: ")
+
+
 @pytest.mark.parametrize("kw", [
     {"tick_s": 0}, {"prefill_min_replicas": 3, "prefill_max_replicas": 2}, {"decode_max_replicas": 0},
     {"panic_window_s": 60.0}, {"panic_threshold": 1.0}, {"max_scale_down_fraction": 0.0},
@@ -364,3 +372,16 @@ def test_two_models_are_decided_independently():
     sim = Sim(config(), prefill=0, decode=0, b__prefill=0, b__decode=0)
     d = sim.step({B_P: {"held": 2, "queue_depth": 2}, B_D: {"held": 2, "queue_depth": 2}})
     assert rep(d) == {"prefill": 0, "decode": 0} and rep(d, "b") == {"prefill": 1, "decode": 1}
+
+
+def test_the_wait_of_requests_held_at_activation_is_no_reason_to_scale_up():
+    cfg = config(scale_down_delay_s=5.0)
+    sim = Sim(cfg, prefill=0, decode=0)
+    sim.tick(prefill={"held": 1, "queue_depth": 1}, decode={"held": 1, "queue_depth": 1})
+    assert sim.of() == {"prefill": 1, "decode": 1}
+    # the held request's 3 s TTFT sits in the gateway's 60 s p99 while traffic goes on
+    busy_slow = {"queued_prompt_tokens": 200, "queue_depth": 1, "ttft_p99_s": 3.0}
+    ds = sim.run(int(cfg.stable_window_s) - 2, prefill=busy_slow)
+    assert {rep(d)["prefill"] for d in ds} == {1} and not any(d.roles[P].slo for d in ds)
+    later = sim.run(10, prefill=busy_slow)  # still breached a stable window later: now it is a real signal
+    assert later[-1].replicas[P] > 1 and "TTFT p99 3.00s > 2s SLO" in later[-1].roles[P].slo
