@@ -42,7 +42,8 @@ BENCHES = {
     "quality": ("benchmarks.quality", "INT8 vs fp32 weights: perplexity, KL, top-1 on real texts"),
     "pd": ("benchmarks.pd", "KV transfer and colocated vs disaggregated serving"),
     "gateway": ("benchmarks.gateway", "gateway overhead vs a node served directly"),
-    "burst": ("benchmarks.burst", "autoscaling under a 10x burst"),
+    "burst": ("benchmarks.burst", "autoscaling under a burst sized from measured capacity, warm pool vs cold"),
+    "swap": ("benchmarks.swap", "many models on one pool: cold-model first token vs a fresh process, from zero"),
 }
 
 

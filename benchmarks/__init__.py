@@ -8,12 +8,15 @@ Layout: one module per thing measured, each a `pdserve bench NAME` command with
     quality.py       pdserve bench quality   INT8 vs fp32 weights: perplexity, KL, top-1
     pd.py            pdserve bench pd        KV transfer and colocated vs disaggregated serving
     gateway.py       pdserve bench gateway   gateway overhead vs a node served directly
-    burst.py         pdserve bench burst     autoscaling under a 10x burst
+    burst.py         pdserve bench burst     a burst sized from measured capacity: warm pool vs cold process
+    swap.py          pdserve bench swap      many models on one pool: cold-model first token, from zero
   and what they share:
+    service.py       `pdserve up` in a process of its own, observed from outside (used by burst.py, swap.py)
+    synthetic.py     a ~1 GiB Llama-shaped model of random weights, cached (used by swap.py)
     kv_transfer.py   two-process KV transfer rates (used by pd.py)
     mixed_workload.py  chat streams + long prompts through a gateway (used by pd.py)
-    loadgen.py       client-side requests and closed loops (used by gateway.py, burst.py)
-    common.py        the real model in a store, host accounting
+    loadgen.py       client-side requests and closed loops (used by gateway.py, burst.py, swap.py)
+    common.py        the real model in a store, host accounting (CPU flags, load average)
 
 Benchmarks may import any library package (paramstore, compute, gateway, autoscaler); no library
 package imports them (tests/test_layering.py checks; the CLI names them by string in its BENCHES

@@ -32,6 +32,18 @@ def loadavg() -> float | None:
         return None
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's vector extensions that decide kernel speed (avx2, avx512*, amx*), from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return sorted(x for x in line.split(":", 1)[1].split() if x.startswith(("avx2", "avx512", "amx")))
+    except OSError:
+        pass
+    return []
+
+
 def cpu_seconds(pid: int) -> float:
     """user + system CPU seconds of a process (all its threads), from /proc; 0 where unavailable."""
     try:

@@ -1,0 +1,390 @@
+"""`pdserve up` as the benchmarks run it: the real command in a process of its own, observed from outside.
+
+Lifecycle of one ``UpService``:
+ 1. ``start``: a TOML config is written to a temporary folder — [gateway], [node] and [autoscaler]
+    tables holding only the keys this tree's config dataclasses know (the others are listed in
+    ``skipped``, so a report says what a run could not set) — and `pdserve up --config F --port P
+    --prefill N --decode M [--model A --model B ...] [--autoscale]` is spawned in its own process
+    group with a fresh internal token; its output goes to ``<log_dir>/up.log``;
+ 2. ``wait_ready``: the gateway's /ready answers 200 (bounded); ``wait_for`` polls any condition
+    on the gateway's /internal/status snapshot (bounded);
+ 3. observation: ``status()`` (the gateway's snapshot: nodes with their last /load, the
+    autoscaler's last report), ``load(url)`` (a node's /load, directly, for sub-second timing),
+    ``node_pids()`` (the node processes among the service's descendants, by their --port) and
+    ``memory()`` (their RSS and peak RSS from /proc, the peak kept for nodes that have exited);
+ 4. ``stop``: SIGTERM (the service drains and stops its nodes; they also end with it by their
+    lifeline), SIGKILL to the group after ``stop_timeout_s``.
+
+The node views (``node_model_state`` and friends) read both /load shapes: per-model
+(``models: {NAME: {...}}``) and the older one-model shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+from compute.node.launcher import free_port, service_env
+from compute.node.lifeline import spawn_kwargs
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def known_fields() -> dict[str, set[str]]:
+    """Config table -> the keys this tree's dataclass for it accepts."""
+    from autoscaler.config import AutoscalerConfig
+    from compute.node.config import NodeConfig
+    from gateway.config import GatewayConfig
+
+    return {t: {f.name for f in dataclasses.fields(c)}
+            for t, c in (("autoscaler", AutoscalerConfig), ("gateway", GatewayConfig), ("node", NodeConfig))}  # fmt: skip
+
+
+def write_config(path: str, tables: dict[str, dict]) -> list[str]:
+    """Write the tables' known keys as TOML; -> the "table.key" entries left out (unknown to this tree)."""
+    known, skipped, lines = known_fields(), [], []
+    for table, kv in tables.items():
+        lines.append(f"[{table}]")
+        for k, v in kv.items():
+            if v is None:
+                continue
+            if table in known and k not in known[table]:
+                skipped.append(f"{table}.{k}")
+                continue
+            lines.append(f"{k} = {_toml_value(v)}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return skipped
+
+
+class UpService:
+    """One `pdserve up` process and what the benchmark reads from it."""
+
+    def __init__(self, models: list[str], store: list[str], log_dir: str, tables: dict[str, dict],
+                 plan: dict[str, int], autoscale: bool = True, stop_timeout_s: float = 60.0):  # fmt: skip
+        self.models, self.store, self.log_dir, self.plan = models, store, log_dir, plan
+        self.token = secrets.token_urlsafe(24)
+        self.headers = {"Authorization": f"Bearer {self.token}"}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.stop_timeout_s = stop_timeout_s
+        os.makedirs(log_dir, exist_ok=True)
+        self.config_path = os.path.join(tempfile.mkdtemp(prefix="pdserve-bench-cfg-"), "pdserve.toml")
+        self.skipped = write_config(self.config_path, tables)
+        cmd = [sys.executable, "-m", "autoscaler.cli", "up", "--config", self.config_path, "--port", str(self.port),
+               "--log-dir", os.path.join(log_dir, "nodes"), "--log-level", "warning"]  # fmt: skip
+        for m in models:
+            cmd += ["--model", m]
+        for url in store:
+            cmd += ["--store", url]
+        for role, n in plan.items():
+            cmd += [f"--{role}", str(n)]
+        if autoscale:
+            cmd.append("--autoscale")
+        self.cmd = cmd
+        self.p: subprocess.Popen | None = None
+        self.started = 0.0
+        self._client = httpx.Client(timeout=5.0, headers=self.headers)
+        self._peak: dict[int, dict] = {}  # pid -> last memory sample (kept after the node exits)
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def start(self) -> UpService:
+        self._log = open(os.path.join(self.log_dir, "up.log"), "wb")  # noqa: SIM115 - closed by stop()
+        env = service_env(self.token)
+        self.p = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  **spawn_kwargs(env, pdeathsig=threading.current_thread() is threading.main_thread()))  # fmt: skip
+        self.started = time.monotonic()
+        return self
+
+    def log_tail(self, n: int = 2000) -> str:
+        with open(os.path.join(self.log_dir, "up.log"), "rb") as f:
+            return f.read().decode(errors="replace")[-n:]
+
+    def wait_ready(self, timeout_s: float = 240.0) -> float:
+        """Seconds from spawn until the gateway's /ready is 200."""
+        return self.wait(lambda: self._get("/ready", raw=True) == 200, timeout_s, "the gateway /ready")
+
+    def wait_for(self, pred, timeout_s: float, what: str) -> float:
+        """Poll pred(status snapshot) every 0.25 s until true; -> seconds waited."""
+        return self.wait(lambda: (s := self.status()) is not None and pred(s), timeout_s, what)
+
+    def wait(self, cond, timeout_s: float, what: str) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.p is not None and self.p.poll() is not None:
+                raise RuntimeError(f"pdserve up exited with {self.p.returncode}: {self.log_tail()}")
+            if cond():
+                return time.monotonic() - t0
+            time.sleep(0.25)
+        raise TimeoutError(f"{what}: not reached in {timeout_s:g} s; pdserve up log: {self.log_tail(1200)}")
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL to the group; -> its exit code."""
+        self._client.close()
+        if self.p is None:
+            return None
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.p.wait(10)
+        self._log.close()
+        return self.p.returncode
+
+    # --- observation -------------------------------------------------------------------
+    def _get(self, path: str, raw: bool = False, base: str | None = None):
+        try:
+            r = self._client.get((base or self.url) + path)
+        except httpx.HTTPError:
+            return None
+        if raw:
+            return r.status_code
+        return r.json() if r.status_code == 200 else None
+
+    def status(self) -> dict | None:
+        return self._get("/internal/status")
+
+    def load(self, node_url: str) -> dict | None:
+        return self._get("/load", base=node_url)
+
+    def node_pids(self) -> dict[str, int]:
+        """Node url -> pid, for the node processes among this service's descendants."""
+        return {url: pid for url, (pid, _) in self.nodes().items()}
+
+    def nodes(self) -> dict[str, tuple[int, str]]:
+        """Node url -> (pid, role), for the node processes among this service's descendants."""
+        if self.p is None:
+            return {}
+        out, todo, seen = {}, [self.p.pid], set()
+        children = _children_map()
+        while todo:
+            pid = todo.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            todo += children.get(pid, [])
+            argv = _cmdline(pid)
+            if "node" in argv and "--port" in argv:
+                i, j = argv.index("--port"), argv.index("--role") if "--role" in argv else -1
+                if i + 1 < len(argv):
+                    role = argv[j + 1] if 0 <= j < len(argv) - 1 else "?"
+                    out[f"http://127.0.0.1:{argv[i + 1]}"] = (pid, role)
+        return out
+
+    def memory(self) -> dict[str, dict]:
+        """"url#pid" -> {"url", "pid", "rss_bytes", "peak_rss_bytes", "first_rss_bytes" (at its first sample)}
+        now; nodes that have exited keep their last sample."""
+        for url, pid in self.node_pids().items():
+            m = _proc_memory(pid)
+            if m:
+                first = self._peak.get(pid, {}).get("first_rss_bytes", m["rss_bytes"])
+                self._peak[pid] = {"url": url, "pid": pid, "first_rss_bytes": first, **m}
+        return {f"{v['url']}#{pid}": v for pid, v in self._peak.items()}
+
+
+class Sampler:
+    """A thread that watches the service: every ``interval_s`` each node's /load, read directly (so an
+    event is timed to ~interval_s, not to the gateway's 0.5 s poll); every ``slow_every`` ticks the node
+    processes (/proc), their memory and the gateway's snapshot (queue depth, the autoscaler's ask).
+
+    ``rows``: {"t" (seconds since t0), "queue_depth", "asked", "reason",
+               "nodes": {url: {"role", "t", "state", "models": {NAME: [state, active requests, load s]},
+                               "memory_used_bytes", "memory_budget_bytes"}}}
+    """
+
+    def __init__(self, svc: UpService, t0: float, interval_s: float = 0.1, slow_every: int = 5):
+        self.svc, self.t0, self.interval_s, self.slow_every = svc, t0, interval_s, slow_every
+        self.rows: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+        self._nodes: dict[str, tuple[int, str]] = {}
+        self._slow: dict = {}
+
+    def start(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        tick = 0
+        while not self._stop.is_set():
+            t = time.monotonic()
+            if tick % self.slow_every == 0:
+                self._nodes = self.svc.nodes()
+                self.svc.memory()
+                st = self.svc.status() or {}
+                auto = st.get("autoscaler") or {}
+                self._slow = {"queue_depth": st.get("queue_depth"), "asked": auto.get("asked"),
+                              "reason": auto.get("reason")}  # fmt: skip
+            row = {"t": round(t - self.t0, 3), **self._slow, "nodes": {}}
+            for url, (_, role) in list(self._nodes.items()):
+                load = self.svc.load(url)
+                if load is None:
+                    continue
+                models = load.get("models") if isinstance(load.get("models"), dict) else (
+                    {load["model"]: {}} if load.get("model") else {})  # fmt: skip
+                row["nodes"][url] = {
+                    "role": load.get("role", role), "t": round(time.monotonic() - self.t0, 3),
+                    "state": node_state(load), "memory_used_bytes": load.get("memory_used_bytes"),
+                    "memory_budget_bytes": load.get("memory_budget_bytes"),
+                    "models": {m: [node_model_state(load, m), node_active(load, m),
+                                   node_model(load, m).get("ready_s")] for m in models}}  # fmt: skip
+            self.rows.append(row)
+            tick += 1
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t)))
+
+    def ready_nodes(self, model: str, at: float) -> set[str]:
+        """Urls of the nodes that had `model` ready in the last sample at or before `at` (seconds since t0)."""
+        last = None
+        for row in self.rows:
+            if row["t"] > at:
+                break
+            last = row
+        return {u for u, n in (last or {"nodes": {}})["nodes"].items() if (n["models"].get(model) or [None])[0] == "ready"}
+
+    def first(self, model: str, after: float, exclude: set[str], what: str) -> dict[str, float]:
+        """Role -> first time (since t0) after `after` a node not in `exclude` had `model` ready
+        (what="ready") or a request of it running (what="active")."""
+        out: dict[str, float] = {}
+        for row in self.rows:
+            if row["t"] < after:
+                continue
+            for url, n in row["nodes"].items():
+                st = n["models"].get(model)
+                if url in exclude or st is None or n["role"] in out:
+                    continue
+                if (what == "ready" and st[0] == "ready") or (what == "active" and st[1] > 0):
+                    out[n["role"]] = n["t"]
+        return out
+
+    def compact(self, model: str | None = None, every_s: float = 0.5) -> list[dict]:
+        """The rows thinned to one per `every_s`, nodes counted per role: ready (with `model`, or any),
+        standby, runtimes (node processes answering)."""
+        out, last = [], -1e9
+        for row in self.rows:
+            if row["t"] - last < every_s:
+                continue
+            last = row["t"]
+            c: dict = {"t": row["t"], "queue_depth": row.get("queue_depth"), "asked": row.get("asked")}
+            for n in row["nodes"].values():
+                r = n["role"]
+                c[f"{r}_runtimes"] = c.get(f"{r}_runtimes", 0) + 1
+                c[f"{r}_standby"] = c.get(f"{r}_standby", 0) + (n["state"] == "standby")
+                ready = [m for m, v in n["models"].items() if v[0] == "ready" and (model is None or m == model)]
+                c[f"{r}_ready"] = c.get(f"{r}_ready", 0) + bool(ready)
+            out.append(c)
+        return out
+
+
+# --- /load readers (both shapes) ----------------------------------------------------------
+def node_model(load: dict | None, model: str) -> dict:
+    """The per-model part of a node's /load (the node-level fields on a one-model node)."""
+    if not load:
+        return {}
+    models = load.get("models")
+    if isinstance(models, dict):
+        return models.get(model) or {}
+    if load.get("model") in (model, None) or load.get("model_ref", "").split("@")[0] == model:
+        return {**load, "state": "ready" if load.get("ready") else ("draining" if load.get("draining") else "loading")}
+    return {}
+
+
+def node_model_state(load: dict | None, model: str) -> str | None:
+    """"loading" | "ready" | "draining" | "failed" for `model` on that node; None if it does not hold it."""
+    return node_model(load, model).get("state")
+
+
+def node_state(load: dict | None) -> str | None:
+    """The runtime's own state: standby | loading | ready | draining."""
+    if not load:
+        return None
+    return load.get("state") or ("ready" if load.get("ready") else "loading")
+
+
+def node_active(load: dict | None, model: str) -> int:
+    """Requests of `model` on that node now (active, else running + queued)."""
+    m = node_model(load, model)
+    if "active_requests" in m:
+        return int(m["active_requests"] or 0)
+    return int(m.get("running", 0) or 0) + int(m.get("queued", 0) or 0)
+
+
+def status_nodes(status: dict | None) -> list[dict]:
+    return list((status or {}).get("nodes") or [])
+
+
+def count_ready(status: dict | None, model: str) -> dict[str, int]:
+    """Role -> nodes whose last /load (as the gateway saw it) has `model` ready."""
+    out: dict[str, int] = {}
+    for n in status_nodes(status):
+        if n.get("state") != "unhealthy" and node_model_state(n.get("load"), model) == "ready":
+            out[n["role"]] = out.get(n["role"], 0) + 1
+    return out
+
+
+def count_standby(status: dict | None) -> dict[str, int]:
+    """Role -> registered runtimes in standby (no model held)."""
+    out: dict[str, int] = {}
+    for n in status_nodes(status):
+        if node_state(n.get("load")) == "standby" and n.get("state") != "unhealthy":
+            out[n["role"]] = out.get(n["role"], 0) + 1
+    return out
+
+
+# --- /proc -------------------------------------------------------------------------------
+def _children_map() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        out.setdefault(ppid, []).append(int(d))
+    return out
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _proc_memory(pid: int) -> dict | None:
+    """{"rss_bytes", "peak_rss_bytes"} from /proc/PID/status (VmRSS, VmHWM), None if gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        kb = lambda k: int(fields[k].split()[0]) * 1024
+        return {"rss_bytes": kb("VmRSS"), "peak_rss_bytes": kb("VmHWM")}
+    except (OSError, KeyError, ValueError):
+        return None
