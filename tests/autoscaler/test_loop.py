@@ -109,6 +109,36 @@ def test_scale_down_drains_the_removed_nodes():
     assert len(act.drained) == 3 and all(n.state == "draining" and n.role == "prefill" for n in act.drained)
 
 
+def test_two_models_over_keys_one_scaled_to_zero_and_woken_by_a_held_request():
+    clock = Clock()
+    BP, BD = ("b", "prefill"), ("b", "decode")
+    act = FakeActuator({P: 1, D: 1, BP: 1, BD: 1}, clock=clock)
+    since = {"m": 0.0, "b": 0.0}  # when each model's last request came
+    held = {"b": 0}
+
+    def observe():
+        out = {}
+        for (model, role) in (P, D, BP, BD):
+            busy = {"running_streams": 30, "capacity_streams": 6.0} if model == "m" and role == "decode" else {}
+            out[(model, role)] = RoleLoad(model=model, idle_s=clock.t - since[model], held=held.get(model, 0),
+                                          queue_depth=held.get(model, 0), **busy)  # fmt: skip
+        return out
+
+    loop = ControlLoop(cfg(scale_to_zero_after_s=20.0), observe, act, clock=clock)
+    since["m"] = since["b"] = clock.t
+    for _ in range(25):
+        since["m"] = clock.t  # m keeps being asked
+        loop.run(max_ticks=1, wait=clock.advance)
+        clock.advance(1.0)
+    assert (act.replicas(BP), act.replicas(BD)) == (0, 0)  # b idle for 20 s: both roles to zero at once
+    assert (act.replicas(P), act.replicas(D)) == (1, 5)  # m sized on its own: 30 streams / 6 measured
+    assert loop.last_decision.roles[BD].reason == "at zero: nothing held or queued"
+    held["b"] = 1
+    report = loop.tick()
+    assert report.asked == {BP: 1, BD: 1} and (act.replicas(BP), act.replicas(BD)) == (1, 1)  # in one tick
+    assert report.to_dict()["asked"] == {"b/prefill": 1, "b/decode": 1}
+
+
 def test_actuator_failures_back_off_and_never_leave_the_loop():
     clock, gw, act, loop, _ = setup()
     gw.prefill_tokens = 5000
