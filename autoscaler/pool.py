@@ -19,8 +19,8 @@ One tick (the loop calls ``current()`` first, then ``prepare`` / ``scale`` per k
                drains on the runtime, bounded, then its weights and KV are freed): the runtime returns to
                the pool. Loading replicas go first, then the one with the fewest active requests;
  3. refill     runtimes per role = busy (holding a model) + ``pool_size``, capped at ``max_runtimes[role]``
-               (while claims wait for runtimes: busy + those claims — capacity first, on a small box the
-               refill follows once they are placed); surplus goes standby first (``scale(role, n, prefer_remove=urls)``,
+               (while claims wait for runtimes: busy + those claims, never fewer than run — capacity first,
+               on a small box the refill follows once they are placed); surplus goes standby first (``scale(role, n, prefer_remove=urls)``,
                the least cached first). New runtimes are the runtime actuator's to start (LocalActuator:
                ``--import-nice``, so a refill's imports yield the CPU to the nodes that serve).
 
@@ -332,7 +332,10 @@ class RuntimePool(Actuator):
             unmet = self._unmet.get(role, 0)  # while claims wait for runtimes only those start: capacity first
             want = len(busy) + (unmet or self.config.pool_size)
             want = max(len(busy), min(self.config.cap(role), want))
-            if want != self.runtimes.replicas(role):
+            have = self.runtimes.replicas(role)
+            if unmet:  # no shrinking while claims wait: the runtimes starting (or restarting) are theirs
+                want = max(want, have)
+            if want != have:
                 log.info("pool: %s runtimes -> %d (%d busy, %d standby, pool %d)", role, want, len(busy), len(spare),
                          self.config.pool_size)  # fmt: skip
                 self.runtimes.scale(role, want, prefer_remove=tuple(rt.url for rt in spare))

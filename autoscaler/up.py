@@ -3,17 +3,22 @@
 It composes nodes, gateway and the local actuator, so it lives at the top of the stack (autoscaler).
 
 Lifecycle: parse -> internal token (generated unless $PDSERVE_INTERNAL_TOKEN[_FILE]) -> gateway
-built from the store (tokenizer, chat template) -> the local actuator starts the nodes;
-each registers with the gateway once ready -> optional autoscaling loop (``--autoscale``)
--> serve until SIGTERM/SIGINT (Ctrl-C) -> the gateway finishes its open requests (bounded) ->
-every node it started is drained (bounded) and stopped -> one line says what was stopped.
-Nodes that exit on their own meanwhile are restarted by the actuator (backing off); nodes end
-with this process even if it is SIGKILLed (compute/node/lifeline.py).
+built from the store (tokenizer, chat template) -> the local actuator starts the plan's node
+runtimes, empty (standby); each registers with the gateway once up -> the warm pool
+(autoscaler/pool.py) places the listed models (``--model A --model B``, else the gateway's
+default) on them and keeps ``pool_size`` standby runtimes per role -> the control loop runs
+always (``--autoscale``: the [autoscaler] bounds; without: the plan's counts), and the gateway's
+activator (a request for a model no node holds) wakes it -> serve until SIGTERM/SIGINT (Ctrl-C)
+-> the gateway finishes its open requests (bounded) -> every runtime it started is drained
+(bounded) and stopped -> one line says what was stopped. Runtimes that exit on their own
+meanwhile are restarted by the actuator (backing off) and the pool places their models again;
+they end with this process even if it is SIGKILLed (compute/node/lifeline.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -22,6 +27,7 @@ import sys
 import threading
 import time
 
+IMPORT_NICE = 10  # the runtimes' heavy imports yield the CPU to the nodes that serve (a refill under load)
 STOP_GRACE_S = 30.0  # on SIGTERM/SIGINT: the gateway's open requests may finish for this long
 NODE_DRAIN_S = 10.0  # then each node may drain for this long before SIGTERM (stop_timeout_s, then SIGKILL)
 
@@ -30,7 +36,8 @@ def add_arguments(p) -> None:
     """Flags left unset fall back to the config file ([gateway], [node], [store], [autoscaler]), then defaults."""
     from paramstore.config import add_store_arguments
 
-    p.add_argument("--model", help="default: [gateway] model, else smollm2")
+    p.add_argument("--model", action="append", default=None, metavar="NAME[@vN]",
+                   help="a model to serve, placed at start (repeat; default: [gateway] models / model, else smollm2)")
     add_store_arguments(p)
     p.add_argument("--host", help="gateway bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gateway port (default 8000)")
@@ -59,13 +66,28 @@ def local_service(args, token: str):
     store_cfg = store_config(args, tables=tables)
     gw = open_gateway(gateway_config(args, tables, path, store=list(store_cfg.locations)), store_cfg)
     node = tables.get("node", {})
-    local = LocalConfig(model=gw.config.model, store=list(store_cfg.locations), internal_token=token,
+    local = LocalConfig(model=None, store=list(store_cfg.locations), internal_token=token, import_nice=IMPORT_NICE,
                         kv_transport=args.kv_transport or node.get("kv_transport", "tcp"),
                         threads=args.threads_per_node or node.get("threads") or 1,
                         kv_blocks=args.kv_blocks or node.get("kv_blocks", 1024), weights=node.get("weights", "int8"),
                         log_dir=args.log_dir, cache_dir=os.environ.get("PDSERVE_CACHE_DIR") or node.get("cache_dir"),
                         extra_args=tuple(node_args(args, path)))  # fmt: skip
     return gw, local, policy
+
+
+def start_models(gw) -> list[str]:
+    """The models placed at start: the listed ones (--model, [gateway] models / model), else smollm2 (the
+    others the store holds are placed when a request asks for them)."""
+    return list(getattr(gw.config, "models", None) or [gw.config.model or "smollm2"])
+
+
+def fixed_bounds(config, roles: dict[str, int]):
+    """Without --autoscale: the policy keeps each model at the plan's counts (min = max = the plan)."""
+    kw = {}
+    for role, n in roles.items():
+        if role in ("prefill", "decode"):
+            kw |= {f"{role}_min_replicas": n, f"{role}_max_replicas": max(n, 1)}
+    return dataclasses.replace(config, **kw)
 
 
 def plan(args) -> dict[str, int]:
@@ -85,6 +107,7 @@ def main(args) -> int:
     from paramstore.config import env_secret
 
     from .local import LocalActuator
+    from .pool import RuntimePool, pool_config
 
     stop = _StopSignals().install()  # first: a signal while starting up stops what was started
     hold(grace_s=STOP_GRACE_S + NODE_DRAIN_S + 20)  # started by a launcher (tests): end with it, cleaning up
@@ -98,21 +121,25 @@ def main(args) -> int:
     asyncio.set_event_loop(loop)
 
     actuator = LocalActuator(local, **registry_hooks(gw, loop))
-    stop.actuator, gw.supervisor = actuator, actuator.status
+    auto = auto if args.autoscale else fixed_bounds(auto, roles)
+    pool = RuntimePool(actuator, {"Authorization": f"Bearer {token}"}, pool_config(auto, tuple(roles)), tuple(roles))
+    stop.actuator = actuator
+    gw.supervisor = lambda: {**actuator.status(), "pool": pool.status()}
     control = None
+    models = start_models(gw)
     try:
         if stop.names:
             return 0
         for role, n in roles.items():
-            actuator.scale(role, n)
-        if args.autoscale:
-            control = autoscale_in_process(gw, actuator, roles, auto)
+            actuator.scale(role, n)  # the plan's runtimes, standby; the pool places the models on them
+        pool.place(models, roles)
+        control = autoscale_in_process(gw, pool, roles, auto)
         announce(gw, args.host)
         split = " + ".join(f"{n} {r}" for r, n in roles.items())
-        print(f"pdserve up: starting {split} node(s); logs in {args.log_dir}/\n"
+        print(f"pdserve up: starting {split} node(s) for {', '.join(models)}; logs in {args.log_dir}/\n"
               f"  try:  pdserve chat \"What is the capital of France?\"\n"
               f"  or:   curl http://{gw.config.host}:{gw.config.port}/v1/chat/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{gw.config.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'\n"
+              f"-d '{{\"model\": \"{models[0]}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'\n"
               f"  stop: Ctrl-C (or SIGTERM to pid {os.getpid()})", file=sys.stderr, flush=True)  # fmt: skip
         server = uvicorn.Server(uvicorn.Config(create_app(gw), host=gw.config.host, port=gw.config.port,
                                                log_level="warning", loop="asyncio",
@@ -124,6 +151,7 @@ def main(args) -> int:
         t0 = stop.at or time.monotonic()
         if control is not None:
             control.stop()
+        pool.close()
         stopped = actuator.close(drain_s=NODE_DRAIN_S)
         cause = f" on {stop.names[0]}" if stop.names else ""
         what = f"{len(stopped)} node(s) ({', '.join(stopped)})" if stopped else "no nodes"
@@ -197,16 +225,59 @@ def registry_hooks(gw, loop) -> dict:
 
 
 def autoscale_in_process(gw, actuator, roles: dict[str, int], config=None):
-    """The control loop in a thread of this process: the same observer as `pdserve autoscale`
-    (autoscaler/observer.py), fed the gateway's status snapshot in-process; each report is stored
-    where `pdserve status` reads it."""
+    """The control loop in a thread of this process over `actuator` (the warm pool): the same observer as
+    `pdserve autoscale` (autoscaler/observer.py), fed the gateway's status snapshot in-process; each report
+    is stored where `pdserve status` reads it; the gateway's activator (a request held for a model no node
+    holds) wakes it. Roles the policy does not size ("both") get a keeper instead (autoscaler/pool.py)."""
     from gateway.internal import snapshot
 
     from . import AutoscalerConfig
     from .observer import control_loop
-
     def publish(body: dict) -> None:
         gw.autoscaler_status = body  # one assignment: the gateway's loop reads it without a lock
 
-    return control_loop(config or AutoscalerConfig(), lambda: snapshot(gw), publish, actuator, "local",
-                        roles=tuple(roles)).start()  # fmt: skip
+    config = config or AutoscalerConfig()
+    if "both" in roles:
+        control = Keeper(actuator, roles, config.tick_s)
+        gw.activate = control.wake
+    else:
+        control = control_loop(config, lambda: snapshot(gw), publish, actuator, "local", roles=tuple(roles))
+        gw.activate = lambda model=None: control.wake()
+    return control.start()
+
+
+class Keeper:
+    """For colocated (`--both`) runtimes, which the policy does not size: the pool reconciled every tick, and a
+    model the activator asks for placed on one runtime (its count then stays as placed)."""
+
+    def __init__(self, pool, roles: dict[str, int], tick_s: float):
+        self.pool, self.roles, self.tick_s = pool, tuple(roles), tick_s
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def wake(self, model: str | None = None) -> None:
+        if model:
+            for role in self.roles:
+                if self.pool.replicas((model, role)) == 0:
+                    self.pool.place([model], {role: 1})
+        self._wake.set()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.pool.current()
+            except Exception as e:  # noqa: BLE001 - the next tick tries again
+                logging.getLogger("pdserve.autoscaler").warning("pool: tick failed: %s", e)
+            self._wake.wait(self.tick_s)
+            self._wake.clear()
+
+    def start(self) -> Keeper:
+        self._thread = threading.Thread(target=self.run, name="pdserve-pool", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
