@@ -64,6 +64,11 @@ def status(url: str) -> dict:
     return r.json()
 
 
+def by_role(decision: dict) -> dict[str, dict]:
+    """A published decision's per-key entries by role (one model here; keys are "model/role")."""
+    return {d["role"]: d for d in decision["roles"].values()}
+
+
 def ready_nodes(st: dict, role: str) -> list[str]:
     return [n["url"] for n in st["nodes"] if n["role"] == role and n["state"] == "ready"]
 
@@ -114,7 +119,8 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
             s = status(gw.url)
             seen["decode_nodes"] = max(seen["decode_nodes"], len([n for n in s["nodes"] if n["role"] == "decode"]))
             a = s.get("autoscaler") or {}
-            seen["asked"] = max([seen["asked"], *[v for r, v in (a.get("asked") or {}).items() if r == "decode"]])
+            asked = (a.get("asked") or {}).items()  # keys "model/role" (a plain role from a role-level actuator)
+            seen["asked"] = max([seen["asked"], *[v for k, v in asked if k.rsplit("/", 1)[-1] == "decode"]])
             return len(ready_nodes(s, "decode")) == 2 and s
 
         st = wait_for(scaled, 180, "a second ready decode node", every=0.25)
@@ -131,7 +137,7 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
         assert r.returncode == 0, r.stderr
         a = json.loads(r.stdout)["autoscaler"]
         assert a["actuator"] == "local" and time.time() - a["received"] < 10
-        assert a["decision"]["roles"]["decode"]["replicas"] == 2 and a["reason"]
+        assert by_role(a["decision"])["decode"]["replicas"] == 2 and a["reason"]
         r = subprocess.run(PDSERVE + ["status"], env=env, capture_output=True, text=True, timeout=30)
         assert r.returncode == 0 and "autoscaler (local" in r.stdout, r.stdout
 
@@ -193,7 +199,7 @@ gateway_service = "pdserve-gateway"
         assert [q["path"].rsplit("/", 2)[-2] for q in patches] == ["pdserve-prefill"]
         assert all(kubeapi.SCALE.match(q["path"]) or kubeapi.SLICES.match(q["path"]) for q in api.requests)
         a = status(gw.url)["autoscaler"]  # published to the gateway pod it found
-        assert a["actuator"] == "kubernetes" and a["decision"]["roles"]["prefill"]["replicas"] == 2
+        assert a["actuator"] == "kubernetes" and by_role(a["decision"])["prefill"]["replicas"] == 2
     finally:
         gw.stop()
         api.close()
@@ -217,9 +223,9 @@ def test_up_autoscale_runs_the_same_observer_in_process(tmp_path, real_model_sto
 
         first = wait_for(published, 30, "an autoscaler report", every=0.25)
         assert first["actuator"] == "local" and first["reason"], first
-        assert set(first["decision"]["roles"]) == {"prefill", "decode"}
+        assert set(by_role(first["decision"])) == {"prefill", "decode"}
         later = wait_for(lambda: (a := published()) and a["t"] > first["t"] and a, 30, "a later tick's report", every=0.25)
-        assert {r: d["replicas"] for r, d in later["decision"]["roles"].items()} == {"prefill": 1, "decode": 1}
+        assert {r: d["replicas"] for r, d in by_role(later["decision"]).items()} == {"prefill": 1, "decode": 1}
         assert {n["url"] for ns in later["nodes"].values() for n in ns} == {
             n["url"] for n in status(up.url)["nodes"]}  # the actuator's nodes are the gateway's
     finally:
