@@ -20,7 +20,8 @@ One tick (the loop calls ``current()`` first, then ``prepare`` / ``scale`` per k
                the pool. Loading replicas go first, then the one with the fewest active requests;
  3. refill     runtimes per role = busy (holding a model) + ``pool_size``, capped at ``max_runtimes[role]``
                (while claims wait for runtimes: busy + those claims, never fewer than run — capacity first,
-               on a small box the refill follows once they are placed); surplus goes standby first (``scale(role, n, prefer_remove=urls)``,
+               on a small box the refill follows once they are placed); the surplus leaves starting
+               runtimes first, then standby ones (``scale(role, n, prefer_remove=urls)``,
                the least cached first). New runtimes are the runtime actuator's to start (LocalActuator:
                ``--import-nice``, so a refill's imports yield the CPU to the nodes that serve).
 
@@ -329,6 +330,7 @@ class RuntimePool(Actuator):
                 mine = [rt for rt in self.view.values() if rt.role == role]
                 busy = [rt for rt in mine if not rt.standby and rt.up]  # holding, draining, unreachable
                 spare = sorted((rt for rt in mine if rt.standby), key=lambda rt: (sum(rt.cached.values()), rt.url))
+                starting = [rt for rt in mine if not rt.up]  # cheaper to lose than a warm one: they go first
             unmet = self._unmet.get(role, 0)  # while claims wait for runtimes only those start: capacity first
             want = len(busy) + (unmet or self.config.pool_size)
             want = max(len(busy), min(self.config.cap(role), want))
@@ -338,7 +340,7 @@ class RuntimePool(Actuator):
             if want != have:
                 log.info("pool: %s runtimes -> %d (%d busy, %d standby, pool %d)", role, want, len(busy), len(spare),
                          self.config.pool_size)  # fmt: skip
-                self.runtimes.scale(role, want, prefer_remove=tuple(rt.url for rt in spare))
+                self.runtimes.scale(role, want, prefer_remove=tuple(rt.url for rt in starting + spare))
 
     # --- pdserve status -----------------------------------------------------------------
     def status(self) -> dict:

@@ -168,3 +168,69 @@ def test_a_standby_runtime_is_claimed_on_a_burst_then_the_pool_is_refilled(tmp_p
         pool.close()
         act.close()
     assert not alive(seen), f"left running: {alive(seen)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_an_idle_model_goes_to_zero_and_the_next_request_brings_it_back(tmp_path, real_model_store):
+    """`pdserve up --model M`: idle past scale_to_zero_after_s, M leaves every runtime (standby again, weights
+    freed); the next request is held by the gateway's activator while the pool claims runtimes, and answered."""
+    import openai
+
+    from compute.node.launcher import Services
+    from tests.procs import alive, children
+    from tests.services import HEADERS as UP_HEADERS
+    from tests.services import TOKEN as UP_TOKEN
+
+    locations, model = real_model_store
+    (tmp_path / "logs").mkdir()
+    cfg = tmp_path / "pdserve.toml"
+    cfg.write_text("[autoscaler]\ntick_s = 0.5\nscale_to_zero_after_s = 4\n")
+    svc = Services(list(locations), model, str(tmp_path), UP_TOKEN)
+    up = svc.start("up", ["up", "--log-dir", str(tmp_path / "logs"), "--config", str(cfg)])
+    seen: dict[int, str] = {}
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    client = openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def pool() -> dict:
+        seen.update(children(up.p.pid))
+        return httpx.get(up.url + "/admin/status", timeout=10).json()["supervisor"]["pool"]
+
+    def holding(p: dict) -> list[str]:
+        return [r["url"] for r in p["runtimes"] if r["models"].get(model) in ("loading", "ready")]
+
+    try:
+        up.wait_ready(240)
+        answer = client.chat.completions.create(model=model, messages=q, max_tokens=12, temperature=0)
+        assert "Paris" in answer.choices[0].message.content
+        assert len(holding(pool())) == 2  # a prefill and a decode runtime hold it
+
+        # idle for 4 s: the model goes to zero; its runtimes return to standby with the weights freed, and the
+        # pool keeps one standby runtime per role (the warm ones: a refill still starting goes first)
+        p = wait_for(lambda: (p := pool()) and not holding(p) and len(p["runtimes"]) == 2
+                     and all(r["state"] == "standby" for r in p["runtimes"]) and p,
+                     60, "the idle model at zero replicas", every=0.25)  # fmt: skip
+        urls = {r["url"] for r in p["runtimes"]}
+        for url in urls:
+            ld = httpx.get(url + "/load", headers=UP_HEADERS, timeout=5).json()
+            assert ld["state"] == "standby" and ld["models"] == {} and ld["memory_used_bytes"] == 0, ld
+        claims = p["claims_done"]
+        pids = set(children(up.p.pid))
+
+        # the next request: held while the pool places the model again on runtimes that already run, answered
+        t0 = time.monotonic()
+        answer = client.chat.completions.create(model=model, messages=q, max_tokens=12, temperature=0)
+        back_s = time.monotonic() - t0
+        assert "Paris" in answer.choices[0].message.content
+        p = pool()
+        assert p["claims_done"] >= claims + 2 and set(holding(p)) <= urls, p  # claimed, not started
+        assert pids <= set(children(up.p.pid))
+        print(f"\nscale from zero: first request -> answer {back_s:.2f} s (12 tokens)")
+        up.p.send_signal(signal.SIGTERM)
+        assert up.p.wait(60) == 0
+        assert not alive(seen), f"left running: {alive(seen)}"
+    finally:
+        up.stop()
+        from tests.procs import kill_left
+
+        kill_left(seen)
