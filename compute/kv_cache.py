@@ -15,9 +15,22 @@ The seam for prefill/decode disaggregation is ``export_blocks`` /
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from compute.config import ModelConfig
+
+
+def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor over its own anonymous mapping: the kernel hands out zero pages on first touch,
+    so allocating a large cache costs nothing up front (``torch.zeros`` writes every byte: ~1-3 s for
+    720 MiB on a busy 2-core box), and dropping the tensor unmaps it (the memory goes back at once)."""
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if n < 2**20:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)  # page-aligned; the tensor keeps the map
 
 
 class KVCache:
@@ -27,7 +40,7 @@ class KVCache:
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # one region for the KV transfer layer to register: kv[l, 0] = K, kv[l, 1] = V of layer l
-        self.kv = torch.zeros(shape, dtype=dtype, device="cpu")  # [L, 2, NB, BS, KVH, Dh]
+        self.kv = zeros_lazily(shape, dtype)  # [L, 2, NB, BS, KVH, Dh]
         self.k = self.kv[:, 0]  # [L, NB, BS, KVH, Dh] views; k[l] is contiguous
         self.v = self.kv[:, 1]
         kvh, dh = config.num_kv_heads, config.head_dim

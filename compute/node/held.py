@@ -89,7 +89,7 @@ class Held:
         self._thread.start()
 
     def _load(self, cfg: NodeConfig, store, cache, loop, t0: float) -> None:
-        inj = WeightInjector(store, self.name, self.weights, cache=cache, manifest=self.manifest)
+        inj = WeightInjector(store, self.name, self.weights, cache=cache, manifest=self.manifest, text=False)
         self.injector, self.progress = inj, inj.progress
         if self._cancel.is_set():
             return
@@ -148,7 +148,7 @@ def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeSe
     from compute.kv_transfer import KVLayout
 
     model = inj.model
-    eos = (tuple(inj.bundle.eos_token_ids) if inj.bundle else ()) or model.config.eos_token_ids
+    eos = inj.eos_token_ids or model.config.eos_token_ids
     engine = Engine.for_model(model, num_blocks=cfg.kv_blocks, block_size=cfg.block_size,
                               max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                               eos_token_ids=eos)  # fmt: skip

@@ -185,8 +185,8 @@ def test_unload_drains_then_frees_weights_and_kv(multi, two_models):
     assert [m["model"] for m in listed["models"]] == [a]
     assert after["memory_used_bytes"] == before["memory_used_bytes"] - held_b["bytes"]
     assert after["kv_blocks_total"] == before["kv_blocks_total"] - held_b["kv_blocks_total"]
-    drop = before["rss_bytes"] - after["rss_bytes"]
-    assert drop > 0.6 * held_b["bytes"], (drop, held_b["bytes"])  # weights and KV cache went back to the OS
+    drop = before["rss_bytes"] - after["rss_bytes"]  # the KV cache is resident only where it was written
+    assert drop > 0.8 * held_b["weights_bytes"], (drop, held_b["weights_bytes"])  # the memory went back to the OS
     code, detail = generate(multi, PROMPTS[2], b)
     assert code == 503 and "not held" in detail
 
