@@ -30,6 +30,7 @@ from .admin import add_admin_routes
 from .admission import Overloaded
 from .internal import add_internal_routes
 from .models import UnknownModel
+from .nodes import RequestRejected
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, errors
 from .relay import Unavailable
 from .service import REQUEST_SECONDS, REQUESTS, BadRequest, Gateway
@@ -184,6 +185,10 @@ def create_app(gw: Gateway) -> FastAPI:
         except Unavailable as e:
             await gen.aclose()
             return _err(503, str(e), "server_error")
+        except RequestRejected as e:  # the node refused the request itself: its message, not a 500
+            await gen.aclose()
+            return _err(400 if e.status in (400, 413, 422) else 503, f"the node refused the request: {e}",
+                        "invalid_request_error" if e.status in (400, 413, 422) else "server_error")  # fmt: skip
         except StopAsyncIteration:
             return _err(503, "no output from the nodes", "server_error")
         if req.stream:
@@ -193,7 +198,7 @@ def create_app(gw: Gateway) -> FastAPI:
         try:
             async for d in gen:
                 text, n, reason = text + d.text, n + len(d.token_ids), d.finish_reason or reason
-        except Unavailable as e:
+        except (Unavailable, RequestRejected) as e:
             return _err(503, str(e), "server_error")
         finally:
             await gen.aclose()
@@ -240,7 +245,7 @@ def create_app(gw: Gateway) -> FastAPI:
             if req.include_usage:
                 yield chunk(usage={"prompt_tokens": n_prompt, "completion_tokens": n,
                                    "total_tokens": n_prompt + n}, choices=False)  # fmt: skip
-        except Unavailable as e:
+        except (Unavailable, RequestRejected) as e:
             status = "503"
             yield f"data: {json.dumps(error_body(str(e), 'server_error', code=503))}\n\n"
         except StopAsyncIteration:

@@ -26,7 +26,8 @@ from gateway.activator import Activator, NotPlaced
 from gateway.registry import NodeRegistry
 from gateway.traffic import Traffic
 from tests.conftest import tiny_llama_config, tiny_llama_tensors, write_hf_folder
-from tests.services import HEADERS, start_gateway, start_node, wait_for
+from compute.node.launcher import Services
+from tests.services import HEADERS, TOKEN, wait_for
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -90,6 +91,23 @@ def test_activator_holds_until_a_node_holds_the_model_then_routes_there():
     asyncio.run(scenario())
 
 
+def test_ready_when_a_model_is_routable_or_an_activator_can_place_one():
+    from gateway.config import GatewayConfig
+    from gateway.models import ModelCatalogue
+    from gateway.service import Gateway
+
+    gw = Gateway(GatewayConfig(models=["a", "b"]), ModelCatalogue(None, ["a", "b"]))
+    assert not gw.ready()  # no node at all
+    n = gw.registry.add("http://s", "both")
+    n.load, n.healthy = {"state": "standby", "ready": False, "model": None, "models": {}}, True
+    assert not gw.ready()  # a standby runtime, and nothing to place a model on it
+    gw.activate = lambda model: None
+    assert gw.ready() and gw.activator.activate is gw.activate  # an activator can place one there
+    gw.activate = None
+    n.load = {"state": "ready", "ready": True, "model": "b", "models": {"b": _model("ready")}}
+    assert gw.ready()
+
+
 def test_traffic_per_model_over_the_last_minute_with_a_fake_clock():
     now = {"m": 100.0, "w": 1000.0}
     tr = Traffic(clock=lambda: now["m"], wall=lambda: now["w"])
@@ -115,18 +133,21 @@ def test_traffic_per_model_over_the_last_minute_with_a_fake_clock():
 
 
 # --- real processes ---------------------------------------------------------------------------------
+MODELS = ("tiny-a", "tiny-b", "tiny-c")
+
+
 @pytest.fixture(scope="module")
-def two_models(tmp_path_factory, real_model_store):
-    """Two tiny Llamas (different random weights) with SmolLM2's tokenizer bundle, in one store."""
+def three_models(tmp_path_factory, real_model_store):
+    """Three tiny Llamas (different random weights) with SmolLM2's tokenizer bundle, in one store."""
     from paramstore import ParamStore, StoreConfig
 
     locations, name = real_model_store
     with ParamStore(StoreConfig(locations=locations)) as ps, ps.reader(ps.manifest(name)) as r:
         files = r.bundle()
-    store = StoreConfig.local_default(str(tmp_path_factory.mktemp("two-model-store")), k=4, m=2)
+    store = StoreConfig.local_default(str(tmp_path_factory.mktemp("models-store")), k=4, m=2)
     cfg = tiny_llama_config(vocab=49152, tied=True)
     with ParamStore(store) as ps:
-        for seed, model in enumerate(("tiny-a", "tiny-b")):
+        for seed, model in enumerate(MODELS):
             folder = write_hf_folder(tmp_path_factory.mktemp(model), cfg, tiny_llama_tensors(cfg, seed=seed), files=1)
             for fname, data in files.items():
                 with open(os.path.join(folder, fname), "wb") as f:
@@ -136,28 +157,23 @@ def two_models(tmp_path_factory, real_model_store):
 
 
 @pytest.fixture(scope="module")
-def svc(tmp_path_factory, two_models):
-    """Node A (holds tiny-a), node B (tiny-b); gateways: `multi` over both; `only_a` over A alone
-    serving both models (a short hold); `cold` over A alone serving both (a long hold)."""
+def svc(tmp_path_factory, three_models):
+    """Nodes: A (tiny-a at start), B (tiny-b at start), S (standby: no model). Gateways serving every
+    model of the store (no --model): `multi` over A, B and S (a 60 s hold); `short` over A alone
+    (a 2 s hold)."""
     tmp = tmp_path_factory.mktemp("models")
-    procs = []
+    services = Services(three_models, None, str(tmp), TOKEN)
     try:
-        a = start_node(tmp, two_models, "tiny-a", "both")
-        procs.append(a)
-        b = start_node(tmp, two_models, "tiny-b", "both")
-        procs.append(b)
-        both = ("--model", "tiny-b")
-        gws = {}
-        for key, nodes, extra in (("multi", [a, b], both), ("only_a", [a], (*both, "--queue-timeout", "2")),
-                                  ("cold", [a], (*both, "--queue-timeout", "60"))):  # fmt: skip
-            gws[key] = start_gateway(tmp, two_models, "tiny-a", [("both", n) for n in nodes], extra)
-            procs.append(gws[key])
-        for p in procs:
+        a = services.node("both", kv_blocks=256, model="tiny-a")
+        b = services.node("both", kv_blocks=256, model="tiny-b")
+        standby = services.node("both", kv_blocks=256, model=None)
+        multi = services.gateway([("both", n) for n in (a, b, standby)], ("--queue-timeout", "60"))
+        short = services.gateway([("both", a)], ("--queue-timeout", "2"))
+        for p in (a, b, standby, multi, short):
             p.wait_ready()
-        yield {"a": a, "b": b, **gws}
+        yield {"a": a, "b": b, "s": standby, "multi": multi, "short": short}
     finally:
-        for p in procs:
-            p.stop()
+        services.stop_all()
 
 
 def _client(gw):
@@ -173,24 +189,43 @@ def _answer(gw, model: str) -> str:
     return r.choices[0].message.content
 
 
+def _status(gw) -> dict:
+    return httpx.get(gw.url + "/internal/status", headers=HEADERS, timeout=5).json()
+
+
+def _load_model(node, model: str) -> float:
+    """POST /internal/models/load to `node`; -> the time it was sent (monotonic)."""
+    t = time.monotonic()
+    r = httpx.post(node.url + "/internal/models/load", json={"model": model}, headers=HEADERS, timeout=30)
+    assert r.status_code in (200, 202), r.text
+    return t
+
+
 @pytest.mark.slow
-def test_two_models_through_one_gateway_answer_as_their_own_nodes(svc):
+def test_two_models_on_one_node_answer_as_nodes_holding_only_that_model(svc):
     pytest.importorskip("openai")
-    c = _client(svc["multi"])
-    assert sorted(m.id for m in c.models.list().data) == ["tiny-a", "tiny-b"]
-    a, b = _answer(svc["multi"], "tiny-a"), _answer(svc["multi"], "tiny-b")
-    assert a != b  # two different models answered (different random weights)
-    assert a == _answer(svc["only_a"], "tiny-a")  # a gateway over a node holding only tiny-a
+    assert sorted(m.id for m in _client(svc["multi"]).models.list().data) == list(MODELS)  # every model in the store
+    want_a = _answer(svc["short"], "tiny-a")  # node A holds only tiny-a
+    want_b = _answer(svc["multi"], "tiny-b")  # only node B holds tiny-b
+    assert want_a != want_b  # two different models answered (different random weights)
+    _load_model(svc["a"], "tiny-b")  # node A now holds both
+    wait_for(lambda: svc["a"].load()["models"].get("tiny-b", {}).get("state") == "ready", 60, "tiny-b ready on A")
+    short = svc["short"]  # its only node, A, holds both models now
+    wait_for(lambda: httpx.get(short.url + "/admin/status", timeout=5).json()["nodes"][0]["models"].get("tiny-b")
+             == "ready", 10, "the gateway to see tiny-b on A")  # fmt: skip
+    assert (_answer(short, "tiny-a"), _answer(short, "tiny-b")) == (want_a, want_b)
+    c = _client(short)
     chunks = list(c.chat.completions.create(model="tiny-b", messages=Q, max_tokens=8, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True}))  # fmt: skip
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == b
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want_b
     assert {ch.model for ch in chunks} == {"tiny-b"}
-    st = httpx.get(svc["multi"].url + "/internal/status", headers=HEADERS, timeout=5).json()
+    st = _status(short)
     for m in ("tiny-a", "tiny-b"):
         s = st["models"][m]
         assert s["requests"] >= 1 and s["held"] == 0 and s["running"] == 0 and s["last_request_t"] > 0
         assert s["ttft_p99_s"] > 0 and s["tpot_p99_s"] > 0 and s["idle_s"] >= 0
-    assert st["models"]["tiny-b"]["requests"] == 2
+    assert (st["models"]["tiny-a"]["requests"], st["models"]["tiny-b"]["requests"]) == (2, 2)
+    assert st["models"]["tiny-c"]["requests"] == 0
 
 
 @pytest.mark.slow
@@ -199,54 +234,27 @@ def test_unknown_model_is_404_naming_the_served_ones(svc):
 
     with pytest.raises(openai.NotFoundError) as e:
         _client(svc["multi"]).chat.completions.create(model="nope", messages=Q, max_tokens=4)
-    assert "'nope'" in str(e.value) and "tiny-a" in str(e.value) and "tiny-b" in str(e.value)
+    assert "'nope'" in str(e.value) and all(m in str(e.value) for m in MODELS)
+    doc = httpx.get(svc["multi"].url + "/openapi.json", timeout=30).json()
+    props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert props["model"]["enum"] == list(MODELS)
+    assert doc["paths"]["/v1/chat/completions"]["post"]["responses"]["503"]["headers"]["Retry-After"]
 
 
 @pytest.mark.slow
 def test_a_model_no_node_holds_is_503_with_retry_after_past_the_deadline(svc):
-    body = {"model": "tiny-b", "messages": Q, "max_tokens": 4}
+    body = {"model": "tiny-c", "messages": Q, "max_tokens": 4}
     t0 = time.monotonic()
-    r = httpx.post(svc["only_a"].url + "/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(svc["short"].url + "/v1/chat/completions", json=body, timeout=30)
     took = time.monotonic() - t0
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
-    assert "tiny-b" in r.json()["error"]["message"] and 2.0 <= took < 15, (took, r.text)
-    assert httpx.get(svc["only_a"].url + "/ready", timeout=5).status_code == 200  # tiny-a is routable
+    assert "tiny-c" in r.json()["error"]["message"] and 2.0 <= took < 15, (took, r.text)
+    assert _status(svc["short"])["models"]["tiny-c"]["held"] == 0
+    assert httpx.get(svc["short"].url + "/ready", timeout=5).status_code == 200  # tiny-a is routable
 
 
 @pytest.mark.slow
-def test_a_held_request_is_answered_once_its_model_is_placed(svc):
-    """The test is the placer: it sees the request held in /internal/status, then gives the gateway a
-    node that holds the model (through the internal API, as the autoscaler does)."""
-    gw = svc["cold"]
-    want = _answer(svc["multi"], "tiny-b")
-    out: dict = {}
-
-    def ask():
-        t0 = time.monotonic()
-        out["answer"] = _answer(gw, "tiny-b")
-        out["took"] = time.monotonic() - t0
-
-    th = threading.Thread(target=ask)
-    th.start()
-    try:
-        def held():
-            st = httpx.get(gw.url + "/internal/status", headers=HEADERS, timeout=5).json()
-            return st["models"].get("tiny-b", {}).get("held") == 1 and st["models"]["tiny-b"]["queue_depth"] == 1
-        wait_for(held, 30, "the request for tiny-b held")
-        t_place = time.monotonic()
-        r = httpx.post(gw.url + "/internal/nodes", json={"url": svc["b"].url, "role": "both"}, headers=HEADERS,
-                       timeout=10)  # fmt: skip
-        assert r.status_code == 200, r.text
-    finally:
-        th.join(60)
-    assert not th.is_alive() and out.get("answer") == want, out
-    served_after = time.monotonic() - t_place
-    st = httpx.get(gw.url + "/internal/status", headers=HEADERS, timeout=5).json()
-    assert st["models"]["tiny-b"]["held"] == 0 and served_after < out["took"], (served_after, out)
-
-
-@pytest.mark.slow
-def test_pdserve_status_prints_each_model_with_its_nodes_and_decision(svc):
+def test_pdserve_status_prints_each_model_with_its_nodes_decision_and_the_standby_runtimes(svc):
     gw = svc["multi"]
     report = {"decision": {"t": time.time(), "roles": {
         "tiny-a/both": {"model": "tiny-a", "role": "both", "replicas": 2, "current": 1, "reason": "ttft over its slo"},
@@ -257,10 +265,50 @@ def test_pdserve_status_prints_each_model_with_its_nodes_and_decision(svc):
     r = subprocess.run([sys.executable, "-m", "autoscaler.cli", "status", "--url", gw.url], capture_output=True,
                        text=True, timeout=60, env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    ia = next(i for i, ln in enumerate(lines) if ln.startswith("model tiny-a:"))
-    ib = next(i for i, ln in enumerate(lines) if ln.startswith("model tiny-b:"))
-    block_a = "\n".join(lines[ia:ib] if ia < ib else lines[ia:])
-    assert svc["a"].url in block_a and svc["b"].url not in block_a and " ready " in block_a
-    assert "autoscaler both: 1 -> 2 replicas: ttft over its slo" in block_a, r.stdout
-    assert "steady" in "\n".join(lines[ib:]), r.stdout
+    out = r.stdout
+    blocks = {ln.split(":")[0]: i for i, ln in enumerate(out.splitlines()) if ln.startswith(("model ", "standby"))}
+    lines = out.splitlines()
+
+    def block(start: str) -> str:
+        i = blocks[start]
+        ends = [j for j in blocks.values() if j > i]
+        return "\n".join(lines[i:min(ends, default=len(lines))])
+
+    a, c, standby = block("model tiny-a"), block("model tiny-c"), block("standby runtimes (no model held)")
+    assert svc["a"].url in a and svc["b"].url not in a and " ready " in a, out
+    assert "autoscaler both: 1 -> 2 replicas: ttft over its slo" in a, out
+    assert "steady" in block("model tiny-b"), out
+    assert "no node holds it" in c and svc["s"].url in standby and "standby" in standby, out
+
+
+@pytest.mark.slow
+def test_a_held_request_is_answered_once_a_standby_node_loads_its_model(svc):
+    """The test is the placer, as the autoscaler is: it sees the request held in /internal/status,
+    then loads the model onto the standby node through the node's internal API."""
+    gw, standby = svc["multi"], svc["s"]
+    out: dict = {}
+
+    def ask():
+        t0 = time.monotonic()
+        try:
+            out["answer"] = _answer(gw, "tiny-c")
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            out["error"] = repr(e)
+        out["done"] = time.monotonic()
+        out["took"] = out["done"] - t0
+
+    th = threading.Thread(target=ask)
+    th.start()
+    try:
+        wait_for(lambda: _status(gw)["models"].get("tiny-c", {}).get("held") == 1, 30, "the request for tiny-c held")
+        assert _status(gw)["models"]["tiny-c"]["queue_depth"] == 1 and not out
+        t_place = _load_model(standby, "tiny-c")
+    finally:
+        th.join(90)
+    assert not th.is_alive() and "answer" in out, out
+    assert out["done"] - t_place < out["took"]  # answered after the placement, not before
+    print(f"held request answered {out['done'] - t_place:.2f} s after the load was sent (held {out['took']:.2f} s)")
+    st = _status(gw)
+    assert st["models"]["tiny-c"]["held"] == 0 and st["models"]["tiny-c"]["requests"] == 1
+    assert standby.load()["models"].keys() == {"tiny-c"}  # the standby runtime now holds only tiny-c
+    assert out["answer"] == _answer(gw, "tiny-c")  # the held request's answer is the model's answer
