@@ -2,9 +2,10 @@
 
 Settings: flags > environment ($PDSERVE_API_KEYS, $PDSERVE_ADMIN_KEY, $PDSERVE_INTERNAL_TOKEN,
 each also as *_FILE) > the config file's [gateway] and [store] tables (--config, $PDSERVE_CONFIG)
-> GatewayConfig's defaults. [gateway] takes GatewayConfig's fields (secrets excepted), `nodes`
-as a list of "ROLE=URL" strings, and `url`: where other processes (autoscale, status, chat)
-reach this gateway — the gateway itself does not read it.
+> GatewayConfig's defaults. [gateway] takes GatewayConfig's fields (secrets excepted: `models =
+["a", "b@v2"]`, or `model = "a"` for one; neither: every model in the store), `nodes` as a list
+of "ROLE=URL" strings, and `url`: where other processes (autoscale, status, chat) reach this
+gateway — the gateway itself does not read it. `--model` (repeatable) replaces the file's models.
 """
 
 from __future__ import annotations

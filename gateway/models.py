@@ -9,7 +9,9 @@ Lifecycle of one model here:
     shard -> ``TextBundle``), once — concurrent first requests wait on the same load;
  3. kept for the life of the gateway (a bundle is a few MB); a model that leaves the store's
     listing is no longer served, its bundle dropped.
-A name not served is ``UnknownModel`` (HTTP 404). ``Text`` is what the API layer needs of a model:
+A model whose bundle cannot serve text (no tokenizer: a token-ids-only import) is left out of the
+served names from its first read on (the gateway reads every served bundle in the background at
+start). A name not served is ``UnknownModel`` (HTTP 404). ``Text`` is what the API layer needs of a model:
 the bundle, its context length (``max_model_len``: the config's, else the model's) and vocabulary.
 """
 
@@ -60,6 +62,7 @@ class ModelCatalogue:
         self.fixed = list(dict.fromkeys(names))  # configured: served exactly; empty: the store's listing
         self.refresh_s, self.max_model_len = refresh_s, max_model_len
         self._texts: dict[str, Text] = dict(preloaded or {})
+        self._unservable: dict[str, str] = {}  # name -> why its bundle cannot serve text
         self._loading: dict[str, asyncio.Future] = {}
         self._listed: list[str] = list(self._texts)
         self._listed_at = 0.0
@@ -69,9 +72,8 @@ class ModelCatalogue:
     @property
     def names(self) -> list[str]:
         """The served model names, in config order (else the store's, sorted)."""
-        if self.fixed:
-            return list(self.fixed)
-        return list(self._listed)
+        names = self.fixed or self._listed
+        return [n for n in names if n not in self._unservable]
 
     def relist(self) -> list[str]:
         """List the store now (blocking; a no-op with fixed names or without a store)."""
@@ -103,6 +105,8 @@ class ModelCatalogue:
             raise UnknownModel(self.unknown_message(name))
 
     def unknown_message(self, name: str) -> str:
+        if name in self._unservable:
+            return f"model {name!r} cannot be served by this gateway: {self._unservable[name]}"
         served = ", ".join(repr(n) for n in self.names) or "no model (the store holds none)"
         return f"model {name!r} does not exist; this gateway serves {served}"
 
@@ -137,6 +141,10 @@ class ModelCatalogue:
             t = text_from_store(self.store, name, self.max_model_len)
         except NotFound as e:
             raise UnknownModel(f"model {name!r} is served but not readable from the store: {e}") from None
+        except ValueError as e:  # the bundle has no tokenizer: token ids only, no text to serve
+            self._unservable[name] = str(e)
+            log.warning("model %s is not served: %s", name, e)
+            raise UnknownModel(self.unknown_message(name)) from None
         with self._lock:
             self._texts[name] = t
         log.info("model %s: text bundle loaded in %.2f s (context %d)", name, time.monotonic() - t0, t.max_model_len)

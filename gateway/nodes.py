@@ -1,12 +1,13 @@
 """HTTP client of the node API (the gateway's side of the internal protocol).
 
 Node API (every route but /health needs ``Authorization: Bearer <internal token>``):
-  POST /internal/generate {request_id, prompt_token_ids, params}        -> NDJSON stream (role both)
-  POST /internal/prefill  {request_id, prompt_token_ids, params}        -> {token_ids, finish_reason, kv}
-  POST /internal/decode   {request_id, prompt_token_ids, first_token_id, params, kv} -> NDJSON stream
+  POST /internal/generate {model, request_id, prompt_token_ids, params}  -> NDJSON stream (role both)
+  POST /internal/prefill  {model, request_id, prompt_token_ids, params}  -> {token_ids, finish_reason, kv}
+  POST /internal/decode   {model, request_id, prompt_token_ids, first_token_id, params, kv} -> NDJSON stream
   POST /internal/abort    {request_id}
   GET  /load, /ready, /health, /metrics
-A stream line is ``{"token_ids": [...], "finish_reason": null | "stop" | "length" | "abort" | "error", "error"?}``.
+``model`` names which of the node's models serves it (a model not held or not ready there: 503, the
+gateway tries elsewhere). A stream line is ``{"token_ids": [...], "finish_reason": null | "stop" | "length" | "abort" | "error", "error"?}``.
 ``params.replay_tokens``: after a failover the prompt ends with tokens already streamed; the
 node recomputes them one per step, as the lost decode did, so greedy output continues
 bit-identically (prefill-sized matmuls take another kernel and can flip near-ties).

@@ -108,6 +108,30 @@ def test_ready_when_a_model_is_routable_or_an_activator_can_place_one():
     assert gw.ready()
 
 
+def test_catalogue_lists_the_store_on_a_miss_and_leaves_out_a_model_without_a_tokenizer(tmp_path, tiny_hf,
+                                                                                         monkeypatch):  # fmt: skip
+    from gateway import models
+    from paramstore import ParamStore, StoreConfig
+
+    monkeypatch.setattr(models, "MISS_RELIST_S", 0.0)
+    with ParamStore(StoreConfig.local_default(str(tmp_path / "store"), k=2, m=1)) as ps:
+        ps.import_model(tiny_hf[0], "ids-only", dtype="fp32")  # no tokenizer.json in its bundle
+        cat = models.ModelCatalogue(ps)
+        assert cat.relist() == ["ids-only"]
+
+        async def scenario():
+            with pytest.raises(models.UnknownModel, match="tokenizer"):
+                await cat.text("ids-only")
+            assert cat.names == []  # no longer listed as served
+            with pytest.raises(models.UnknownModel, match="'later' does not exist"):
+                await cat.check("later")
+            ps.import_model(tiny_hf[0], "later", dtype="fp32")
+            await cat.check("later")  # a miss lists the store again: now served
+            assert cat.names == ["later"]
+
+        asyncio.run(scenario())
+
+
 def test_traffic_per_model_over_the_last_minute_with_a_fake_clock():
     now = {"m": 100.0, "w": 1000.0}
     tr = Traffic(clock=lambda: now["m"], wall=lambda: now["w"])
