@@ -157,6 +157,10 @@ def build(cfg, loop, store_cfg):
     if cfg.role != "both" and cfg.kv_transport == "nixl":
         _nixl_agent()
     host = ModelHost(cfg, store, cache, loop)
+    if cache is not None:
+        import threading
+
+        threading.Thread(target=host.survey, name="cache-survey", daemon=True).start()
     if cfg.model:
         from .service import NodeBusy
 

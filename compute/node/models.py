@@ -114,6 +114,19 @@ class ModelHost:
             free(h, wait_load_s=2.0)
         self.models.clear()
 
+    def survey(self, limit: int = 64) -> None:
+        """Any thread, once at start: ``cached`` for the store's models (placement prefers a runtime
+        whose cache holds a model's shards). Best effort: a store that cannot be listed is skipped."""
+        if self.cache is None:
+            return
+        try:
+            names = sorted(self.store.models())[:limit]
+            for name in names:
+                if name not in self.cached:
+                    self.cached[name] = self.cached_fraction(self.store.manifest(name))
+        except Exception as e:  # noqa: BLE001 - only a hint for placement
+            log.warning("cannot survey the node cache: %s", e)
+
     def _manifest(self, name: str):
         from paramstore.errors import InvalidRequest, NotFound
 

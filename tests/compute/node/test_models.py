@@ -5,6 +5,7 @@ tiny random Llamas from a local store (token ids only, no tokenizer)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import httpx
@@ -214,5 +215,70 @@ def test_budget_for_one_model_evicts_the_idle_one_and_refuses_when_busy(tmp_path
         assert out["answer"][1] == "length" and len(out["answer"][0]) == LONG
         assert load_ready(n, a)["evicted"] == [b]  # idle again: evicted for a
         assert generate(n, PROMPTS[0], a) == first  # reloaded, same answers
+    finally:
+        n.stop()
+
+
+def test_standby_prefill_and_decode_nodes_hand_off_a_loaded_model(tmp_path, two_models):
+    locations, a, b = two_models
+    svc = Services(locations, None, str(tmp_path), TOKEN)
+    pre = svc.node("prefill", kv_blocks=256, extra=("--weights", "fp32", "--cache-dir", str(tmp_path / "c")),
+                   model=None)  # fmt: skip
+    dec = svc.node("decode", kv_blocks=256, extra=("--weights", "fp32"), model=None)
+    try:
+        pre.wait_ready()
+        dec.wait_ready()
+        assert pre.load()["state"] == "standby" and pre.load()["cached"].get(a) == 0.0  # surveyed, not cached
+        for n in (pre, dec):
+            load_ready(n, a)
+            load_ready(n, b)
+        assert pre.load()["cached"][a] == 1.0
+        for model in (a, b):
+            ids = PROMPTS[4]
+            params = {"max_tokens": 12, "temperature": 0}
+            first = post(pre, "/internal/prefill", {"request_id": f"p-{model}", "prompt_token_ids": ids,
+                                                     "params": params, "model": model}).json()  # fmt: skip
+            body = {"request_id": f"p-{model}", "prompt_token_ids": ids, "first_token_id": first["token_ids"][-1],
+                    "kv": first["kv"], "params": dict(params, max_tokens=11), "model": model}  # fmt: skip
+            toks = list(first["token_ids"])
+            with httpx.stream("POST", dec.url + "/internal/decode", json=body, headers=HEADERS, timeout=60) as r:
+                assert r.status_code == 200, r.read()
+                toks += [t for line in r.iter_lines() for t in json.loads(line)["token_ids"]]
+            assert (toks, "length") == generate(pre, ids, model=model, rid=f"w-{model}")  # the handoff = a whole request
+        wait_for(lambda: pre.load()["kv_transfers_held"] == 0 and pre.load()["kv_blocks_used"] == 0, 10, "KV released")
+        for n in (pre, dec):
+            assert post(n, "/internal/models/unload", {"model": b}).json() == {"unloaded": True, "drained": True}
+            assert set(n.load()["models"]) == {a} and n.load()["kv_blocks_total"] == 256
+        r = post(pre, "/internal/prefill", {"request_id": "gone", "prompt_token_ids": PROMPTS[0], "model": b})
+        assert r.status_code == 503
+    finally:
+        svc.stop_all()
+
+
+def _threads(pid: int) -> dict[str, tuple[int, int]]:
+    """tid -> (nice, CPU ticks) of every thread of ``pid``."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue  # ended meanwhile
+        out[tid] = (int(fields[16]), int(fields[11]) + int(fields[12]))  # nice, utime + stime
+    return out
+
+
+def test_import_nice_nices_only_the_imports(tmp_path, two_models):
+    """A pool refill's runtime imports at low priority; no thread that serves is niced."""
+    locations, a, _ = two_models
+    n = node(tmp_path, locations, extra=("--import-nice", "7"))
+    try:
+        n.wait_ready()
+        load_ready(n, a)
+        before = _threads(n.p.pid)
+        assert generate(n, PROMPTS[0], a, 400, ignore_eos=True)[1] == "length"
+        after = _threads(n.p.pid)
+        worked = {tid: nice for tid, (nice, cpu) in after.items() if cpu > before.get(tid, (0, 0))[1]}
+        assert worked and set(worked.values()) == {0}, (before, after)
     finally:
         n.stop()
