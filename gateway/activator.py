@@ -97,7 +97,7 @@ class Activator:
                 task = asyncio.ensure_future(out)
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-        except Exception:  # noqa: BLE001 - a failing hook must not fail the held request
+        except Exception:  # a failing hook must not fail the held request
             log.exception("activate(%r) failed", model)
 
     def _not_placed(self, model: str, waited: float) -> NotPlaced:

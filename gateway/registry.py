@@ -180,7 +180,7 @@ class NodeRegistry:
             r.raise_for_status()
             body = r.json()
             if not isinstance(body, dict):
-                raise ValueError("/load is not a JSON object")
+                raise ValueError("/load is not a JSON object")  # noqa: TRY004 - handled as a bad answer, with JSON errors
             was_routable, before = n.view().routable, n.routable_models()
             n.load, n.healthy, n.failures, n.seen = body, True, 0, time.monotonic()
             new = n.routable_models() - before
