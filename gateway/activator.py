@@ -23,9 +23,12 @@ import math
 import time
 from collections.abc import Callable
 
+from prometheus_client import Gauge
+
 from .router import Route, pick
 
 log = logging.getLogger("pdserve.gateway")
+HELD = Gauge("pdserve_gateway_held", "Requests held: no ready node holds their model yet", ["model"])
 RETRY_AFTER_MAX_S = 5  # a placement takes seconds: retry within this, never later than the hold's length
 
 
@@ -65,6 +68,7 @@ class Activator:
         key = model or ""
         t0 = self.clock()
         self.held[key] = self.held.get(key, 0) + 1
+        HELD.labels(key).set(self.held[key])
         self._called.pop(key, None)  # the hold starts: activate now
         try:
             while True:
@@ -82,6 +86,7 @@ class Activator:
                     return route
         finally:
             self.held[key] -= 1
+            HELD.labels(key).set(self.held[key])
             if not self.held[key]:
                 del self.held[key]
 
