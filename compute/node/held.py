@@ -132,12 +132,14 @@ class Held:
                "bytes": self.bytes, "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes,
                "last_used": self.last_used, "progress": self.progress.as_dict(), "error": self.error,
                "ready_s": self.ready_s}  # fmt: skip
+        out.update(dict.fromkeys(PER_MODEL, 0))
         svc = self.svc
         if svc is not None:
-            load = svc.load(self.state == "ready")
-            out.update({k: load[k] for k in PER_MODEL})
-        else:
-            out.update(dict.fromkeys(PER_MODEL, 0))
+            try:
+                load = svc.load(self.state == "ready")
+            except AttributeError:  # freed by an unload meanwhile (its engine is gone)
+                load = {}
+            out.update({k: load[k] for k in PER_MODEL if k in load})
         meter = self.meter
         out["capacity"] = meter.report() if meter is not None else CapacityMeter(cfg.tpot_target_s, 1).report()
         return out

@@ -156,8 +156,8 @@ class ModelHost:
 
     async def _retire(self, h: Held, timeout_s: float) -> bool:
         """Drain then free one model; the host forgets it. True if nothing was cut short."""
+        h.cancel()  # a load still running stops after its current shard (first: it cannot turn ready after this)
         h.state = "draining"
-        h.cancel()  # a load still running stops after its current shard
         drained = True
         if h.svc is not None:
             drained = await h.svc.drain(timeout_s)
