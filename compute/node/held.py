@@ -24,10 +24,10 @@ import time
 
 import torch
 
+from compute.config import ModelConfig
 from compute.engine import Engine, StepOutput
 from compute.kv_cache import KVCache
 from compute.loader import RUNTIME, LoadProgress, WeightInjector, runtime_weights
-from compute.config import ModelConfig
 
 from .capacity import CapacityMeter
 from .config import NodeConfig

@@ -102,7 +102,7 @@ def heavy_imports(cfg) -> None:
     import torch  # noqa: F401
     import uvicorn  # noqa: F401
 
-    import compute.engine  # noqa: F401
+    import compute.engine
     import compute.loader  # noqa: F401
     import paramstore.cache  # noqa: F401
 

@@ -111,7 +111,8 @@ def create_app(host: ModelHost) -> FastAPI:
         if not isinstance(body, dict):
             return JSONResponse({"detail": "body must be a JSON object"}, status_code=400)
         rid = str(body.get("request_id", ""))
-        return {"aborted": any([svc.abort(rid) for svc in host.services()])}
+        aborted = [svc.abort(rid) for svc in host.services()]  # on every model (the id is unique to one)
+        return {"aborted": any(aborted)}
 
     @app.post("/internal/drain")
     async def drain(timeout_s: float = 60.0):
@@ -152,9 +153,9 @@ async def _drive_senders(host: ModelHost) -> None:
                     sender.poll(rid)
                 except KeyError:
                     svc.held.pop(rid, None)
-                except Exception:  # noqa: BLE001 - one bad offer (or a model being unloaded) must not stop the loop
+                except Exception:  # one bad offer (or a model being unloaded) must not stop the loop
                     log.exception("polling KV offer %s", rid)
             try:
                 sender.held()
-            except Exception:  # noqa: BLE001 - closed by an unload meanwhile
-                pass
+            except Exception as e:  # noqa: BLE001 - closed by an unload meanwhile
+                log.debug("KV sender of %s: %s", svc.config.model, e)
