@@ -219,12 +219,17 @@ def test_budget_for_one_model_evicts_the_idle_one_and_refuses_when_busy(tmp_path
         n.stop()
 
 
-def test_standby_prefill_and_decode_nodes_hand_off_a_loaded_model(tmp_path, two_models):
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_standby_prefill_and_decode_nodes_hand_off_a_loaded_model(tmp_path, two_models, transport):
+    """Each model's KV endpoint is made on load and closed on unload (over NIXL: one agent per process,
+    created at start; each model's cache registered on load, deregistered on unload)."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12", reason="nixl-cu12 (extra 'rdma') is not installed")
     locations, a, b = two_models
     svc = Services(locations, None, str(tmp_path), TOKEN)
-    pre = svc.node("prefill", kv_blocks=256, extra=("--weights", "fp32", "--cache-dir", str(tmp_path / "c")),
-                   model=None)  # fmt: skip
-    dec = svc.node("decode", kv_blocks=256, extra=("--weights", "fp32"), model=None)
+    pre = svc.node("prefill", kv_blocks=256, transport=transport, model=None,
+                   extra=("--weights", "fp32", "--cache-dir", str(tmp_path / "c")))  # fmt: skip
+    dec = svc.node("decode", kv_blocks=256, transport=transport, extra=("--weights", "fp32"), model=None)
     try:
         pre.wait_ready()
         dec.wait_ready()
@@ -233,26 +238,38 @@ def test_standby_prefill_and_decode_nodes_hand_off_a_loaded_model(tmp_path, two_
             load_ready(n, a)
             load_ready(n, b)
         assert pre.load()["cached"][a] == 1.0
-        for model in (a, b):
-            ids = PROMPTS[4]
-            params = {"max_tokens": 12, "temperature": 0}
-            first = post(pre, "/internal/prefill", {"request_id": f"p-{model}", "prompt_token_ids": ids,
-                                                     "params": params, "model": model}).json()  # fmt: skip
-            body = {"request_id": f"p-{model}", "prompt_token_ids": ids, "first_token_id": first["token_ids"][-1],
-                    "kv": first["kv"], "params": dict(params, max_tokens=11), "model": model}  # fmt: skip
-            toks = list(first["token_ids"])
-            with httpx.stream("POST", dec.url + "/internal/decode", json=body, headers=HEADERS, timeout=60) as r:
-                assert r.status_code == 200, r.read()
-                toks += [t for line in r.iter_lines() for t in json.loads(line)["token_ids"]]
-            assert (toks, "length") == generate(pre, ids, model=model, rid=f"w-{model}")  # the handoff = a whole request
+        for model in (a, b):  # the handoff gives what a whole request on one node gives
+            assert pd(pre, dec, PROMPTS[4], model) == generate(pre, PROMPTS[4], model=model, rid=f"w-{model}")
         wait_for(lambda: pre.load()["kv_transfers_held"] == 0 and pre.load()["kv_blocks_used"] == 0, 10, "KV released")
         for n in (pre, dec):
             assert post(n, "/internal/models/unload", {"model": b}).json() == {"unloaded": True, "drained": True}
             assert set(n.load()["models"]) == {a} and n.load()["kv_blocks_total"] == 256
         r = post(pre, "/internal/prefill", {"request_id": "gone", "prompt_token_ids": PROMPTS[0], "model": b})
         assert r.status_code == 503
+        load_ready(pre, b)  # loaded again: a new endpoint over the new cache
+        load_ready(dec, b)
+        assert pd(pre, dec, PROMPTS[5], b) == generate(pre, PROMPTS[5], model=b, rid="again")
+        assert "nixl unusable" not in pre.log() + dec.log()
     finally:
         svc.stop_all()
+
+
+def pd(pre, dec, ids, model):
+    """Prefill on ``pre``, KV handed to ``dec``, decoded there: (token ids, finish reason)."""
+    params = {"max_tokens": 12, "temperature": 0}
+    rid = f"pd-{model}-{ids[3]}-{threading.get_ident()}"
+    first = post(pre, "/internal/prefill", {"request_id": rid, "prompt_token_ids": ids, "params": params,
+                                            "model": model}).json()  # fmt: skip
+    body = {"request_id": rid, "prompt_token_ids": ids, "first_token_id": first["token_ids"][-1], "kv": first["kv"],
+            "params": dict(params, max_tokens=11), "model": model}  # fmt: skip
+    toks, reason = list(first["token_ids"]), None
+    with httpx.stream("POST", dec.url + "/internal/decode", json=body, headers=HEADERS, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            d = json.loads(line)
+            toks += d["token_ids"]
+            reason = d["finish_reason"] or reason
+    return toks, reason
 
 
 def _threads(pid: int) -> dict[str, tuple[int, int]]:
