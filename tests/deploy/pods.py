@@ -134,6 +134,7 @@ class PodRunner:
                     self.pods[name] = Pod(name, tpl["spec"], c, tpl["metadata"].get("labels", {}), workdir / name)
         self.api = kubeapi.KubeApiTwin(self.namespace, {n: 1 for n in deps if "replicas" not in deps[n]["spec"]})
         self.kubeconfig = workdir / "kubeconfig"
+        self._planned = False
 
     # --- 1. plan -------------------------------------------------------------------------------
 
@@ -260,9 +261,15 @@ class PodRunner:
 
     # --- 3.-4. start, probe ---------------------------------------------------------------------
 
-    def start(self) -> None:
-        self.plan()
+    def start(self, only: set[str] | None = None) -> None:
+        """Start the pods of these Deployments (default: every one not started yet); pods start in any order
+        in a cluster, so a test may start some, look at them, then the rest."""
+        if not self._planned:
+            self.plan()
+            self._planned = True
         for pod in self.pods.values():
+            if pod.proc is not None or (only is not None and pod.deployment not in only):
+                continue
             pod.log = pod.dir / "container.log"
             with open(pod.log, "wb") as log:
                 pod.proc = subprocess.Popen(pod.argv, env=pod.env, cwd=pod.dir, stdout=log, stderr=subprocess.STDOUT,
@@ -282,11 +289,11 @@ class PodRunner:
             return False
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Poll every probe until each pod is ready (startup, then readiness); -> seconds it took."""
+        """Poll every probe until each started pod is ready (startup, then readiness); -> seconds it took."""
         t0 = time.monotonic()
         started: set[str] = set()
         while True:
-            for pod in self.pods.values():
+            for pod in self.started():
                 rc = pod.proc.poll()
                 if rc is not None:
                     raise PodFailed(f"{pod.deployment}: container exited with {rc} at start\n"
@@ -298,13 +305,16 @@ class PodRunner:
                 if pod.deployment in started and self.probe(pod, "readinessProbe"):
                     pod.ready = True
                     self._endpoint(pod, ready=True)
-            if all(p.ready for p in self.pods.values()):
+            if all(p.ready for p in self.started()):
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
-                late = [p for p in self.pods.values() if not p.ready]
+                late = [p for p in self.started() if not p.ready]
                 logs = "\n".join(f"--- {p.deployment}\n{p.log_tail()}" for p in late)
                 raise PodFailed(f"not ready after {timeout_s:.0f} s: {', '.join(p.deployment for p in late)}\n{logs}")
             time.sleep(0.25)
+
+    def started(self) -> list[Pod]:
+        return [p for p in self.pods.values() if p.proc is not None]
 
     def _endpoint(self, pod: Pod, ready: bool, terminating: bool = False) -> None:
         """The endpoints controller: one EndpointSlice per (Service, pod) — each pod has its own port here."""

@@ -282,3 +282,22 @@ def test_grafana_dashboard_has_the_three_rows_and_known_metrics():
     pdserve = {m for m in METRICS if m.startswith("pdserve_")}
     assert pdserve <= used, f"dashboard misses {pdserve - used}"
     assert CADVISOR <= used
+
+
+def _bytes(quantity: str) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", quantity)
+    return float(m[1]) * units.get(m[2], 1)
+
+
+def test_node_pods_are_standby_runtimes_within_their_memory_limit(overlay):
+    """No model is bound to a node pod (the autoscaler's pool places them; tests/deploy/test_pods.py runs it),
+    and the memory budget of the models a pod holds is set below the pod's limit (MemAvailable is the host's)."""
+    (cm,) = objects(overlay, "ConfigMap").values()
+    cfg = tomllib.loads(cm["data"]["pdserve.toml"])
+    assert "model" not in cfg.get("node", {}), "a [node] model binds every node pod to it"
+    assert cfg["gateway"]["models"] and "model" not in cfg["gateway"]
+    for role in NODE_ROLES:
+        c = container(objects(overlay, "Deployment")[f"pdserve-{role}"])
+        assert "--model" not in c["args"]
+        assert 0 < cfg["node"]["memory_gb"] * 1e9 < 0.9 * _bytes(c["resources"]["limits"]["memory"]), role

@@ -51,39 +51,103 @@ def runner(docs, tmp_path, store, **kw) -> PodRunner:
     return PodRunner(docs, tmp_path, list(store.locations), values, store.k, store.m, **kw)
 
 
+def _node_load(run: PodRunner, deployment: str) -> dict:
+    port = run.pods[deployment].local_port("http")
+    r = httpx.get(f"http://127.0.0.1:{port}/load", timeout=5,
+                  headers={"Authorization": f"Bearer {run.secret('pdserve-secrets', 'internal-token')}"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _until(what: str, ok, timeout_s: float, pod=None):
+    """Poll ok() every 0.25 s until it is truthy (its value), bounded; a watched pod's exit fails at once."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := ok()):
+        if pod is not None:
+            assert pod.proc.poll() is None, f"{pod.deployment} exited: {pod.log_tail()}"
+        assert time.monotonic() < deadline, f"{what}: not after {timeout_s:.0f} s"
+        time.sleep(0.25)
+    return value
+
+
+NODES = ("pdserve-prefill", "pdserve-decode")
+
+
 @pytest.mark.parametrize("overlay", ["local", "production"])
 def test_every_container_starts_answers_drains_and_stops(overlay, signed_store, tmp_path):
+    """Node pods start as standby runtimes; the autoscaler's command claims them through the node API and sizes
+    their Deployments for the pool; the gateway answers a chat through them; the decode pod drains; all stop."""
+    import tomllib
+
     from openai import OpenAI
 
     docs = render(overlay)
+    (cm,) = [o for o in docs if o["kind"] == "ConfigMap"]
+    knobs = tomllib.loads(cm["data"]["pdserve.toml"]).get("autoscaler", {})
     t0 = time.monotonic()
     with runner(docs, tmp_path, signed_store) as run:
-        assert set(run.pods) == {"pdserve-gateway", "pdserve-prefill", "pdserve-decode", "pdserve-autoscaler"}
-        run.start()
+        assert set(run.pods) == {"pdserve-gateway", *NODES, "pdserve-autoscaler"}
+        run.start(only={"pdserve-gateway", *NODES})  # the autoscaler later: first, the nodes as they start
         ready_s = run.wait_ready(timeout_s=150)
+        for name in NODES:  # ready = the runtime is up: empty, no model loaded
+            load = _node_load(run, name)
+            assert (load["state"], load["models"], load["ready"]) == ("standby", {}, False), load
         gw = run.pods["pdserve-gateway"]
         url = f"http://127.0.0.1:{gw.local_port('http')}"
-        # the gateway found both nodes through the EndpointSlice watch, not a static list
-        status = httpx.get(url + "/internal/status", timeout=5,
-                           headers={"Authorization": f"Bearer {run.secret('pdserve-secrets', 'internal-token')}"})  # fmt: skip
-        assert status.status_code == 200, status.text
-        deadline = time.monotonic() + 30
-        while {n["role"] for n in status.json()["nodes"] if n["source"] == "kubernetes"} != {"prefill", "decode"}:
-            assert time.monotonic() < deadline, f"gateway never registered both nodes: {status.json()['nodes']}"
-            time.sleep(0.25)
-            status = httpx.get(url + "/internal/status", timeout=5, headers=status.request.headers)
-        client = OpenAI(base_url=url + "/v1", api_key="sk-test-two", max_retries=0, timeout=60)
-        reply = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=16, temperature=0,
-        )  # fmt: skip
+        headers = {"Authorization": f"Bearer {run.secret('pdserve-secrets', 'internal-token')}"}
+
+        def status() -> dict:
+            r = httpx.get(url + "/internal/status", timeout=5, headers=headers)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def registered() -> bool:  # the gateway found both nodes through the EndpointSlice watch, not a static list
+            return {n["role"] for n in status()["nodes"] if n["source"] == "kubernetes"} == {"prefill", "decode"}
+
+        def decided() -> dict | None:  # the autoscaler's decision for the model's keys, published to the gateway
+            roles = ((status().get("autoscaler") or {}).get("decision") or {}).get("roles") or {}
+            return roles if {"smollm2/prefill", "smollm2/decode"} <= set(roles) else None
+
+        def holding() -> bool:
+            return all(_node_load(run, n)["models"].get("smollm2", {}).get("state") == "ready" for n in NODES)
+
+        _until("the gateway registers both node pods", registered, 30, gw)
+        run.start()  # the autoscaler: `pdserve autoscale --actuator kubernetes`, the API twin as its cluster
+        scaler = run.pods["pdserve-autoscaler"]
+        roles = _until("the autoscaler's first decision for smollm2", decided, 60, scaler)
+        lows = {role: int(knobs.get(f"{role}_min_replicas", 1)) for role in ("prefill", "decode")}
+        if not any(lows.values()):  # may scale to zero: nothing is placed while no request came
+            assert {k: d["replicas"] for k, d in roles.items()} == {"smollm2/prefill": 0, "smollm2/decode": 0}
+            assert all(_node_load(run, n)["models"] == {} for n in NODES)
+        else:  # each role's minimum is placed without a request: claimed through the node API
+            _until("the standby pods claimed for smollm2", holding, 60, scaler)
+        t_chat = time.monotonic()
+        # one retry, as a client honouring the activator's 503 Retry-After would: the hold is bounded by the
+        # gateway's queue_timeout_s, which a box this busy may pass while a model loads
+        client = OpenAI(base_url=url + "/v1", api_key="sk-test-two", max_retries=1, timeout=90)
+        try:  # local: held by the gateway until the autoscaler has claimed standby pods for it (scale from zero)
+            reply = client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=16, temperature=0,
+            )  # fmt: skip
+        except Exception as e:
+            logs = "\n".join(f"--- {p.deployment}\n{p.log_tail(15)}" for p in (scaler, *(run.pods[n] for n in NODES)))
+            raise AssertionError(f"no answer through the claimed pods: {e}\n{logs}") from e
+        chat_s = time.monotonic() - t_chat
         assert "Paris" in reply.choices[0].message.content, reply
-        # the autoscaler (its own process, the Kubernetes actuator) read the Deployments' scale
-        deadline = time.monotonic() + 30
-        while not any("/scale" in r["path"] for r in run.api.requests):
-            assert run.pods["pdserve-autoscaler"].proc.poll() is None, run.pods["pdserve-autoscaler"].log_tail()
-            assert time.monotonic() < deadline, "the autoscaler never read a Deployment's scale"
-            time.sleep(0.25)
+        assert scaler.proc.poll() is None, scaler.log_tail()
+        assert holding()  # the autoscaler's pool injected the model into the standby pods
+        # ... and sized each node Deployment for the pool (autoscaler/pool.py's refill): the pods holding a model
+        # (here the one pod this runner runs per Deployment) + the claims still waiting for a pod, or, when none
+        # waits, pool_size standby pods. The twin records spec.replicas; the runner starts no further pod.
+        pool = int(knobs.get("pool_size", 1))
+        for role, name in zip(("prefill", "decode"), NODES):
+            waiting = max(1, lows[role]) - 1  # one chat needs one replica: the minimum, if more, waits
+            want = 1 + (waiting or pool)
+            _until(f"{name} sized to {want} pods", lambda n=name, w=want: run.api.replicas[n] == w, 30, scaler)
+        patches = [r for r in run.api.requests if r["method"] == "PATCH"]
+        assert patches and all(r["query"].get("fieldManager") == ["pdserve-autoscaler"]
+                               for r in patches if "/scale" in r["path"])  # fmt: skip
         # scale-down of the decode pod: its preStop drains it
         hook = run.prestop("pdserve-decode")
         assert hook.returncode == 0, f"preStop failed: {hook.stderr[-2000:]}"
@@ -94,7 +158,8 @@ def test_every_container_starts_answers_drains_and_stops(overlay, signed_store, 
         assert killed == [], f"needed SIGKILL after the grace period: {killed}"
     for pod in run.pods.values():
         assert pod.proc.poll() is not None, f"{pod.deployment} still running"
-    print(f"{overlay}: ready in {ready_s:.1f} s, whole run {time.monotonic() - t0:.1f} s")
+    print(f"{overlay}: nodes ready (standby) in {ready_s:.1f} s, chat through the claimed pods in {chat_s:.1f} s, "
+          f"whole run {time.monotonic() - t0:.1f} s")
 
 
 def _gateway_only(docs, mutate) -> list[dict]:
