@@ -2,9 +2,10 @@
 
 Lifecycle: settings (flags > environment > the config file's [autoscaler], [gateway], [node],
 [store] > defaults) -> a GatewayClient for every --gateway URL (else [gateway] url) with
-$PDSERVE_INTERNAL_TOKEN -> the actuator (`kubernetes`: the node Deployments' scale
-subresource; `local`: `pdserve node` processes on this machine, registered with the gateway
-as they become ready) -> tick (observe the gateway over HTTP, decide, act, publish the
+$PDSERVE_INTERNAL_TOKEN -> the runtime actuator (`kubernetes`: the node Deployments' scale
+subresource; `local`: standby `pdserve node` processes on this machine, registered with the
+gateway as they come up) under the warm pool (autoscaler/pool.py: models claimed onto
+runtimes per (model, role); --model places one at start) -> tick (observe the gateway over HTTP, decide, act, publish the
 report to the gateway for `pdserve status`) every tick_s until SIGTERM/SIGINT or
 --max-ticks -> the actuator is closed (local: every node it started is drained and stopped).
 
@@ -34,7 +35,8 @@ def add_arguments(p) -> None:
     p.add_argument("--gateway", action="append", default=None, metavar="URL",
                    help="a gateway to observe and report to (repeat; else [gateway] url, else http://127.0.0.1:8000)")
     add_store_arguments(p)
-    p.add_argument("--model", help="local actuator: the model its nodes serve (else [node] / [gateway] model)")
+    p.add_argument("--model", action="append", default=None,
+                   help="a model to place at start, at each role's minimum (repeat); others follow demand")
     p.add_argument("--tick-s", type=float, help="seconds between ticks ([autoscaler] tick_s)")
     p.add_argument("--max-ticks", type=int, default=None, help="stop after this many ticks (default: until SIGTERM)")
     p.add_argument("--kubeconfig", default=None, help="kubernetes actuator outside a pod (else $KUBECONFIG)")
@@ -91,16 +93,15 @@ def settings(args) -> dict:
     urls = args.gateway or [gateway_url(tables)]
     token = env_secret("PDSERVE_INTERNAL_TOKEN") or ""
     out = {"config": config, "actuator": kind, "gateways": [u.rstrip("/") for u in urls], "token": token,
-           "path": path}  # fmt: skip
+           "path": path, "models": list(args.model or [])}  # fmt: skip
     if kind == "local":
         from .local import LocalConfig
 
         store_cfg = store_config(args, tables=tables)
         sub = {"autoscaler.local": a.get("local", {})}
-        model = (args.model or sub["autoscaler.local"].get("model") or tables.get("node", {}).get("model")
-                 or tables.get("gateway", {}).get("model"))  # fmt: skip
         env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None}
-        kw = resolve(LocalConfig, "autoscaler.local", sub, path, {"model": model}, env, hints=_SECRETS)
+        kw = resolve(LocalConfig, "autoscaler.local", sub, path, {}, env, hints=_SECRETS)
+        kw.setdefault("import_nice", 10)  # the pool's refills yield the CPU to the nodes that serve
         node = tables.get("node", {})  # the nodes' own settings, unless [autoscaler.local] sets them
         for key in NODE_KEYS:
             if key in node:
@@ -119,6 +120,11 @@ def settings(args) -> dict:
         if service is not None and not isinstance(service, str):
             raise ConfigError(f"config {path}: [autoscaler.kubernetes] gateway_service must be a Service name")
         out["gateway_service"] = None if args.gateway else service  # --gateway wins
+        # in a cluster the config says what is served: [gateway] models (without --model), each placed at its
+        # roles' minimum replicas at start; a minimum of 0 places nothing (the first request wakes the model)
+        g = tables.get("gateway", {})
+        served = [g["model"]] if isinstance(g.get("model"), str) else []
+        out["served"] = [] if args.model else list(dict.fromkeys([*served, *(g.get("models") or [])]))
     return out
 
 
@@ -126,18 +132,18 @@ def _public(s: dict) -> dict:
     import dataclasses
 
     out = {"actuator": s["actuator"], "gateways": s["gateways"], "internal_token_set": bool(s["token"]),
-           "autoscaler": dataclasses.asdict(s["config"])}  # fmt: skip
+           "autoscaler": dataclasses.asdict(s["config"]), "models": s["models"]}  # fmt: skip
     if "local" in s:
         out["local"] = {k: v for k, v in dataclasses.asdict(s["local"]).items() if k != "internal_token"}
     if "kubernetes" in s:
         k = s["kubernetes"]
         out["kubernetes"] = {"namespace": k.namespace, "deployments": k.deployments, "services": k.services,
-                             "gateway_service": s.get("gateway_service")}  # fmt: skip
+                             "gateway_service": s.get("gateway_service"), "served": s.get("served", [])}  # fmt: skip
     return out
 
 
 def make(s: dict, client, kubeconfig: str | None = None):
-    """The actuator `s` names, wired to `client` (local nodes are registered with the gateways)."""
+    """The runtime actuator `s` names, wired to `client` (local nodes are registered with the gateways)."""
     from .actuator import make_actuator
 
     if s["actuator"] == "local":
@@ -146,6 +152,20 @@ def make(s: dict, client, kubeconfig: str | None = None):
     if s["actuator"] == "kubernetes":
         return make_actuator("kubernetes", config=s["kubernetes"], kubeconfig=kubeconfig)
     return make_actuator("fake")
+
+
+def make_pool(s: dict, runtimes):
+    """The warm pool over `runtimes`, the loop's actuator; the --model ones asked for at each role's minimum."""
+    from .config import ROLES
+    from .pool import RuntimePool, pool_config
+
+    pool = RuntimePool(runtimes, {"Authorization": f"Bearer {s['token']}"}, pool_config(s["config"], ROLES), ROLES)
+    for m in s["models"]:
+        pool.place([m], {r: max(1, s["config"].bounds(r)[0]) for r in ROLES})
+    lows = {r: s["config"].bounds(r)[0] for r in ROLES}
+    if any(lows.values()):  # kubernetes: the config's served models at their minimum
+        pool.place(s.get("served", []), lows)
+    return pool
 
 
 def main(args) -> int:
@@ -166,10 +186,11 @@ def main(args) -> int:
         return [n.url for n in actuator.endpoints_of(s["gateway_service"], "gateway") if n.ready]
 
     client = GatewayClient(gateway_pods if s.get("gateway_service") else s["gateways"], s["token"])
-    actuator = None
+    actuator = pool = None
     try:
         actuator = make(s, client, args.kubeconfig)
-        loop = control_loop(s["config"], client.status, client.publish, actuator, s["actuator"])
+        pool = make_pool(s, actuator)
+        loop = control_loop(s["config"], client.status, client.publish, pool, s["actuator"])
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: loop.stop(timeout=0))
         print(f"pdserve autoscale: {s['actuator']} actuator, observing {', '.join(s['gateways'])} every "
@@ -179,6 +200,8 @@ def main(args) -> int:
         error = f"; last error: {last.error}" if last and last.error else ""
         print(f"pdserve autoscale: stopped after {ticks} tick(s){error}", file=sys.stderr, flush=True)
     finally:
+        if pool is not None:
+            pool.close()
         if actuator is not None:
             stop(actuator, client, s["actuator"])
         client.close()

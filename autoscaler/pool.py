@@ -95,8 +95,13 @@ class Runtime:
         return self.models.get(model, {}).get("state") in HOLDING
 
     @property
+    def busy(self) -> bool:
+        """Holds a model (loading, ready or draining; an unreachable runtime: as last seen)."""
+        return any(m.get("state") in (*HOLDING, "draining") for m in self.models.values())
+
+    @property
     def standby(self) -> bool:
-        return self.reachable and not any(m.get("state") in (*HOLDING, "draining") for m in self.models.values())
+        return self.reachable and not self.busy
 
     def idle_models(self) -> list[str]:
         """Ready models with no active request (the node's eviction candidates)."""
@@ -328,7 +333,7 @@ class RuntimePool(Actuator):
         for role in self.roles:
             with self._lock:
                 mine = [rt for rt in self.view.values() if rt.role == role]
-                busy = [rt for rt in mine if not rt.standby and rt.up]  # holding, draining, unreachable
+                busy = [rt for rt in mine if rt.up and rt.busy]  # (up, unreachable, nothing known: neither)
                 spare = sorted((rt for rt in mine if rt.standby), key=lambda rt: (sum(rt.cached.values()), rt.url))
                 starting = [rt for rt in mine if not rt.up]  # cheaper to lose than a warm one: they go first
             unmet = self._unmet.get(role, 0)  # while claims wait for runtimes only those start: capacity first

@@ -1,10 +1,12 @@
 """`pdserve autoscale --actuator local` as its own process, against a running `pdserve gateway`.
 
 Real processes on 127.0.0.1: a gateway with no nodes; the autoscaler observes it over HTTP
-(GET /internal/status), starts the minimum of each role itself and registers them with the
-gateway; a chat request gets an answer; concurrent streams make it add a decode node, never
-beyond the configured maximum; `pdserve status` shows its decisions; SIGTERM stops it and
-every node it started.
+(GET /internal/status), starts standby runtimes itself (the warm pool) and registers them with
+the gateway; the first chat request, held by the gateway while no runtime holds its model, makes
+it place the model (scale from zero, across processes) and gets an answer;
+concurrent streams make it add a decode replica, never beyond the configured maximum;
+`pdserve status` shows its decisions per "model/role"; SIGTERM stops it and every runtime it
+started.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ def write_config(tmp_path, locations: list[str], model: str, port: int) -> str:
 [store]
 locations = [{", ".join(f'"{u}"' for u in locations)}]
 [node]
-model = "{model}"
 threads = 1
 kv_blocks = 256
 [gateway]
@@ -70,7 +71,13 @@ def by_role(decision: dict) -> dict[str, dict]:
 
 
 def ready_nodes(st: dict, role: str) -> list[str]:
+    """Runtimes of `role` with a model ready (the only model here)."""
     return [n["url"] for n in st["nodes"] if n["role"] == role and n["state"] == "ready"]
+
+
+def serving(st: dict, role: str) -> list[str]:
+    """Runtimes of `role` holding a model (not the pool's standby ones)."""
+    return [n["url"] for n in st["nodes"] if n["role"] == role and n["state"] != "standby"]
 
 
 def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(tmp_path, real_model_store):
@@ -89,16 +96,18 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
         scaler = ServiceProc("autoscale", PDSERVE + ["autoscale", "--actuator", "local", "--log-level", "info"],
                              gw.url, str(tmp_path), env)  # fmt: skip
 
-        # the minimum of each role, started by the autoscaler and registered with the gateway
-        st = wait_for(lambda: (s := status(gw.url)) and ready_nodes(s, "prefill") and ready_nodes(s, "decode") and s,
-                      240, "one ready prefill and decode node", every=0.25)  # fmt: skip
-        assert all(n["source"] == "autoscaler" for n in st["nodes"])
+        # the pool's standby runtimes, started by the autoscaler and registered with the gateway
+        st = wait_for(lambda: (s := status(gw.url)) and {n["role"] for n in s["nodes"] if n["state"] == "standby"}
+                      == {"prefill", "decode"} and s, 240, "a standby prefill and decode runtime", every=0.25)  # fmt: skip
+        assert all(n["source"] == "autoscaler" for n in st["nodes"]) and not ready_nodes(st, "decode")
+        # the first request: held at the gateway (demand the autoscaler observes), the model placed, answered
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         question = [{"role": "user", "content": "What is the capital of France?"}]
         answer = client.chat.completions.create(model=model, max_tokens=16, temperature=0, messages=question)
         assert "Paris" in answer.choices[0].message.content
+        assert ready_nodes(status(gw.url), "prefill") and ready_nodes(status(gw.url), "decode")
 
-        # load: 3 streams on one decode node, 1 stream per replica wanted -> 2 decode nodes (the maximum)
+        # load: 3 streams on one decode replica, 1 stream per replica wanted -> 2 decode replicas (the maximum)
         seen = {"decode_nodes": 0, "asked": 0}
         done = threading.Event()
 
@@ -117,7 +126,7 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
 
         def scaled():
             s = status(gw.url)
-            seen["decode_nodes"] = max(seen["decode_nodes"], len([n for n in s["nodes"] if n["role"] == "decode"]))
+            seen["decode_nodes"] = max(seen["decode_nodes"], len(serving(s, "decode")))
             a = s.get("autoscaler") or {}
             asked = (a.get("asked") or {}).items()  # keys "model/role" (a plain role from a role-level actuator)
             seen["asked"] = max([seen["asked"], *[v for k, v in asked if k.rsplit("/", 1)[-1] == "decode"]])
@@ -141,9 +150,9 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
         r = subprocess.run(PDSERVE + ["status"], env=env, capture_output=True, text=True, timeout=30)
         assert r.returncode == 0 and "autoscaler (local" in r.stdout, r.stdout
 
-        # SIGTERM: the loop stops and every node it started is stopped and deregistered
-        nodes = [n["url"] for n in st["nodes"]]
-        assert len(nodes) == 3
+        # SIGTERM: the loop stops and every runtime it started is stopped and deregistered
+        nodes = [n["url"] for n in status(gw.url)["nodes"]]
+        assert len(nodes) >= 3  # 1 prefill + 2 decode replicas, and the pool's standby runtimes
         scaler.p.send_signal(signal.SIGTERM)
         assert scaler.p.wait(60) == 0, scaler.log()
         assert "stopped after" in scaler.log()
@@ -194,7 +203,9 @@ gateway_service = "pdserve-gateway"
         r = subprocess.run(PDSERVE + ["autoscale", "--kubeconfig", str(kubeconfig), "--max-ticks", "6"], env=env,
                            capture_output=True, text=True, timeout=120)  # fmt: skip
         assert r.returncode == 0 and "stopped after 6 tick(s)" in r.stderr, r.stderr
-        assert api.replicas == {"pdserve-prefill": 2, "pdserve-decode": 1}  # min 2 prefill: one PATCH
+        # [gateway] model placed at each role's minimum: 2 prefill runtimes asked for (no pod answers here, so
+        # the claims wait: the pool sizes for them, capacity first, before any standby)
+        assert api.replicas == {"pdserve-prefill": 2, "pdserve-decode": 1}, r.stderr
         patches = [q for q in api.requests if q["method"] == "PATCH"]
         assert [q["path"].rsplit("/", 2)[-2] for q in patches] == ["pdserve-prefill"]
         assert all(kubeapi.SCALE.match(q["path"]) or kubeapi.SLICES.match(q["path"]) for q in api.requests)
@@ -226,7 +237,7 @@ def test_up_autoscale_runs_the_same_observer_in_process(tmp_path, real_model_sto
         assert set(by_role(first["decision"])) == {"prefill", "decode"}
         later = wait_for(lambda: (a := published()) and a["t"] > first["t"] and a, 30, "a later tick's report", every=0.25)
         assert {r: d["replicas"] for r, d in by_role(later["decision"]).items()} == {"prefill": 1, "decode": 1}
-        assert {n["url"] for ns in later["nodes"].values() for n in ns} == {
-            n["url"] for n in status(up.url)["nodes"]}  # the actuator's nodes are the gateway's
+        held = {n["url"] for ns in later["nodes"].values() for n in ns}  # the pool's replicas: runtimes holding it
+        assert held and held <= {n["url"] for n in status(up.url)["nodes"]}  # every one registered with the gateway
     finally:
         up.stop()
