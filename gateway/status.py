@@ -111,3 +111,18 @@ def _print_supervised(sup: dict | None) -> None:
         print(f"{n['slot']:11} {state:11} {pid:>7} {n.get('restarts', 0):>8}  {n.get('last_exit') or '-'}{wait}")
         for line in n.get("last_log") or []:
             print(f"    | {line}")
+    _print_pool(sup.get("pool"))
+
+
+def _print_pool(pool: dict | None) -> None:
+    """The warm pool (autoscaler/pool.py): standby kept per role, claims done, the last placement and why."""
+    if not pool:
+        return
+    standby = sum(1 for r in pool.get("runtimes", []) if r.get("state") == "standby")
+    print(f"warm pool: {standby} standby runtime(s) (keeps {pool.get('pool_size')} per role); "
+          f"{pool.get('claims_done', 0)} claim(s)")  # fmt: skip
+    last = pool.get("last_placement")
+    if last:
+        ready = f", ready in {last['ready_s']:.2f} s" if last.get("ready_s") is not None else ""
+        err = f" — failed: {last['error']}" if last.get("error") else ""
+        print(f"  last placement: {last['model']}/{last['role']} on {last['url']} ({last['why']}){ready}{err}")

@@ -226,6 +226,10 @@ def test_an_idle_model_goes_to_zero_and_the_next_request_brings_it_back(tmp_path
         assert p["claims_done"] >= claims + 2 and set(holding(p)) <= urls, p  # claimed, not started
         assert pids <= set(children(up.p.pid))
         print(f"\nscale from zero: first request -> answer {back_s:.2f} s (12 tokens)")
+        out = subprocess.run([sys.executable, "-m", "autoscaler.cli", "status", "--url", up.url], capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert "warm pool: " in out.stdout and f"last placement: {model}/" in out.stdout, out.stdout
         up.p.send_signal(signal.SIGTERM)
         assert up.p.wait(60) == 0
         assert not alive(seen), f"left running: {alive(seen)}"
