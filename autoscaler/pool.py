@@ -173,7 +173,7 @@ class RuntimePool(Actuator):
 
     def scale(self, key: Key, replicas: int) -> None:
         """Claim (inject) or unload until `replicas` runtimes of the role hold the model; returns at once."""
-        model, role = key
+        _, role = key
         if replicas < 0:
             raise ValueError(f"replicas={replicas} must be >= 0")
         if role not in self.roles:
