@@ -133,7 +133,7 @@ def _run(args, mode: str, locations: list[str], log_dir: str, capacity: dict | N
         if svc.skipped:
             print(f"{mode}: this tree does not know {', '.join(svc.skipped)} (not set)", file=sys.stderr)
         t0 = time.monotonic()
-        sampler = Sampler(svc, t0).start()
+        sampler = Sampler(svc, t0, interval_s=0.1, slow_every=2).start()
         settle_s = _settle(svc, args, pool_size)
         rate = capacity["req_per_s"]
         samples, marks = asyncio.run(_drive(svc, args, rate, pool_size, t0))
@@ -257,8 +257,11 @@ async def _drive(svc: UpService, args, rate: float, pool_size: int, t0: float):
 def _result(args, mode, svc, sampler: Sampler, samples, marks, t0, rate, pool_size) -> dict:
     onset = marks["during"]
     old = sampler.ready_nodes(args.model, onset)
+    roles = {u: n["role"] for row in sampler.rows for u, n in row["nodes"].items()}
+    at_onset = {r: sum(1 for u in old if roles.get(u) == r) for r in ROLES}
     ready = sampler.first(args.model, onset, old, "ready")
     served = sampler.first(args.model, onset, old, "active")
+    decided = sampler.first_scale_up(args.model, onset)
     rel = lambda t: None if t is None else round(t - onset, 2)
     first = lambda d: rel(min(d.values())) if d else None
     ms = lambda x: None if x is None else round(x * 1000, 1)
@@ -276,10 +279,13 @@ def _result(args, mode, svc, sampler: Sampler, samples, marks, t0, rate, pool_si
         "mode": mode, "pool_size": pool_size, "capacity_req_per_s": rate, "phases": phases,
         "requests_total": len(samples), "requests_failed": sum(1 for _, s in samples if not s.ok),
         "errors": sorted({s.error for _, s in samples if s.error})[:10],
+        "onset_to_scale_up_decision_s": rel(decided[0]) if decided else None,
+        "scale_up_reason": decided[1] if decided else None,
+        "decision_to_first_served_s": round(min(served.values()) - decided[0], 2) if decided and served else None,
         "onset_to_new_capacity_ready_s": first(ready), "onset_to_first_served_s": first(served),
         "onset_to_ready_by_role_s": {r: rel(t) for r, t in ready.items()},
         "onset_to_served_by_role_s": {r: rel(t) for r, t in served.items()},
-        "serving_at_onset": sorted(old), "peak_ready_replicas": peak,
+        "serving_at_onset": sorted(old), "serving_at_onset_by_role": at_onset, "peak_ready_replicas": peak,
         "burst_end_to_settled_s": None if marks.get("settled") is None else round(marks["settled"] - marks["during_end"], 2),
         "burst_window_s": [round(onset, 2), round(marks["during_end"], 2)],
         "memory": svc.memory(), "timeline": timeline,
@@ -300,13 +306,20 @@ def _table(r: dict) -> str:
             lines.append(f"{mode:<5} {name:<7} {p['rate_per_s']:>6} {p['seconds']:>5} {p['requests']:>5} {p['failed']:>6} "
                          f"{f(p['ttft_p50_ms']):>12} {f(p['ttft_p99_ms']):>12}")  # fmt: skip
     lines.append("")
-    head = f"{'run':<5} {'onset->new capacity ready':>26} {'onset->first served by it':>26} {'failed':>9} {'peak ready':>12}"
+    lines.append("serving at onset / peak: prefill+decode nodes with the model ready")
+    head = (f"{'run':<5} {'onset->decision':>16} {'onset->new capacity ready':>26} {'onset->first served by it':>26} "
+            f"{'failed':>9} {'at onset':>9} {'peak':>5}")  # fmt: skip
     lines += [head, "-" * len(head)]
     for mode, run in r["runs"].items():
         peak = "+".join(str(v) for v in run["peak_ready_replicas"].values())
-        lines.append(f"{mode:<5} {f(run['onset_to_new_capacity_ready_s']) + ' s':>26} "
+        lines.append(f"{mode:<5} {f(run['onset_to_scale_up_decision_s']) + ' s':>16} "
+                     f"{f(run['onset_to_new_capacity_ready_s']) + ' s':>26} "
                      f"{f(run['onset_to_first_served_s']) + ' s':>26} "
-                     f"{str(run['requests_failed']) + '/' + str(run['requests_total']):>9} {peak:>12}")  # fmt: skip
+                     f"{str(run['requests_failed']) + '/' + str(run['requests_total']):>9} "
+                     f"{'+'.join(str(v) for v in run['serving_at_onset_by_role'].values()):>9} {peak:>5}")  # fmt: skip
+    for mode, run in r["runs"].items():
+        lines.append(f"{mode}: decision -> first served by new capacity {f(run['decision_to_first_served_s'])} s; "
+                     f"the decision: {run['scale_up_reason'] or '-'}")  # fmt: skip
     if r.get("cold_over_pool"):
         lines.append(f"cold process / warm pool (onset -> first served): {r['cold_over_pool']}x")
     return "\n".join(lines)
@@ -332,10 +345,11 @@ def _plot(run: dict, data, path: str, title: str) -> bool:
                 label=f"{role} runtimes (incl. standby)")  # fmt: skip
     for a in (ax, ax2):
         a.axvspan(b0, b1, color="tab:red", alpha=0.1, label="burst" if a is ax else None)
-    served = run["onset_to_first_served_s"]
-    if served is not None:
-        for a in (ax, ax2):
-            a.axvline(b0 + served, color="tab:green", linestyle="--", label="first served by new capacity" if a is ax else None)
+    for at, color, label in ((run["onset_to_scale_up_decision_s"], "tab:purple", "scale-up decision"),
+                             (run["onset_to_first_served_s"], "tab:green", "first served by new capacity")):
+        if at is not None:
+            for a in (ax, ax2):
+                a.axvline(b0 + at, color=color, linestyle="--", label=label if a is ax else None)
     ax.set_ylabel("nodes")
     ax.set_ylim(0, max([row.get(f"{r}_runtimes", 0) for row in tl for r in ROLES] or [1]) + 0.5)
     ax.legend(loc="upper right", fontsize=7)

@@ -209,7 +209,9 @@ class Sampler:
     event is timed to ~interval_s, not to the gateway's 0.5 s poll); every ``slow_every`` ticks the node
     processes (/proc), their memory and the gateway's snapshot (queue depth, the autoscaler's ask).
 
-    ``rows``: {"t" (seconds since t0), "queue_depth", "asked", "reason",
+    ``rows``: {"t" (seconds since t0), "queue_depth", "asked",
+               "decisions": {"model/role": [replicas, current, reason, slo]} (the autoscaler's last),
+               "traffic": {NAME: [queue depth, held, running]} (the gateway's),
                "nodes": {url: {"role", "t", "state", "models": {NAME: [state, active requests, load s]},
                                "memory_used_bytes", "memory_budget_bytes"}}}
     """
@@ -239,8 +241,12 @@ class Sampler:
                 self.svc.memory()
                 st = self.svc.status() or {}
                 auto = st.get("autoscaler") or {}
+                roles = ((auto.get("decision") or {}).get("roles")) or {}
                 self._slow = {"queue_depth": st.get("queue_depth"), "asked": auto.get("asked"),
-                              "reason": auto.get("reason")}  # fmt: skip
+                              "decisions": {k: [d.get("replicas"), d.get("current"), (d.get("reason") or "")[:120],
+                                                d.get("slo", "")] for k, d in roles.items()},
+                              "traffic": {m: [v.get("queue_depth"), v.get("held"), v.get("running")]
+                                          for m, v in (st.get("models") or {}).items()}}  # fmt: skip
             row = {"t": round(t - self.t0, 3), **self._slow, "nodes": {}}
             for url, (_, role) in list(self._nodes.items()):
                 load = self.svc.load(url)
@@ -251,7 +257,7 @@ class Sampler:
                 row["nodes"][url] = {
                     "role": load.get("role", role), "t": round(time.monotonic() - self.t0, 3),
                     "state": node_state(load), "memory_used_bytes": load.get("memory_used_bytes"),
-                    "memory_budget_bytes": load.get("memory_budget_bytes"),
+                    "memory_budget_bytes": load.get("memory_budget_bytes"), "rss_bytes": load.get("rss_bytes"),
                     "models": {m: [node_model_state(load, m), node_active(load, m),
                                    node_model(load, m).get("ready_s")] for m in models}}  # fmt: skip
             self.rows.append(row)
@@ -282,6 +288,20 @@ class Sampler:
                     out[n["role"]] = n["t"]
         return out
 
+    def first_scale_up(self, model: str, after: float) -> tuple[float, str] | None:
+        """(time since t0, "key: reason") of the first decision after `after` that asks `model` for more
+        replicas than it had (or than was asked at `after`: a claim can land before the next sample)."""
+        asked: dict[str, int] = {}
+        for row in self.rows:
+            for key, (want, cur, reason, _) in (row.get("decisions") or {}).items():
+                if key.split("/")[0] != model or want is None:
+                    continue
+                if row["t"] < after:
+                    asked[key] = want
+                elif want > asked.get(key, want) or (cur is not None and want > cur):
+                    return row["t"], f"{key}: {reason}"
+        return None
+
     def compact(self, model: str | None = None, every_s: float = 0.5) -> list[dict]:
         """The rows thinned to one per `every_s`, nodes counted per role: ready (with `model`, or any),
         standby, runtimes (node processes answering)."""
@@ -290,7 +310,8 @@ class Sampler:
             if row["t"] - last < every_s:
                 continue
             last = row["t"]
-            c: dict = {"t": row["t"], "queue_depth": row.get("queue_depth"), "asked": row.get("asked")}
+            c: dict = {"t": row["t"], "queue_depth": row.get("queue_depth"), "decisions": row.get("decisions"),
+                       "traffic": row.get("traffic")}  # fmt: skip
             for n in row["nodes"].values():
                 r = n["role"]
                 c[f"{r}_runtimes"] = c.get(f"{r}_runtimes", 0) + 1

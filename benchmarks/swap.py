@@ -5,25 +5,29 @@
 
 Models in the store (imported once, cached): SmolLM2 as int8 (``smollm2``) and as bf16
 (``smollm2-bf16``) from the real GGUF, and a synthetic Llama-shaped model of random weights, ~1 GiB
-as int8 (``synth1g``, benchmarks/synthetic.py). The service is the real `pdserve up --model ...
---prefill 1 --decode 1 --autoscale` (benchmarks/service.py) with one runtime per role (pool_size 1,
-at most 1 per role) and a per-node memory budget (weights + KV) that holds the largest model but
-not all of them at once: serving one model means evicting or unloading another.
+as int8 (``synth1g``, benchmarks/synthetic.py). Each phase is the real `pdserve up --model ...
+--prefill 1 --decode 1 --autoscale` (benchmarks/service.py), every node with a memory budget
+(weights + KV) that holds the largest model but not all of them at once, the nodes' shard cache
+in ``--cache-dir`` (kept warm across runs).
 
-Lifecycle: start -> the gateway ready -> warm-up: each model once (not counted; the node cache and
-the page cache now hold every model's shards) -> ``--rounds`` rounds, each model in turn: request 1
-(is the model ready on a node of each role at that moment? if not it is *cold*: held by the
-activator while the pool injects it) and request 2 (warm, the control), then — interleaved — a
-fresh `pdserve node --role both --model M` process started for it, timed from spawn to the first
-token of the same request sent to it directly (what scaling up meant before the pool) -> scale
-from zero: the models' idle time passes (``scale_to_zero_after_s``) until no node holds any model,
-then each of ``--zero-models`` is requested once (first token from zero replicas), waiting for
-zero again between them -> the service stopped.
+Phase ``swap``: exactly 1 + 1 runtimes (pool_size 0 and at most 1 replica per role: the pool caps
+runtimes at max + pool_size), so serving a model evicts another. Warm-up: each model once (not
+counted) -> ``--rounds`` rounds, each model in turn: request 1 (*cold* if the model is not ready on
+a node of each role at that moment: held by the activator while the pool injects it, evicting the
+least recently used idle model) and request 2 (warm: the control), then — interleaved — a fresh
+`pdserve node --role both --model M` process, timed from spawn to the first token of the same
+request sent to it directly (what scaling up meant before the pool; no gateway, no KV handoff: it
+favours the baseline).
 
-Reported (table, JSON): per model, cold-request TTFT (pool) p50/max, warm TTFT, fresh process ->
-first token p50, their ratio; from zero -> first token per model; per node the memory budget, the
-most it reported using, the process's RSS in standby and its peak RSS (VmHWM) — the growth must
-stay within the budget.
+Phase ``zero``: pool_size 1 (a standby runtime per role stays up while every model is at zero) and
+``scale_to_zero_after_s`` = ``--idle-s``: after a warm-up, for each of ``--zero-models``: wait
+until no node holds any model and a standby runtime per role is up, then one request (first token
+from zero replicas).
+
+Reported (table, JSON): per model, cold-request TTFT median/max and the nodes' own load time (their
+/load ``ready_s``), warm TTFT, fresh process -> first token median and the ratio; from zero -> first
+token; per node process its memory budget, the most it reported using, its RSS in standby (the
+least it reported) and its peak RSS (VmHWM from /proc) — the growth should stay within the budget.
 """
 
 from __future__ import annotations
@@ -32,16 +36,18 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
 
 from benchmarks.common import cpu_flags, ensure_model, loadavg
-from benchmarks.loadgen import chat_stream, node_stream, pct
+from benchmarks.loadgen import chat_stream, node_stream
 from benchmarks.service import (
     Sampler,
     UpService,
     count_ready,
+    count_standby,
     node_model,
     node_model_state,
     status_nodes,
@@ -93,6 +99,15 @@ def _models(args) -> tuple[list[str], dict[str, dict]]:
     return locations, info
 
 
+def _tables(args, names: list[str], budget: int, pool_size: int, idle_s: float, cooldown_s: float) -> dict:
+    return {"gateway": {"max_running": 64, "max_queue": 256, "queue_timeout_s": 120.0, "models": names},
+            "node": {"threads": 1, "kv_blocks": args.kv_blocks, "memory_gb": budget / 2**30,
+                     "cache_dir": os.path.abspath(args.cache_dir)},
+            "autoscaler": {"tick_s": 0.5, "stable_window_s": 10.0, "panic_window_s": 2.0, "scale_down_delay_s": cooldown_s,
+                           "prefill_min_replicas": 0, "prefill_max_replicas": 1, "decode_min_replicas": 0,
+                           "decode_max_replicas": 1, "pool_size": pool_size, "scale_to_zero_after_s": idle_s}}  # fmt: skip
+
+
 def main(args: argparse.Namespace) -> int:
     if args.rounds < 1 or args.kv_blocks < 1 or args.idle_s <= 0:
         raise ValueError("--rounds >= 1, --kv-blocks >= 1, --idle-s > 0")
@@ -107,38 +122,48 @@ def main(args: argparse.Namespace) -> int:
         print(f"note: a budget of {budget / 2**30:.2f} GiB holds every model at once", file=sys.stderr)
     log_root = args.log_dir or tempfile.mkdtemp(prefix="pdserve-bench-swap-")
     os.makedirs(args.cache_dir, exist_ok=True)
-    tables = {"gateway": {"max_running": 64, "max_queue": 256, "queue_timeout_s": 120.0, "models": names},
-              "node": {"threads": 1, "kv_blocks": args.kv_blocks, "memory_gb": budget / 2**30,
-                       "cache_dir": os.path.abspath(args.cache_dir)},
-              "autoscaler": {"tick_s": 0.5, "stable_window_s": 10.0, "panic_window_s": 2.0, "scale_down_delay_s": 5.0,
-                             "prefill_min_replicas": 0, "prefill_max_replicas": 1, "decode_min_replicas": 0,
-                             "decode_max_replicas": 1, "pool_size": 1, "scale_to_zero_after_s": args.idle_s}}  # fmt: skip
-    svc = UpService(names, locations, os.path.join(log_root, "pool"), tables, {r: 1 for r in ROLES})
     report = {"models": info, "memory_budget_bytes": budget, "kv_blocks": args.kv_blocks, "cpus": os.cpu_count(),
               "cpu_flags": cpu_flags(), "load_avg_start": loadavg(), "max_tokens": args.max_tokens}  # fmt: skip
-    sampler = None
-    try:
-        svc.start()
-        report["gateway_ready_s"] = round(svc.wait_ready(), 2)
-        report["not_set"] = svc.skipped
-        t0 = time.monotonic()
-        sampler = Sampler(svc, t0, interval_s=0.25, slow_every=2).start()
-        visits, fresh, zeros = asyncio.run(_drive(svc, args, names, zero, locations, log_root))
-        report["memory"] = _memory(svc, sampler, budget)
-    finally:
-        if sampler is not None:
-            sampler.stop()
-        report["up_exit_code"] = svc.stop()
-    report.update(_summary(names, visits, fresh, zeros))
-    report.update({"visits": visits, "fresh": fresh, "from_zero": zeros, "load_avg_end": loadavg(),
-                   "timeline": sampler.compact(every_s=1.0) if sampler else [], "log_dir": log_root})  # fmt: skip
+    # swap: 1 + 1 runtimes exactly (pool_size 0 and at most 1 per role: the pool caps runtimes at max +
+    # pool_size), never idle to 0; a 30 s cooldown (a shorter one cut a 1 GiB load that was still running)
+    swap = _phase(args, "swap", names, locations, log_root, _tables(args, names, budget, 0, 0.0, 30.0),
+                  lambda svc: _swap(svc, args, names, locations, log_root))  # fmt: skip
+    # from zero: a standby runtime per role kept while every model is at zero (pool_size 1)
+    zeros = _phase(args, "zero", zero, locations, log_root, _tables(args, zero, budget, 1, args.idle_s, 10.0),
+                   lambda svc: _from_zero(svc, args, zero))  # fmt: skip
+    visits, fresh = swap["result"]
+    report.update(_summary(names, visits, fresh, zeros["result"]))
+    report.update({"visits": visits, "fresh": fresh, "from_zero": zeros["result"], "load_avg_end": loadavg(),
+                   "memory": swap["memory"] + zeros["memory"], "phases": {k: {x: v for x, v in ph.items() if x != "result"}
+                                                                       for k, ph in (("swap", swap), ("zero", zeros))},
+                   "log_dir": log_root})  # fmt: skip
     print(_table(report))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {args.out}")
-    failed = sum(not v["ok"] for v in visits) + sum(not z["ok"] for z in zeros if z.get("ok") is not None)
+    failed = sum(not v["ok"] for v in visits) + sum(not z["ok"] for z in zeros["result"] if z.get("ok") is not None)
     return 1 if failed else 0
+
+
+def _phase(args, name: str, models: list[str], locations, log_root: str, tables: dict, body) -> dict:
+    """One `pdserve up --model ... --prefill 1 --decode 1 --autoscale`, watched, running `body(svc)` (async)."""
+    svc = UpService(models, locations, os.path.join(log_root, name), tables, {r: 1 for r in ROLES})
+    out: dict = {"config": tables}
+    sampler = None
+    try:
+        svc.start()
+        out["gateway_ready_s"] = round(svc.wait_ready(), 2)
+        out["not_set"] = svc.skipped
+        sampler = Sampler(svc, time.monotonic(), interval_s=0.25, slow_every=2).start()
+        out["result"] = asyncio.run(body(svc))
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        out["up_exit_code"] = svc.stop()
+    out["memory"] = _memory(svc, sampler, int(tables["node"]["memory_gb"] * 2**30), name)
+    out["timeline"] = sampler.compact(every_s=1.0)
+    return out
 
 
 async def _ask(client, svc: UpService, model: str, args) -> dict:
@@ -152,30 +177,42 @@ async def _ask(client, svc: UpService, model: str, args) -> dict:
             "node_load_s": load_s, "error": s.error or None}  # fmt: skip
 
 
-async def _drive(svc, args, names, zero, locations, log_root):
+async def _swap(svc, args, names, locations, log_root):
+    """Warm-up, then rounds of (cold, warm, fresh process) per model; -> (visits, fresh)."""
     import httpx
 
-    visits, fresh, zeros = [], [], []
+    visits, fresh = [], []
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
         for m in names:  # warm-up: node cache, page cache, the gateway's text bundles
             w = await _ask(client, svc, m, args)
-            print(f"warm-up {m}: {w}", file=sys.stderr, flush=True)
+            print(f"warm-up {m}: TTFT {w['ttft_s']} s {w['error'] or ''}", file=sys.stderr, flush=True)
         for rnd in range(args.rounds):
             for m in names:
                 for n in (1, 2):
                     v = {**await _ask(client, svc, m, args), "round": rnd, "request": n}
                     visits.append(v)
-                    print(f"round {rnd} {m} #{n}: {'cold' if v['cold'] else 'warm'} TTFT {v['ttft_s']} s"
-                          f"{' ' + v['error'] if v['error'] else ''}", file=sys.stderr, flush=True)  # fmt: skip
+                    print(f"round {rnd} {m} #{n}: {'cold' if v['cold'] else 'warm'} TTFT {v['ttft_s']} s "
+                          f"(node load {v['node_load_s']}) {v['error'] or ''}", file=sys.stderr, flush=True)  # fmt: skip
                     await asyncio.sleep(args.gap_s)
                 if not args.no_fresh:
                     f = await asyncio.to_thread(_fresh, svc, args, m, locations, log_root)
                     fresh.append({**f, "round": rnd})
                     print(f"round {rnd} {m}: fresh process -> first token {f['first_token_s']} s", file=sys.stderr)
+    return visits, fresh
+
+
+async def _from_zero(svc, args, zero):
+    """Each model once from zero replicas (every model idle past scale_to_zero_after_s, standby runtimes up)."""
+    import httpx
+
+    zeros = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
+        for m in zero:  # warm-up: placed at start; the node cache holds it
+            await _ask(client, svc, m, args)
         for m in zero:
             z = {"model": m, "ok": None, "ttft_s": None}
             try:
-                z["waited_s"] = round(await asyncio.to_thread(_wait_zero, svc, names, args.zero_wait_s), 2)
+                z["waited_s"] = round(await asyncio.to_thread(_wait_zero, svc, zero, args.zero_wait_s), 2)
             except TimeoutError as e:
                 z["error"] = f"not at zero: {str(e)[:160]}"
                 zeros.append(z)
@@ -183,17 +220,20 @@ async def _drive(svc, args, names, zero, locations, log_root):
                 continue
             z.update(await _ask(client, svc, m, args))
             zeros.append(z)
-            print(f"from zero {m}: TTFT {z['ttft_s']} s (waited {z['waited_s']} s for zero)", file=sys.stderr)
-    return visits, fresh, zeros
+            print(f"from zero {m}: TTFT {z['ttft_s']} s (node load {z['node_load_s']}; waited {z['waited_s']} s "
+                  f"for zero)", file=sys.stderr)  # fmt: skip
+    return zeros
 
 
 def _wait_zero(svc: UpService, names: list[str], timeout_s: float) -> float:
     """Wait until no registered node holds any of the models; -> seconds waited."""
 
     def none_held(st) -> bool:
-        return all(node_model_state(n.get("load"), m) is None for n in status_nodes(st) for m in names)
+        standby = count_standby(st)
+        return (all(standby.get(r, 0) for r in ROLES)
+                and all(node_model_state(n.get("load"), m) is None for n in status_nodes(st) for m in names))  # fmt: skip
 
-    return svc.wait_for(none_held, timeout_s, "every model at zero replicas")
+    return svc.wait_for(none_held, timeout_s, "every model at zero replicas, a standby runtime per role")
 
 
 def _fresh(svc: UpService, args, model: str, locations: list[str], log_root: str) -> dict:
@@ -227,22 +267,31 @@ def _fresh(svc: UpService, args, model: str, locations: list[str], log_root: str
         services.stop_all()
 
 
-def _memory(svc: UpService, sampler: Sampler, budget: int) -> list[dict]:
-    """Per node process: its budget, the most it reported using, RSS in its first sample and peak RSS."""
+def _memory(svc: UpService, sampler: Sampler | None, budget: int, phase: str) -> list[dict]:
+    """Per node process: its budget, the most it reported using, its RSS in standby (its least reported RSS,
+    imports done) and its peak RSS (VmHWM, /proc) — the growth is what its models cost."""
     reported: dict[str, dict] = {}
-    for row in sampler.rows:
+    for row in sampler.rows if sampler else []:
         for url, n in row["nodes"].items():
-            r = reported.setdefault(url, {"role": n["role"], "used_max": 0, "budget": n.get("memory_budget_bytes")})
+            r = reported.setdefault(url, {"role": n["role"], "used_max": 0, "budget": n.get("memory_budget_bytes"),
+                                          "rss_min": None})  # fmt: skip
             r["used_max"] = max(r["used_max"], n.get("memory_used_bytes") or 0)
+            if n.get("rss_bytes"):
+                r["rss_min"] = min(r["rss_min"] or n["rss_bytes"], n["rss_bytes"])
     out = []
     for key, m in svc.memory().items():
         r = reported.get(m["url"], {})
-        growth = m["peak_rss_bytes"] - m["first_rss_bytes"]
-        out.append({"node": key, "role": r.get("role"), "budget_bytes": r.get("budget") or budget,
-                    "reported_used_max_bytes": r.get("used_max"), "first_rss_bytes": m["first_rss_bytes"],
+        base = r.get("rss_min") or m["first_rss_bytes"]
+        growth, cap = m["peak_rss_bytes"] - base, r.get("budget") or budget
+        out.append({"phase": phase, "node": key, "role": r.get("role"), "budget_bytes": cap,
+                    "reported_used_max_bytes": r.get("used_max"), "standby_rss_bytes": base,
                     "peak_rss_bytes": m["peak_rss_bytes"], "rss_growth_bytes": growth,
-                    "within_budget": growth <= (r.get("budget") or budget)})  # fmt: skip
+                    "within_budget": growth <= cap})  # fmt: skip
     return out
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 3) if xs else None
 
 
 def _summary(names, visits, fresh, zeros) -> dict:
@@ -251,9 +300,12 @@ def _summary(names, visits, fresh, zeros) -> dict:
         cold = [v["ttft_s"] for v in visits if v["model"] == m and v["cold"] and v["ok"]]
         warm = [v["ttft_s"] for v in visits if v["model"] == m and not v["cold"] and v["ok"]]
         fr = [f["first_token_s"] for f in fresh if f["model"] == m and f["ok"]]
-        c50, f50 = pct(cold, 50), pct(fr, 50)
+        loads = [max(v["node_load_s"].values()) for v in visits
+                 if v["model"] == m and v["cold"] and v["ok"] and v.get("node_load_s") and all(v["node_load_s"].values())]
+        c50, f50 = _median(cold), _median(fr)
         rows[m] = {"cold_requests": len(cold), "cold_ttft_p50_s": c50, "cold_ttft_max_s": max(cold) if cold else None,
-                   "warm_ttft_p50_s": pct(warm, 50), "fresh_first_token_p50_s": f50,
+                   "cold_node_load_p50_s": _median(loads), "cold_ttft_s": cold, "fresh_first_token_s": fr,
+                   "warm_ttft_p50_s": _median(warm), "fresh_first_token_p50_s": f50,
                    "fresh_over_cold": round(f50 / c50, 2) if c50 and f50 else None,
                    "from_zero_ttft_s": [z["ttft_s"] for z in zeros if z["model"] == m]}  # fmt: skip
     return {"summary": rows, "requests_failed": sum(not v["ok"] for v in visits)}
@@ -264,19 +316,21 @@ def _table(r: dict) -> str:
     gib = lambda b: "-" if b is None else f"{b / 2**30:.2f} GiB"
     lines = [(f"budget per node {gib(r['memory_budget_bytes'])} (weights + KV), {r['kv_blocks']} KV blocks per model; "
               f"CPU flags: {' '.join(r['cpu_flags']) or '-'}; load avg {f(r['load_avg_start'])}"), ""]  # fmt: skip
-    head = (f"{'model':<14} {'weights':>10} {'cold TTFT p50':>14} {'cold max':>9} {'warm TTFT':>10} "
+    head = (f"{'model':<14} {'weights':>10} {'cold TTFT med':>14} {'cold max':>9} {'node load':>10} {'warm TTFT':>10} "
             f"{'fresh proc->1st tok':>20} {'fresh/cold':>10} {'from zero':>12}")  # fmt: skip
     lines += [head, "-" * len(head)]
     for m, s in r["summary"].items():
         z = ", ".join(f(x, " s") for x in s["from_zero_ttft_s"]) or "-"
         lines.append(f"{m:<14} {gib(r['models'][m]['weights_bytes']):>10} {f(s['cold_ttft_p50_s'], ' s'):>14} "
-                     f"{f(s['cold_ttft_max_s'], ' s'):>9} {f(s['warm_ttft_p50_s'], ' s'):>10} "
+                     f"{f(s['cold_ttft_max_s'], ' s'):>9} {f(s['cold_node_load_p50_s'], ' s'):>10} "
+                     f"{f(s['warm_ttft_p50_s'], ' s'):>10} "
                      f"{f(s['fresh_first_token_p50_s'], ' s'):>20} {f(s['fresh_over_cold'], 'x'):>10} {z:>12}")  # fmt: skip
-    lines += ["", (f"{'node':<34} {'role':<8} {'budget':>10} {'reported max':>13} {'standby RSS':>12} "
+    lines += ["", (f"{'phase':<5} {'node':<12} {'role':<8} {'budget':>10} {'reported max':>13} {'standby RSS':>12} "
                    f"{'peak RSS':>10} {'growth':>10} {'within':>7}")]  # fmt: skip
     for m in r.get("memory", []):
-        lines.append(f"{m['node']:<34} {f(m['role']):<8} {gib(m['budget_bytes']):>10} "
-                     f"{gib(m['reported_used_max_bytes']):>13} {gib(m['first_rss_bytes']):>12} "
+        node = m["node"].rsplit(":", 1)[-1]
+        lines.append(f"{m['phase']:<5} {node:<12} {f(m['role']):<8} {gib(m['budget_bytes']):>10} "
+                     f"{gib(m['reported_used_max_bytes']):>13} {gib(m['standby_rss_bytes']):>12} "
                      f"{gib(m['peak_rss_bytes']):>10} {gib(m['rss_growth_bytes']):>10} {m['within_budget']!s:>7}")  # fmt: skip
     lines.append(f"requests failed: {r['requests_failed']} of {len(r['visits'])}")
     return "\n".join(lines)
