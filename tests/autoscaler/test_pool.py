@@ -8,6 +8,8 @@
   ready on it within a fraction of a cold start (process start -> ready) measured in the same run, and the
   pool is refilled with a new standby process afterwards; scaled back down, the runtime returns to standby
   with the model's weights gone, and surplus standby runtimes are stopped.
+- two models on one runtime (no standby, room for both): the second is placed beside the first, and
+  unloading one leaves the other serving.
 - `pdserve up` with scale-to-zero: a model idle past its time goes to zero (its runtimes return to standby,
   weights gone), and the next request is held by the gateway's activator and answered.
 """
@@ -167,6 +169,43 @@ def test_a_standby_runtime_is_claimed_on_a_burst_then_the_pool_is_refilled(tmp_p
         pool.close()
         act.close()
     assert not alive(seen), f"left running: {alive(seen)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_models_share_one_runtime_and_one_is_unloaded_without_touching_the_other(tmp_path, tiny_hf):
+    """No standby and room for both: the second model goes to the runtime that holds the first (memory room),
+    no process is started for it; unloading one leaves the other serving on that runtime."""
+    from autoscaler.local import LocalActuator, LocalConfig
+    from autoscaler.pool import RuntimePool
+    from paramstore import ParamStore, StoreConfig
+
+    store = StoreConfig.local_default(str(tmp_path / "store"), k=4, m=2)
+    with ParamStore(store) as ps:
+        for name in ("tiny", "tiny2"):
+            ps.import_model(tiny_hf[0], name, dtype="fp32")
+    act = LocalActuator(LocalConfig(model=None, store=list(store.locations), internal_token=TOKEN, threads=1,
+                                    kv_blocks=64, log_dir=str(tmp_path / "logs"), ready_timeout_s=120,
+                                    stop_timeout_s=5))  # fmt: skip
+    pool = RuntimePool(act, HEADERS, PoolConfig(pool_size=0, max_runtimes={"decode": 1}), roles=("decode",))
+
+    def ready(model):
+        return [n.url for n in pool.current().get((model, "decode"), []) if n.ready]
+
+    try:
+        pool.place(["tiny"], {"decode": 1})
+        (url,) = wait_for(lambda: ready("tiny"), 120, "tiny ready on the one runtime", every=0.2)
+        pids = {p.proc.pid for p in act.nodes}
+        pool.scale(("tiny2", "decode"), 1)
+        assert pool.status()["last_placement"]["why"].startswith("memory room"), pool.status()["last_placement"]
+        assert wait_for(lambda: ready("tiny2"), 60, "tiny2 ready", every=0.1) == [url]
+        assert {p.proc.pid for p in act.nodes} == pids and set(_load(url)["models"]) == {"tiny", "tiny2"}
+        pool.scale(("tiny", "decode"), 0)  # unload tiny: tiny2 keeps serving on the same runtime
+        wait_for(lambda: set(_load(url)["models"]) == {"tiny2"}, 60, "tiny unloaded", every=0.1)
+        assert _model_state(url, "tiny2") == "ready" and ready("tiny2") == [url] and not ready("tiny")
+    finally:
+        pool.close()
+        act.close()
 
 
 @pytest.mark.slow
