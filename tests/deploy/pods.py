@@ -20,6 +20,12 @@ Lifecycle of one run (``PodRunner``):
     container's env; the endpoint turns terminating, as in a cluster;
  6. ``stop()``: SIGTERM to every process group, SIGKILL after the grace period (bounded); no
     process is left (also on failure: the runner is a context manager).
+
+One pod per Deployment at first (``pods[deployment]``). ``reconcile(deployment, limit)`` is one step of
+the ReplicaSet controller against the twin's ``spec.replicas`` (which the autoscaler patches): it starts
+pods up to it (at most ``limit``) and, above it, deletes pods in the ReplicaSet's order — not ready first,
+then the lowest ``controller.kubernetes.io/pod-deletion-cost`` (as patched on the twin), then the newest —
+each through its preStop hook, then SIGTERM.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from tests import kubeapi
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 IMAGE = "pdserve"  # containers whose image is this one (any registry / tag) are run
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 
 
 class PodFailed(AssertionError):
@@ -89,6 +96,8 @@ class Pod:
     container: dict
     labels: dict
     dir: Path
+    name: str = ""  # the pod's name ({deployment}-{n}): EndpointSlice targetRef, pod patches
+    created: float = 0.0  # when the ReplicaSet made it (monotonic)
     ports: dict[int, int] = field(default_factory=dict)  # containerPort -> local port
     port_names: dict[str, int] = field(default_factory=dict)  # name -> containerPort
     mounts: dict[str, Path] = field(default_factory=dict)  # mountPath -> local directory
@@ -126,24 +135,25 @@ class PodRunner:
         self.services = {o["metadata"]["name"]: o for o in docs if o["kind"] == "Service"}
         deps = {o["metadata"]["name"]: o for o in docs if o["kind"] == "Deployment"}
         self.entrypoint, self.image_env = image_config()
-        self.pods: dict[str, Pod] = {}
+        self.pods: dict[str, Pod] = {}  # deployment -> its first pod
         for name, dep in deps.items():
             tpl = dep["spec"]["template"]
             for c in tpl["spec"]["containers"]:
                 if c["image"].split("/")[-1].split(":")[0] == IMAGE and (only is None or name in only):
-                    self.pods[name] = Pod(name, tpl["spec"], c, tpl["metadata"].get("labels", {}), workdir / name)
+                    self.pods[name] = Pod(name, tpl["spec"], c, tpl["metadata"].get("labels", {}), workdir / name,
+                                          f"{name}-0", time.monotonic())  # fmt: skip
+        self.all: list[Pod] = list(self.pods.values())  # every pod made, deleted ones included
+        self.deleted: list[Pod] = []
         self.api = kubeapi.KubeApiTwin(self.namespace, {n: 1 for n in deps if "replicas" not in deps[n]["spec"]})
         self.kubeconfig = workdir / "kubeconfig"
         self._planned = False
+        self._started: set[str] = set()  # pods whose startup probe passed
 
     # --- 1. plan -------------------------------------------------------------------------------
 
     def plan(self) -> None:
         for pod in self.pods.values():
-            for p in pod.container.get("ports", []):
-                pod.ports[p["containerPort"]] = free_port()
-                if "name" in p:
-                    pod.port_names[p["name"]] = p["containerPort"]
+            self._ports(pod)
         self.kubeconfig.write_text(json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "twin",
             "clusters": [{"name": "twin", "cluster": {"server": self.api.url}}],
@@ -151,12 +161,21 @@ class PodRunner:
             "contexts": [{"name": "twin", "context": {"cluster": "twin", "user": "pod", "namespace": self.namespace}}],
         }))  # fmt: skip
         for pod in self.pods.values():
-            self._volumes(pod)
-            c = pod.container
-            cmd = list(c.get("command") or self.entrypoint) + list(c.get("args", []))
-            pod.argv = [self._exe(self.remap(pod, a, arg=True)) if i == 0 else self.remap(pod, a, arg=True)
-                        for i, a in enumerate(cmd)]  # fmt: skip
-            pod.env = self._env(pod)
+            self._command(pod)
+
+    def _ports(self, pod: Pod) -> None:
+        for p in pod.container.get("ports", []):
+            pod.ports[p["containerPort"]] = free_port()
+            if "name" in p:
+                pod.port_names[p["name"]] = p["containerPort"]
+
+    def _command(self, pod: Pod) -> None:
+        self._volumes(pod)
+        c = pod.container
+        cmd = list(c.get("command") or self.entrypoint) + list(c.get("args", []))
+        pod.argv = [self._exe(self.remap(pod, a, arg=True)) if i == 0 else self.remap(pod, a, arg=True)
+                    for i, a in enumerate(cmd)]  # fmt: skip
+        pod.env = self._env(pod)
 
     def _volumes(self, pod: Pod) -> None:
         vols = {v["name"]: v for v in pod.spec.get("volumes", [])}
@@ -247,7 +266,7 @@ class PodRunner:
                 data = self._config_map(ref["configMapKeyRef"]["name"], pod.deployment)
                 env[e["name"]] = self.remap(pod, data[ref["configMapKeyRef"]["key"]])
             elif "fieldRef" in ref:
-                env[e["name"]] = {"status.podIP": "127.0.0.1", "metadata.name": f"{pod.deployment}-0",
+                env[e["name"]] = {"status.podIP": "127.0.0.1", "metadata.name": pod.name,
                                   "metadata.namespace": self.namespace}[ref["fieldRef"]["fieldPath"]]  # fmt: skip
             else:
                 raise PodFailed(f"{pod.deployment}: env {e['name']}: unsupported valueFrom {ref}")
@@ -268,12 +287,15 @@ class PodRunner:
             self.plan()
             self._planned = True
         for pod in self.pods.values():
-            if pod.proc is not None or (only is not None and pod.deployment not in only):
-                continue
-            pod.log = pod.dir / "container.log"
-            with open(pod.log, "wb") as log:
-                pod.proc = subprocess.Popen(pod.argv, env=pod.env, cwd=pod.dir, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            if pod.proc is None and (only is None or pod.deployment in only):
+                self._launch(pod)
+
+    def _launch(self, pod: Pod) -> None:
+        pod.dir.mkdir(parents=True, exist_ok=True)
+        pod.log = pod.dir / "container.log"
+        with open(pod.log, "wb") as log:
+            pod.proc = subprocess.Popen(pod.argv, env=pod.env, cwd=pod.dir, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
 
     def probe(self, pod: Pod, kind: str) -> bool:
         pr = pod.container.get(kind)
@@ -291,20 +313,8 @@ class PodRunner:
     def wait_ready(self, timeout_s: float) -> float:
         """Poll every probe until each started pod is ready (startup, then readiness); -> seconds it took."""
         t0 = time.monotonic()
-        started: set[str] = set()
         while True:
-            for pod in self.started():
-                rc = pod.proc.poll()
-                if rc is not None:
-                    raise PodFailed(f"{pod.deployment}: container exited with {rc} at start\n"
-                                    f"  argv: {shlex.join(pod.argv)}\n{pod.log_tail()}")  # fmt: skip
-                if pod.ready:
-                    continue
-                if pod.deployment not in started and self.probe(pod, "startupProbe"):
-                    started.add(pod.deployment)
-                if pod.deployment in started and self.probe(pod, "readinessProbe"):
-                    pod.ready = True
-                    self._endpoint(pod, ready=True)
+            self.probe_pass()
             if all(p.ready for p in self.started()):
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
@@ -313,17 +323,80 @@ class PodRunner:
                 raise PodFailed(f"not ready after {timeout_s:.0f} s: {', '.join(p.deployment for p in late)}\n{logs}")
             time.sleep(0.25)
 
+    def probe_pass(self) -> None:
+        """The kubelet, once: every started pod's startup, then readiness probe; a ready pod becomes a ready
+        endpoint; a container that exited is a failure."""
+        for pod in self.started():
+            rc = pod.proc.poll()
+            if rc is not None:
+                raise PodFailed(f"{pod.name}: container exited with {rc}\n"
+                                f"  argv: {shlex.join(pod.argv)}\n{pod.log_tail()}")  # fmt: skip
+            if pod.ready:
+                continue
+            if pod.name not in self._started and self.probe(pod, "startupProbe"):
+                self._started.add(pod.name)
+            if pod.name in self._started and self.probe(pod, "readinessProbe"):
+                pod.ready = True
+                self._endpoint(pod, ready=True)
+
     def started(self) -> list[Pod]:
-        return [p for p in self.pods.values() if p.proc is not None]
+        """The pods running (started, not deleted)."""
+        return [p for p in self.all if p.proc is not None and p not in self.deleted]
+
+    # --- the ReplicaSet controller ----------------------------------------------------------------
+
+    def replicas_of(self, deployment: str) -> list[Pod]:
+        return [p for p in self.started() if p.deployment == deployment]
+
+    def reconcile(self, deployment: str, limit: int) -> None:
+        """One step: start pods up to the twin's spec.replicas (at most `limit` running), or delete the surplus
+        in the ReplicaSet's order (the module docstring); then one probe pass."""
+        want = min(self.api.replicas[deployment], limit)
+        mine = self.replicas_of(deployment)
+        first = self.pods[deployment]
+        for n in range(len(mine), want):
+            i = len([p for p in self.all if p.deployment == deployment])
+            pod = Pod(deployment, first.spec, first.container, first.labels, self.dir / f"{deployment}-{i}",
+                      f"{deployment}-{i}", time.monotonic())  # fmt: skip
+            self._ports(pod)
+            self._command(pod)
+            self.all.append(pod)
+            self._launch(pod)
+        if len(mine) > want:
+            notes = self.api.annotations
+            order = sorted(mine, key=lambda p: (p.ready, int(notes.get(p.name, {}).get(DELETION_COST, 0)),
+                                                -p.created))  # fmt: skip
+            for pod in order[: len(mine) - want]:
+                self.delete(pod)
+        self.probe_pass()
+
+    def delete(self, pod: Pod) -> None:
+        """A pod deleted: its endpoint terminating, its preStop hook, SIGTERM (SIGKILL after the grace period),
+        then its endpoints gone."""
+        hook = self._prestop(pod)
+        if isinstance(hook, subprocess.CompletedProcess) and hook.returncode != 0:
+            raise PodFailed(f"{pod.name}: preStop failed: {hook.stderr[-1000:]}")
+        _signal_group(pod.proc, signal.SIGTERM)
+        try:
+            pod.proc.wait(pod.spec.get("terminationGracePeriodSeconds", 30))
+        except subprocess.TimeoutExpired:
+            _signal_group(pod.proc, signal.SIGKILL)
+            pod.proc.wait(10)
+        _signal_group(pod.proc, signal.SIGKILL)  # nothing of the group outlives it
+        self.deleted.append(pod)
+        for name in self._services_of(pod):
+            self.api.delete_slice(f"{name}-{pod.name}")
+
+    def _services_of(self, pod: Pod) -> list[str]:
+        return [name for name, svc in self.services.items()
+                if (sel := svc["spec"].get("selector", {})) and sel.items() <= pod.labels.items()]  # fmt: skip
 
     def _endpoint(self, pod: Pod, ready: bool, terminating: bool = False) -> None:
         """The endpoints controller: one EndpointSlice per (Service, pod) — each pod has its own port here."""
-        for name, svc in self.services.items():
-            if self._service_target(svc) is not pod:
-                continue
-            port = svc["spec"]["ports"][0]
+        for name in self._services_of(pod):
+            port = self.services[name]["spec"]["ports"][0]
             local = pod.local_port(port.get("targetPort", port["port"]))
-            sl = kubeapi.endpoint_slice(name, "pod0", [("127.0.0.1", ready, terminating, f"{pod.deployment}-0")],
+            sl = kubeapi.endpoint_slice(name, pod.name, [("127.0.0.1", ready, terminating, pod.name)],
                                         self.namespace, port=local)  # fmt: skip
             sl["ports"] = [{"name": port.get("name", "http"), "port": local, "protocol": "TCP"}]
             self.api.put_slice(sl)
@@ -331,11 +404,14 @@ class PodRunner:
     # --- 5. preStop -----------------------------------------------------------------------------
 
     def prestop(self, deployment: str) -> subprocess.CompletedProcess | httpx.Response:
-        pod = self.pods[deployment]
+        """The first pod of the Deployment's preStop hook (the pod is Terminating; it is not stopped here)."""
+        return self._prestop(self.pods[deployment])
+
+    def _prestop(self, pod: Pod) -> subprocess.CompletedProcess | httpx.Response:
         self._endpoint(pod, ready=False, terminating=True)  # the pod is Terminating: its endpoint says so
         hook = pod.container.get("lifecycle", {}).get("preStop")
         if hook is None:
-            raise PodFailed(f"{deployment}: no preStop hook")
+            raise PodFailed(f"{pod.deployment}: no preStop hook")
         grace = pod.spec.get("terminationGracePeriodSeconds", 30)
         if "exec" in hook:
             cmd = [self.remap(pod, a) for a in hook["exec"]["command"]]
@@ -349,7 +425,7 @@ class PodRunner:
 
     def stop(self, grace_s: float = 20.0) -> list[str]:
         """SIGTERM every container, SIGKILL what is left after grace_s; -> names that needed SIGKILL."""
-        live = [p for p in self.pods.values() if p.proc is not None and p.proc.poll() is None]
+        live = [p for p in self.all if p.proc is not None and p.proc.poll() is None]
         for p in live:
             _signal_group(p.proc, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -358,10 +434,10 @@ class PodRunner:
             try:
                 p.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                killed.append(p.deployment)
+                killed.append(p.name)
                 _signal_group(p.proc, signal.SIGKILL)
                 p.proc.wait(10)
-        for p in self.pods.values():  # nothing of the group may outlive its container
+        for p in self.all:  # nothing of the group may outlive its container
             if p.proc is not None:
                 _signal_group(p.proc, signal.SIGKILL)
         self.api.close()

@@ -51,8 +51,9 @@ def runner(docs, tmp_path, store, **kw) -> PodRunner:
     return PodRunner(docs, tmp_path, list(store.locations), values, store.k, store.m, **kw)
 
 
-def _node_load(run: PodRunner, deployment: str) -> dict:
-    port = run.pods[deployment].local_port("http")
+def _node_load(run: PodRunner, pod) -> dict:
+    """GET /load of a node pod (a Pod, or a Deployment's first pod by name)."""
+    port = (run.pods[pod] if isinstance(pod, str) else pod).local_port("http")
     r = httpx.get(f"http://127.0.0.1:{port}/load", timeout=5,
                   headers={"Authorization": f"Bearer {run.secret('pdserve-secrets', 'internal-token')}"})  # fmt: skip
     assert r.status_code == 200, r.text
@@ -160,6 +161,67 @@ def test_every_container_starts_answers_drains_and_stops(overlay, signed_store, 
         assert pod.proc.poll() is not None, f"{pod.deployment} still running"
     print(f"{overlay}: nodes ready (standby) in {ready_s:.1f} s, chat through the claimed pods in {chat_s:.1f} s, "
           f"whole run {time.monotonic() - t0:.1f} s")
+
+
+def test_the_node_deployments_follow_the_pool_and_a_scale_down_removes_the_standby_pod(signed_store, tmp_path):
+    """The runner as the ReplicaSet controller too (tests/deploy/pods.py reconcile): the local overlay, with the
+    model's idle time cut to 20 s. A chat claims the first pod of each role; the pool then asks each Deployment for
+    one more pod (its standby), which starts empty; once the model idles out it is unloaded (both pods are standby
+    again), the Deployments go back to pool_size, and the pod removed is the one the autoscaler marked with the
+    low pod-deletion-cost: the never-used standby pod, not the one whose node cache holds the model."""
+    from openai import OpenAI
+
+    docs = copy.deepcopy(render("local"))
+    (cm,) = [o for o in docs if o["kind"] == "ConfigMap"]
+    text = cm["data"]["pdserve.toml"]
+    assert "scale_to_zero_after_s = 300.0" in text
+    cm["data"]["pdserve.toml"] = text.replace("scale_to_zero_after_s = 300.0", "scale_to_zero_after_s = 20.0")
+    with runner(docs, tmp_path, signed_store) as run:
+        run.start()
+        run.wait_ready(timeout_s=150)
+        scaler = run.pods["pdserve-autoscaler"]
+        url = f"http://127.0.0.1:{run.pods['pdserve-gateway'].local_port('http')}/v1"
+        client = OpenAI(base_url=url, api_key="sk-test-two", max_retries=1, timeout=90)
+
+        def chat(n: int) -> str:
+            reply = client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=n, temperature=0)  # fmt: skip
+            return reply.choices[0].message.content
+
+        assert "Paris" in chat(16)  # from zero: held until the autoscaler claimed the first pods
+        last = [time.monotonic()]
+
+        def grown() -> bool:  # each Deployment at 2 pods, the new one up; the model kept busy meanwhile
+            for dep in NODES:
+                run.reconcile(dep, limit=2)
+            if time.monotonic() - last[0] > 5:
+                chat(1)
+                last[0] = time.monotonic()
+            return all(len(ps := run.replicas_of(d)) == 2 and all(p.ready for p in ps) for d in NODES)
+
+        _until("a standby pod per node Deployment, started by the ReplicaSet", grown, 150, scaler)
+        for dep in NODES:
+            first, new = run.replicas_of(dep)
+            assert _node_load(run, first)["models"]["smollm2"]["state"] == "ready"
+            load = _node_load(run, new)
+            assert (load["state"], load["models"]) == ("standby", {}), load  # a new pod starts empty
+
+        def shrunk() -> bool:  # idle 20 s: unloaded, each Deployment back to pool_size, its surplus pod deleted
+            for dep in NODES:
+                run.reconcile(dep, limit=2)
+            return all(len(run.replicas_of(d)) == 1 for d in NODES)
+
+        _until("the idle model unloaded and a pod per Deployment removed", shrunk, 90, scaler)
+        marks = [(r["path"].rsplit("/", 1)[1], r["body"]["metadata"]["annotations"]) for r in run.api.requests
+                 if r["method"] == "PATCH" and "/pods/" in r["path"]]  # fmt: skip
+        for dep in NODES:
+            (left,) = run.replicas_of(dep)
+            assert left.name == f"{dep}-0" and run.api.replicas[dep] == 1
+            load = _node_load(run, left)
+            assert load["state"] == "standby" and load["cached"].get("smollm2", 0) > 0, load  # its cache kept
+            assert (f"{dep}-1", {"controller.kubernetes.io/pod-deletion-cost": "-1000"}) in marks, marks
+        assert run.stop() == []
 
 
 def _gateway_only(docs, mutate) -> list[dict]:
