@@ -5,7 +5,9 @@ claims them through the node API (POST /internal/models/load) and sizes each Dep
 runtimes it keeps busy plus its standby pool through this actuator. `scale(role, n, prefer_remove)`
 on a scale-down first marks the pods to remove (standby runtimes, named by URL) with a low
 `controller.kubernetes.io/pod-deletion-cost`, so the ReplicaSet controller deletes those and not a
-pod that serves a model; a pod marked by an earlier call and not chosen now is unmarked.
+pod that serves a model; a pod marked by an earlier call and not chosen now is unmarked (this process
+remembers its marks: a mark left by a scale-down whose scale patch failed just before a restart stays until
+that pod is chosen again or removed — it can only make that pod go first).
 
 The API calls it makes — exactly these, which the RBAC Role in deploy/base/autoscaler.yaml grants
 and tests/autoscaler/test_kubernetes_contract.py serves:

@@ -15,8 +15,11 @@ driver stands in for those parts of a cluster — nothing else about the manifes
     pointing at the API twin (tests/kubeapi.py) on the bridge's gateway address;
  4. play; then the endpoints controller: poll each pod's readinessProbe (httpGet, at the pod's IP) and
     publish it as an EndpointSlice of its Service — the gateway's registry watches them as in a cluster;
- 5. a chat request with the ``openai`` client through the gateway's published port; the decode pod's
-    preStop hook is run inside its container (``podman exec``), and the node must say it is draining;
+ 5. the node pods must be standby runtimes (``GET /load``: no model); a chat request with the ``openai``
+    client through the gateway's published port, held by the gateway until the autoscaler container has
+    claimed the standby pods (the local overlay places nothing at zero replicas); the node pods then hold the
+    model; the decode pod's preStop hook is run inside its container (``podman exec``), and the node must say
+    it is draining;
  6. always (success, failure, Ctrl-C): ``podman kube down`` and the pods removed.
 """
 
@@ -42,6 +45,7 @@ from tests import kubeapi  # the API twin the tests use
 from tests.deploy.pods import with_store  # the pod runner's [store] rewrite
 
 NS = "pdserve"
+NODES = ("pdserve-prefill", "pdserve-decode")
 BRIDGE_IP = "10.88.0.1"  # podman's default network gateway: the address pods reach the host at
 
 
@@ -186,6 +190,12 @@ def main() -> int:
         print(f"test-deploy: {len(objs)} pods playing; polling their readiness probes", flush=True)
         ready_s = wait_ready(rendered, services, api, args.timeout)
         print(f"test-deploy: every pod ready after {ready_s:.1f} s", flush=True)
+        auth = {"Authorization": f"Bearer {values[('pdserve-secrets', 'internal-token')]}"}
+        loads = {d: httpx.get(f"http://{pod_ip(d)}:8001/load", headers=auth, timeout=5).json() for d in NODES}
+        if any((x.get("state"), x.get("models")) != ("standby", {}) for x in loads.values()):
+            print(f"test-deploy: FAILED: the node pods did not start empty (standby): {loads}", file=sys.stderr)
+            return 1
+        print("test-deploy: the node pods are standby runtimes (no model yet)", flush=True)
         from openai import OpenAI
 
         client = OpenAI(base_url=f"http://127.0.0.1:{gw_port}/v1", api_key="sk-podman-test", max_retries=2, timeout=120)
@@ -193,7 +203,13 @@ def main() -> int:
         reply = client.chat.completions.create(model="smollm2", max_tokens=16, temperature=0,
                                                messages=[{"role": "user", "content": "What is the capital of France?"}])
         answer = reply.choices[0].message.content
-        print(f"test-deploy: answer through the gateway container in {time.monotonic() - t_chat:.1f} s: {answer!r}")
+        print(f"test-deploy: answer through the gateway container in {time.monotonic() - t_chat:.1f} s "
+              f"(from zero replicas: the autoscaler claimed the standby pods meanwhile): {answer!r}")
+        held = {d: httpx.get(f"http://{pod_ip(d)}:8001/load", headers=auth, timeout=5).json().get("models", {})
+                for d in NODES}  # fmt: skip
+        if any(m.get("smollm2", {}).get("state") != "ready" for m in held.values()):
+            print(f"test-deploy: FAILED: the node pods do not hold the model: {held}", file=sys.stderr)
+            return 1
         if "Paris" not in answer:
             print("test-deploy: FAILED: the answer does not name Paris", file=sys.stderr)
             return 1
