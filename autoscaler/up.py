@@ -114,6 +114,8 @@ def main(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     roles = plan(args)
+    if args.autoscale and "both" in roles:
+        raise ValueError("autoscaling sizes prefill and decode independently: use --prefill N --decode M")
     token = env_secret("PDSERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)  # or $PDSERVE_INTERNAL_TOKEN_FILE
     os.environ["PDSERVE_INTERNAL_TOKEN"] = token
     gw, local, auto = local_service(args, token)
