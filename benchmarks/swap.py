@@ -111,11 +111,11 @@ def _tables(args, names: list[str], budget: int, pool_size: int, idle_s: float, 
 def main(args: argparse.Namespace) -> int:
     if args.rounds < 1 or args.kv_blocks < 1 or args.idle_s <= 0:
         raise ValueError("--rounds >= 1, --kv-blocks >= 1, --idle-s > 0")
-    locations, info = _models(args)
     names = [m for m, _ in MODELS]
     zero = [m.strip() for m in args.zero_models.split(",") if m.strip()]
     if any(m not in names for m in zero):
         raise ValueError(f"--zero-models: names from {', '.join(names)}")
+    locations, info = _models(args)
     sizes = sorted(v["weights_bytes"] + v["kv_bytes"] for v in info.values())
     budget = int(args.memory_gb * 2**30) if args.memory_gb else sizes[-1] + sizes[0] // 2
     if budget >= sum(sizes):
