@@ -48,6 +48,7 @@ class LoadProgress:
     seconds: float = 0.0
     ready: bool = False
     error: str | None = None
+    released_bytes: int = 0  # shard-buffer bytes handed back after their tensors were copied
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,6 +67,47 @@ def bundle_eos_ids(files: dict[str, bytes]) -> tuple[int, ...]:
             return tuple(TextBundle.from_files(files).eos_token_ids)
     ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     return tuple(int(e) for e in ids)
+
+
+def transient_bytes(manifest, prefetch: int) -> int:
+    """Decoded shard buffers a load of ``manifest`` holds at once beyond its final tensors: the reader's
+    ``max(1, prefetch)`` shards in flight (the one being injected is one of them)."""
+    sizes = sorted((s.size for s in manifest.weight_shards()), reverse=True)
+    return sum(sizes[: max(1, prefetch)])
+
+
+def release_copied(buffer, tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> int:
+    """Hand back to the OS the whole pages of a shard buffer that no tensor of ``model`` views any more
+    (those it copied: fused parts, converted dtypes); -> bytes released. Only an anonymous mmap (the
+    reader's buffers from 1 MiB on) is released; anything else is left as is."""
+    import mmap
+
+    base_obj = getattr(buffer, "obj", None)
+    if not isinstance(base_obj, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or not tensors:
+        return 0
+    from paramstore.buffers import address
+
+    base = address(base_obj)
+    size = len(base_obj)
+    kept: list[tuple[int, int]] = []  # byte ranges of the buffer some tensor of the model still views
+    for m in model.modules():
+        for t in [*m._buffers.values(), *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]:
+            if t is None or t.device.type == "meta" or not t.numel():
+                continue
+            st = t.untyped_storage()
+            lo, hi = st.data_ptr() - base, st.data_ptr() - base + st.nbytes()
+            if hi > 0 and lo < size:
+                kept.append((max(0, lo), min(size, hi)))
+    page = mmap.PAGESIZE
+    kept.sort()
+    released, cursor = 0, 0
+    for start, end in [*kept, (size, size)]:
+        lo, hi = -(-cursor // page) * page, (start // page) * page  # whole pages strictly between kept ranges
+        if hi > lo:
+            base_obj.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            released += hi - lo
+        cursor = max(cursor, end)
+    return released
 
 
 def runtime_weights(manifest, weights: str) -> str:
@@ -132,8 +174,10 @@ class WeightInjector:
                         raise RuntimeError("load cancelled (unloaded)")
                     tensors, _ = read.tensors()
                     self.model.load_weights(self._convert(tensors))
+                    p.released_bytes += release_copied(read.buffer, tensors, self.model)
                     p.shards_loaded += 1
                     p.bytes_loaded += read.shard.size
+                    del tensors, read  # this shard's buffer goes (or keeps only its viewed pages) now
                     p.layers_loaded = self.model.layers_loaded()
                     p.seconds = time.perf_counter() - self.t0
                     LAYERS_LOADED.set(p.layers_loaded)

@@ -9,7 +9,8 @@ closed (its registration of the cache gone), every reference to weights and cach
 allocator asked to give the pages back (``malloc_trim``), so the process's RSS falls.
 
 Memory is counted as the runtime holds it: the unique storages of the model's tensors (int8 weights
-stay int8) plus the KV cache tensor. Before the load it is estimated from the manifest.
+stay int8) plus the KV cache tensor. Before the load it is estimated from the manifest, and while it
+loads the reader's shards in flight (``transient_bytes``, the prefetch the host chose) count too.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ PER_MODEL = ("queued", "running", "importing", "queued_prompt_tokens", "active_r
 
 
 class Held:
-    def __init__(self, name: str, weights: str, manifest, weights_estimate: int, kv_estimate: int):
+    def __init__(self, name: str, weights: str, manifest, weights_estimate: int, kv_estimate: int,
+                 transient: int = 0, prefetch: int = 2):  # fmt: skip
         self.name, self.weights, self.manifest = name, runtime_weights(manifest, weights), manifest
         self.weights_bytes, self.kv_bytes = weights_estimate, kv_estimate  # measured once ready
+        self.transient_bytes, self.prefetch = transient, prefetch  # shards in flight while loading (reserved)
         self.state = "loading"  # loading | ready | draining | failed
         self.error: str | None = None
         self.created = time.time()
@@ -60,7 +63,7 @@ class Held:
 
     @property
     def bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes
+        return self.weights_bytes + self.kv_bytes + (self.transient_bytes if self.state == "loading" else 0)
 
     def idle(self) -> bool:
         """Evictable: ready (or failed) with nothing in flight."""
@@ -89,7 +92,10 @@ class Held:
         self._thread.start()
 
     def _load(self, cfg: NodeConfig, store, cache, loop, t0: float) -> None:
-        inj = WeightInjector(store, self.name, self.weights, cache=cache, manifest=self.manifest, text=False)
+        from paramstore.reader import ReaderConfig
+
+        inj = WeightInjector(store, self.name, self.weights, reader_config=ReaderConfig(prefetch=self.prefetch),
+                             cache=cache, manifest=self.manifest, text=False)  # fmt: skip
         self.injector, self.progress = inj, inj.progress
         if self._cancel.is_set():
             return
@@ -131,7 +137,8 @@ class Held:
         out = {"model": self.name, "state": state, "ref": self.manifest.ref, "weights": self.weights,
                "bytes": self.bytes, "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes,
                "last_used": self.last_used, "progress": self.progress.as_dict(), "error": self.error,
-               "ready_s": self.ready_s}  # fmt: skip
+               "ready_s": self.ready_s, "transient_bytes": self.transient_bytes if self.state == "loading" else 0,
+               "prefetch": self.prefetch}  # fmt: skip
         out.update(dict.fromkeys(PER_MODEL, 0))
         svc = self.svc
         if svc is not None:

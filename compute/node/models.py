@@ -2,9 +2,12 @@
 
 Lifecycle of one held model (a ``Held``, keyed by the name it was asked to load):
  1. ``load(name)``: the name is resolved in the store (``ModelUnknown``: 404) and its memory estimated
-    from the manifest (weights as the runtime will hold them + ``kv_blocks`` of its KV layout). No room
-    in the budget: the least recently used *idle* models are evicted (unloaded) until it fits —
-    ``NodeBusy`` (503) and nothing evicted when even evicting every idle one would not make room;
+    from the manifest (weights as the runtime will hold them + ``kv_blocks`` of its KV layout + the
+    transient of the load itself: the decoded shards the reader holds in flight, ``transient_bytes``;
+    at least one shard is reserved, and the reader's prefetch is cut to what the room left allows, so
+    the budget holds during the load, not only after). No room in the budget: the least recently used
+    *idle* models are evicted (unloaded) until it fits — ``NodeBusy`` (503) and nothing evicted when
+    even evicting every idle one would not make room;
  2. ``loading``: a background thread injects the weights (``WeightInjector``; progress in /load), then
     builds the model's engine (its KV cache), ``NodeService``, KV sender or receiver and engine thread
     (``held.build``) -> ``ready``, its bytes now measured from the tensors it holds;
@@ -23,13 +26,14 @@ import asyncio
 import logging
 import time
 
-from compute.loader import LoadProgress
+from compute.loader import LoadProgress, transient_bytes
 
 from .config import NodeConfig
 from .held import Held, estimate_bytes, free, mem_available, rss_bytes
 from .service import BadNodeRequest, NodeBusy, NodeService
 
 log = logging.getLogger("pdserve.node")
+PREFETCH = 2  # shards a load keeps in flight when the budget has room for them (ReaderConfig's default)
 EVICT_DRAIN_S = 5.0  # an idle model has nothing in flight: this bounds only a race with a new request
 SUMMED = ("queued", "running", "importing", "queued_prompt_tokens", "active_requests", "kv_blocks_used",
           "kv_blocks_free", "kv_blocks_total", "kv_blocks_held", "kv_transfers_held")  # fmt: skip
@@ -73,10 +77,12 @@ class ModelHost:
             wb, kb = estimate_bytes(manifest, weights, self.cfg)
             self.models.pop(name, None)  # a failed earlier load: retry
             evicted = []
-            for v in self._victims(name, wb + kb):
+            for v in self._victims(name, wb + kb + transient_bytes(manifest, 1)):
                 await self._retire(v, EVICT_DRAIN_S)
                 evicted.append(v.name)
-            h = Held(name, weights, manifest, wb, kb)
+            room = self.budget_bytes - self.used_bytes() - wb - kb
+            prefetch = max((p for p in range(1, PREFETCH + 1) if transient_bytes(manifest, p) <= room), default=1)
+            h = Held(name, weights, manifest, wb, kb, transient_bytes(manifest, prefetch), prefetch)
             self.models[name] = h
             h.start(self.cfg, self.store, self.cache, self.loop, on_ready=self._on_ready)
             if evicted:

@@ -219,6 +219,49 @@ def test_budget_for_one_model_evicts_the_idle_one_and_refuses_when_busy(tmp_path
         n.stop()
 
 
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_peak_rss_while_loading_stays_within_the_budget(tmp_path, two_models, multi):
+    """The budget holds during the load, not only after: the node's RSS, sampled from /proc every few ms
+    while it loads a model into a budget sized for one, grows by no more than that budget (the shards in
+    flight are reserved, the pages of tensors copied into fused buffers handed back)."""
+    locations, a, b = two_models
+    one = multi.load()["models"].get(a, {}).get("bytes") or load_ready(multi, a) and multi.load()["models"][a]["bytes"]
+    n = node(tmp_path, locations, extra=("--memory-gb", f"{1.5 * one / 2**30:.6f}"))
+    try:
+        n.wait_ready()
+        budget = n.load()["memory_budget_bytes"]
+        for model in (a, b, a):  # the second and third loads evict the one before
+            base = _rss(n.p.pid)
+            peak, samples, stop = [base], [0], threading.Event()
+
+            def sample():
+                while not stop.is_set():
+                    peak[0] = max(peak[0], _rss(n.p.pid))
+                    samples[0] += 1
+                    stop.wait(0.002)
+
+            t = threading.Thread(target=sample)
+            t.start()
+            try:
+                r = load_ready(n, model)
+            finally:
+                stop.set()
+                t.join(5)
+            held = n.load()["models"][model]
+            assert held["transient_bytes"] == 0 and held["progress"]["released_bytes"] > 0, held
+            growth = peak[0] - base
+            assert samples[0] >= 5, samples  # the load was sampled, not just its ends
+            assert growth <= budget, (model, r, growth / 2**20, budget / 2**20, samples)
+            assert n.load()["memory_used_bytes"] <= budget
+            assert _rss(n.p.pid) - base <= budget
+    finally:
+        n.stop()
+
+
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_standby_prefill_and_decode_nodes_hand_off_a_loaded_model(tmp_path, two_models, transport):
     """Each model's KV endpoint is made on load and closed on unload (over NIXL: one agent per process,
