@@ -238,7 +238,7 @@ def test_peak_rss_while_loading_stays_within_the_budget(tmp_path, two_models, mu
             base = _rss(n.p.pid)
             peak, samples, stop = [base], [0], threading.Event()
 
-            def sample():
+            def sample(peak=peak, samples=samples, stop=stop):
                 while not stop.is_set():
                     peak[0] = max(peak[0], _rss(n.p.pid))
                     samples[0] += 1
