@@ -12,23 +12,32 @@ One tick (the loop calls ``current()`` first, then ``prepare`` / ``scale`` per k
                and ``cached`` (the fraction of a model's shards its node cache holds);
  2. reconcile  each key ``scale()`` was asked about goes to its desired count:
                short -> claim: ``POST /internal/models/load`` on the best runtime of role r not holding m
-               (ranking below); a 503 (no room) moves on to the next candidate; none left: the deficit
-               waits for a runtime from step 3. A claim that evicted an idle model lowers that model's
-               desired count (it went idle; the policy or the activator brings it back on demand);
+               (ranking below), with ``keep``: the models there the node must not evict to make room
+               (those still wanted that became ready within ``protect_s`` and served nothing since: the
+               request held for them is on its way); a 503 (no room) moves on to the next candidate; none left:
+               the deficit waits for a runtime from step 3. A model a claim evicted is at 0 replicas at
+               once (its desired count; the policy or the activator brings it back on demand);
                surplus -> unload: ``POST /internal/models/unload`` in a background thread (that model
                drains on the runtime, bounded, then its weights and KV are freed): the runtime returns to
                the pool. Loading replicas go first, then the one with the fewest active requests;
- 3. refill     runtimes per role = busy (holding a model) + ``pool_size``, capped at ``max_runtimes[role]``
-               (while claims wait for runtimes: busy + those claims, never fewer than run — capacity first,
-               on a small box the refill follows once they are placed); the surplus leaves starting
+ 3. refill     runtimes per role = max(``min_runtimes[role]``, busy (holding a model) + ``pool_size``), capped
+               at ``max_runtimes[role]`` (while claims wait for runtimes: busy + those claims, never fewer
+               than run — capacity first, on a small box the refill follows once they are placed). The
+               minimum is the plan's count (``pdserve up``) or ``{role}_min_replicas``: those runtimes
+               stay up, standby when nothing is held, so a pool that cannot hold every model swaps
+               models on its runtimes instead of stopping and starting processes. The cap is
+               ``{role}_max_replicas`` (at least the minimum): standby runtimes count within it, so a
+               pool at its cap keeps no standby one and serves a new model by evicting an idle one;
+               the surplus leaves starting
                runtimes first, then standby ones (``scale(role, n, prefer_remove=urls)``,
                the least cached first). New runtimes are the runtime actuator's to start (LocalActuator:
                ``--import-nice``, so a refill's imports yield the CPU to the nodes that serve).
 
 Placement ranking (``rank``), best first, among runtimes of the role that are up, not draining and not
 holding m: the highest ``cached[m]`` (ServerlessLLM: load from what is local), then standby (no model),
-then one with memory room for m, then one with an idle model to evict (least recently used, the node's
-choice). A runtime with none of these would only answer 503: it is not a candidate.
+then one with memory room for m, then one with an idle model to evict that no key wants (desired 0),
+then one whose idle models are still wanted (least recently used, the node's choice, never one in
+``keep``). A runtime with none of these would only answer 503: it is not a candidate.
 
 Concurrency: ``current`` / ``scale`` / ``prepare`` come from the loop's thread; unloads run in daemon
 threads and ``status()`` (``pdserve status``) from any thread: the shared records are under one lock.
@@ -59,6 +68,8 @@ class PoolConfig:
 
     pool_size: int = 1  # standby runtimes kept per role (AutoscalerConfig.pool_size)
     max_runtimes: Mapping[str, int] = field(default_factory=dict)  # role -> runtimes at most; absent: 8
+    min_runtimes: Mapping[str, int] = field(default_factory=dict)  # role -> runtimes kept up at least; absent: 0
+    protect_s: float = 5.0  # a wanted model ready this recently, unserved since, is not evicted by a claim
     unload_timeout_s: float = 30.0  # a model's drain on unload is bounded by this
     http_timeout_s: float = 2.0  # each /load read and load call
     history: int = 20  # claims kept for status()
@@ -69,11 +80,17 @@ class PoolConfig:
         for role, n in self.max_runtimes.items():
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"max_runtimes[{role!r}]={n} must be an int >= 1")
-        if self.unload_timeout_s <= 0 or self.http_timeout_s <= 0 or self.history < 1:
-            raise ValueError("unload_timeout_s > 0, http_timeout_s > 0, history >= 1")
+        for role, n in self.min_runtimes.items():
+            if not isinstance(n, int) or n < 0:
+                raise ValueError(f"min_runtimes[{role!r}]={n} must be an int >= 0")
+        if self.unload_timeout_s <= 0 or self.http_timeout_s <= 0 or self.history < 1 or self.protect_s < 0:
+            raise ValueError("unload_timeout_s > 0, http_timeout_s > 0, history >= 1, protect_s >= 0")
 
     def cap(self, role: str) -> int:
-        return self.max_runtimes.get(role, 8)
+        return max(self.max_runtimes.get(role, 8), self.floor(role))
+
+    def floor(self, role: str) -> int:
+        return self.min_runtimes.get(role, 0)
 
 
 @dataclass(slots=True)
@@ -108,17 +125,20 @@ class Runtime:
         return [n for n, m in self.models.items() if m.get("state") == "ready" and not m.get("active_requests")]
 
 
-def rank(runtimes: list[Runtime], model: str, role: str, need_bytes: int = 0) -> list[tuple[Runtime, str]]:
-    """The runtimes a claim of (model, role) may go to, best first, each with why (see the module doc)."""
+def rank(runtimes: list[Runtime], model: str, role: str, need_bytes: int = 0,
+         wanted: frozenset | set = frozenset(), keep: Mapping[str, set] | None = None) -> list[tuple[Runtime, str]]:  # fmt: skip
+    """The runtimes a claim of (model, role) may go to, best first, each with why (see the module doc).
+    ``wanted``: models some key of the role wants (> 0 replicas); ``keep[url]``: models not to evict there."""
     out = []
     for rt in runtimes:
         if rt.role != role or not (rt.up and rt.reachable) or rt.state == "draining" or model in rt.models:
             continue  # a model held in any state (failed too: unload it first) is not claimed there again
         free = rt.budget - rt.used
         room = free > 0 and free >= need_bytes
-        idle = rt.idle_models()
+        idle = [m for m in rt.idle_models() if m not in (keep or {}).get(rt.url, ())]
         if not (rt.standby or room or idle):
             continue
+        hurts = sum(1 for m in idle if m in wanted)  # evicting one of these takes a replica the policy wants
         cached = float(rt.cached.get(model, 0.0))
         if cached > 0:
             why = f"node cache holds {cached:.0%} of {model}'s shards"
@@ -127,8 +147,9 @@ def rank(runtimes: list[Runtime], model: str, role: str, need_bytes: int = 0) ->
         elif room:
             why = f"memory room ({free / 2**30:.2f} GiB free)"
         else:
-            why = f"evicts an idle model ({', '.join(sorted(idle))})"
-        out.append(((-cached, not rt.standby, not room, -len(idle), rt.url), rt, why))
+            why = f"evicts an idle model ({', '.join(sorted(idle))})" + (" still wanted" if hurts == len(idle) else "")
+        out.append(((not room and not rt.standby and hurts == len(idle), -cached, not rt.standby, not room,
+                     hurts, -len(idle), rt.url), rt, why))  # fmt: skip
     return [(rt, why) for _, rt, why in sorted(out, key=lambda t: t[0])]
 
 
@@ -147,6 +168,7 @@ class RuntimePool(Actuator):
         self.claims_done = 0
         self.last_placement: dict | None = None
         self._unmet: dict[str, int] = {}  # role -> claims that found no runtime (refill starts one)
+        self._ready_at: dict[tuple[str, str], float] = {}  # (model, url) -> when first seen ready
 
     # --- the key-level contract ---------------------------------------------------------
     def current(self) -> dict[Key, list[NodeInfo]]:
@@ -215,6 +237,12 @@ class RuntimePool(Actuator):
                     rt.models, rt.state = old.models, "unreachable"  # one missed read: keep what it held
             self.view = seen
             self._unloading = {(m, u) for m, u in self._unloading if u in seen}
+            for rt in seen.values():
+                for m, d in rt.models.items():
+                    if d.get("state") == "ready":
+                        self._ready_at.setdefault((m, rt.url), now)
+            self._ready_at = {k: v for k, v in self._ready_at.items()
+                              if k[1] in seen and (seen[k[1]].models.get(k[0]) or not seen[k[1]].reachable)}  # fmt: skip
             for c in self._claims:  # claim -> ready, as first seen
                 rt = seen.get(c["url"])
                 if c["ready_s"] is None and rt and rt.models.get(c["model"], {}).get("state") == "ready":
@@ -262,11 +290,13 @@ class RuntimePool(Actuator):
         """Inject the model into the best runtime that takes it; False if none would."""
         model, role = key
         with self._lock:
-            candidates = rank(list(self.view.values()), model, role, self._need_bytes_locked(model))
+            wanted = {m for (m, r), n in self._desired.items() if r == role and n > 0 and m != model}
+            keep = {rt.url: self._protected_locked(rt, wanted) for rt in self.view.values() if rt.role == role}
+            candidates = rank(list(self.view.values()), model, role, self._need_bytes_locked(model), wanted, keep)
         for rt, why in candidates:
             t = time.time()
             try:
-                r = self._http.post(rt.url + "/internal/models/load", json={"model": model})
+                r = self._http.post(rt.url + "/internal/models/load", json={"model": model, "keep": sorted(keep[rt.url])})
             except httpx.HTTPError as e:
                 log.warning("pool: load %s on %s failed: %s", model, rt.url, e)
                 continue
@@ -285,12 +315,26 @@ class RuntimePool(Actuator):
                 for gone in body.get("evicted") or []:
                     rt.models.pop(gone, None)
                     k = (gone, role)
-                    if k in self._desired:
+                    if k in self._desired:  # at 0 at once where this was its only replica
                         self._desired[k] = max(0, min(self._desired[k], len(self._holders(k))))
+                    self._ready_at.pop((gone, rt.url), None)
             self._record(key, rt, why, t, "", evicted=list(body.get("evicted") or []))
             log.info("pool: claimed %s (%s) for %s: %s", rt.url, rt.name, model, why)
             return True
         return False
+
+    def _protected_locked(self, rt: Runtime, wanted: set[str]) -> set[str]:
+        """(holding _lock) Models on ``rt`` a claim must not evict: wanted, and loading, or ready within
+        protect_s without having served a request since (one held for it is being routed to it now)."""
+        now, out = time.time(), set()
+        for m, d in rt.models.items():
+            if m not in wanted:
+                continue
+            ready_t = self._ready_at.get((m, rt.url), now)  # ready but not seen so yet: just now
+            unserved = (d.get("last_used") or 0) < ready_t  # the request it was claimed for is still coming
+            if d.get("state") == "loading" or (unserved and now - ready_t < self.config.protect_s):
+                out.add(m)
+        return out
 
     def _need_bytes_locked(self, model: str) -> int:
         """(holding _lock) The model's size as some runtime reported it (0: not known yet)."""
@@ -329,7 +373,7 @@ class RuntimePool(Actuator):
 
     # --- refill -------------------------------------------------------------------------
     def _refill(self) -> None:
-        """Runtimes per role = busy + (unmet claims or pool_size), capped; standby ones leave first."""
+        """Runtimes per role = max(min, busy + (unmet claims or pool_size)), capped; standby ones leave first."""
         for role in self.roles:
             with self._lock:
                 mine = [rt for rt in self.view.values() if rt.role == role]
@@ -337,7 +381,7 @@ class RuntimePool(Actuator):
                 spare = sorted((rt for rt in mine if rt.standby), key=lambda rt: (sum(rt.cached.values()), rt.url))
                 starting = [rt for rt in mine if not rt.up]  # cheaper to lose than a warm one: they go first
             unmet = self._unmet.get(role, 0)  # while claims wait for runtimes only those start: capacity first
-            want = len(busy) + (unmet or self.config.pool_size)
+            want = max(self.config.floor(role), len(busy) + (unmet or self.config.pool_size))
             want = max(len(busy), min(self.config.cap(role), want))
             have = self.runtimes.replicas(role)
             if unmet:  # no shrinking while claims wait: the runtimes starting (or restarting) are theirs
@@ -369,14 +413,17 @@ def _detail(r: httpx.Response) -> str:
         return r.text[:200]
 
 
-def pool_config(config, roles: tuple[str, ...]) -> PoolConfig:
+def pool_config(config, roles: tuple[str, ...], floors: Mapping[str, int] | None = None) -> PoolConfig:
     """The pool's settings from an AutoscalerConfig: its pool_size (1 where it has none) standby runtimes per
-    role on top of at most {role}_max_replicas busy ones."""
+    role within at most {role}_max_replicas runtimes, and at least ``floors[role]`` (``pdserve up``: the plan's
+    counts) or {role}_min_replicas runtimes kept up (standby when nothing is held)."""
     size = int(getattr(config, "pool_size", 1))
-    caps = {}
+    caps, lows = {}, {}
     for role in roles:
         try:
-            caps[role] = config.bounds(role)[1] + size
+            lo, hi = config.bounds(role)
         except ValueError:  # a role the policy does not size ("both"): its runtimes as asked, plus the pool
-            caps[role] = 8 + size
-    return PoolConfig(pool_size=size, max_runtimes=caps)
+            lo, hi = 0, 8 + size
+        lows[role] = max(int(lo), int((floors or {}).get(role, 0)))
+        caps[role] = max(int(hi), lows[role], 1)
+    return PoolConfig(pool_size=size, max_runtimes=caps, min_runtimes=lows)

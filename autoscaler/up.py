@@ -124,7 +124,7 @@ def main(args) -> int:
 
     actuator = LocalActuator(local, **registry_hooks(gw, loop))
     auto = auto if args.autoscale else fixed_bounds(auto, roles)
-    pool = RuntimePool(actuator, {"Authorization": f"Bearer {token}"}, pool_config(auto, tuple(roles)), tuple(roles))
+    pool = RuntimePool(actuator, {"Authorization": f"Bearer {token}"}, pool_config(auto, tuple(roles), floors=roles), tuple(roles))
     stop.actuator = actuator
     gw.supervisor = lambda: {**actuator.status(), "pool": pool.status()}
     control = None

@@ -10,8 +10,8 @@ as int8 (``synth1g``, benchmarks/synthetic.py). Each phase is the real `pdserve 
 (weights + KV) that holds the largest model but not all of them at once, the nodes' shard cache
 in ``--cache-dir`` (kept warm across runs).
 
-Phase ``swap``: exactly 1 + 1 runtimes (pool_size 0 and at most 1 replica per role: the pool caps
-runtimes at max + pool_size), so serving a model evicts another. Warm-up: each model once (not
+Phase ``swap``: exactly 1 + 1 runtimes (at most 1 replica per role: the pool keeps the plan's 1 + 1
+up and never more than max_replicas, pool_size 1 within that), so serving a model evicts another. Warm-up: each model once (not
 counted) -> ``--rounds`` rounds, each model in turn: request 1 (*cold* if the model is not ready on
 a node of each role at that moment: held by the activator while the pool injects it, evicting the
 least recently used idle model) and request 2 (warm: the control), then — interleaved — a fresh
@@ -124,9 +124,9 @@ def main(args: argparse.Namespace) -> int:
     os.makedirs(args.cache_dir, exist_ok=True)
     report = {"models": info, "memory_budget_bytes": budget, "kv_blocks": args.kv_blocks, "cpus": os.cpu_count(),
               "cpu_flags": cpu_flags(), "load_avg_start": loadavg(), "max_tokens": args.max_tokens}  # fmt: skip
-    # swap: 1 + 1 runtimes exactly (pool_size 0 and at most 1 per role: the pool caps runtimes at max +
-    # pool_size), never idle to 0; a 30 s cooldown (a shorter one cut a 1 GiB load that was still running)
-    swap = _phase(args, "swap", names, locations, log_root, _tables(args, names, budget, 0, 0.0, 30.0),
+    # swap: 1 + 1 runtimes exactly (at most 1 per role: the pool's runtimes stay within max_replicas, the
+    # plan's 1 + 1 kept up; pool_size 1 fits inside that cap), never idle to 0; a 30 s cooldown
+    swap = _phase(args, "swap", names, locations, log_root, _tables(args, names, budget, 1, 0.0, 30.0),
                   lambda svc: _swap(svc, args, names, locations, log_root))  # fmt: skip
     # from zero: a standby runtime per role kept while every model is at zero (pool_size 1)
     zeros = _phase(args, "zero", zero, locations, log_root, _tables(args, zero, budget, 1, args.idle_s, 10.0),
@@ -136,6 +136,7 @@ def main(args: argparse.Namespace) -> int:
     report.update({"visits": visits, "fresh": fresh, "from_zero": zeros["result"], "load_avg_end": loadavg(),
                    "memory": swap["memory"] + zeros["memory"], "phases": {k: {x: v for x, v in ph.items() if x != "result"}
                                                                        for k, ph in (("swap", swap), ("zero", zeros))},
+                   "runtime_processes": {"swap": len(swap["memory"]), "zero": len(zeros["memory"])},
                    "log_dir": log_root})  # fmt: skip
     print(_table(report))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -59,10 +59,13 @@ class ModelHost:
         self._lock = asyncio.Lock()  # loads / unloads decide one at a time
 
     # --- load / unload -------------------------------------------------------------------
-    async def load(self, name, weights=None) -> tuple[int, dict]:
-        """-> (202 | 200, {"model", "state", "evicted"}); ModelUnknown, BadNodeRequest, NodeBusy."""
+    async def load(self, name, weights=None, keep=()) -> tuple[int, dict]:
+        """-> (202 | 200, {"model", "state", "evicted"}); ModelUnknown, BadNodeRequest, NodeBusy.
+        ``keep``: models not to evict for this load (the pool's: a request is on its way to them)."""
         if not isinstance(name, str) or not name.strip():
             raise BadNodeRequest("model must be a non-empty string NAME[@vN]")
+        if not isinstance(keep, (list, tuple)) or not all(isinstance(k, str) for k in keep):
+            raise BadNodeRequest("keep must be a list of model names")
         weights = self.cfg.weights if weights is None else weights
         if weights not in ("int8", "bf16", "fp32"):
             raise BadNodeRequest(f"invalid weights {weights!r}: int8, bf16 or fp32")
@@ -77,7 +80,7 @@ class ModelHost:
             wb, kb = estimate_bytes(manifest, weights, self.cfg)
             self.models.pop(name, None)  # a failed earlier load: retry
             evicted = []
-            for v in self._victims(name, wb + kb + transient_bytes(manifest, 1)):
+            for v in self._victims(name, wb + kb + transient_bytes(manifest, 1), set(keep)):
                 await self._retire(v, EVICT_DRAIN_S)
                 evicted.append(v.name)
             room = self.budget_bytes - self.used_bytes() - wb - kb
@@ -143,19 +146,21 @@ class ModelHost:
         except InvalidRequest as e:
             raise BadNodeRequest(f"bad model reference {name!r}: {e}") from None
 
-    def _victims(self, name: str, need: int) -> list[Held]:
-        """The idle models to evict (LRU first) so that ``need`` bytes fit; NodeBusy if they cannot."""
+    def _victims(self, name: str, need: int, keep: set[str] = frozenset()) -> list[Held]:
+        """The idle models (not in ``keep``) to evict, LRU first, so that ``need`` bytes fit; NodeBusy if
+        they cannot."""
         free_b = self.budget_bytes - self.used_bytes()
         if need <= free_b:
             return []
-        idle = sorted((h for h in self.models.values() if h.idle()), key=lambda h: h.last_used or h.created)
+        idle = sorted((h for h in self.models.values() if h.idle() and h.name not in keep),
+                      key=lambda h: h.last_used or h.created)  # fmt: skip
         out = []
         for h in idle:
             out.append(h)
             free_b += h.bytes
             if need <= free_b:
                 return out
-        busy = [h.name for h in self.models.values() if not h.idle()]
+        busy = [h.name for h in self.models.values() if not h.idle() or h.name in keep]
         raise NodeBusy(f"no room for {name!r}: needs {need / 2**20:.1f} MiB, budget {self.budget_bytes / 2**20:.1f} "
                        f"MiB, {(self.budget_bytes - self.used_bytes()) / 2**20:.1f} MiB free"
                        + (f"; busy models: {', '.join(busy)}" if busy else ""))  # fmt: skip
