@@ -21,7 +21,9 @@ class AutoscalerConfig:
     """SLOs, targets, bounds, windows and stabilisation of the per-(model, role) policy (see policy.py)."""
 
     # --- control loop ---
-    tick_s: float = 1.0  # seconds between observe → decide → act ticks
+    tick_s: float = 0.5  # seconds between observe → decide → act ticks. Locally a decision costs ~1 ms and the
+    #   gateway's arrival rates move within a second, so 0.5 s puts a burst's decision ~1 s after its onset
+    #   (the Kubernetes overlays set their own, slower tick: an API call per change)
 
     # --- per-replica targets: the core formula is load / target (Ray Serve's shape); the two counts are
     #     fallbacks, used only while no node of the key has measured its capacity (see slo.py) ---
@@ -29,6 +31,10 @@ class AutoscalerConfig:
     target_running_streams_per_replica: int = 32  # decode: running + queued streams one replica should carry
     target_kv_utilisation: float = 0.7  # decode: KV block use per replica (0..1); the alert fires at 0.8
     target_queue_wait_p99_s: float = 2.0  # both: while the p99 queue wait is above this, no scale-down; 0 disables
+    demand_signal: bool = True  # size also on arrival rates (Dynamo's SLA planner): prefill by the gateway's
+    #   prompt_tokens_per_s / a replica's measured prefill_tokens_per_s, decode by output_tokens_per_s / a
+    #   replica's decode tokens/s at its SLO batch; the larger of this and the queue / streams signal wins.
+    #   Needs measured capacity (no demand signal on the configured fallback targets)
 
     # --- SLOs: the gateway-observed p99s (last 60 s) the policy sizes for; 0 turns one off ---
     # Defaults fit a 2-core CPU box running SmolLM2-135M, where a decode step at batch 1 takes ~10-20 ms
@@ -37,15 +43,22 @@ class AutoscalerConfig:
     #   here, so 1 s would be breached by long prompts that more replicas cannot help; 2 s still feels
     #   interactive and leaves one prompt's worth of queue. Also sizes prefill: a replica carries
     #   prefill_tokens_per_s x slo_ttft_s queued prompt tokens.
-    slo_tpot_s: float = 0.1  # decode: p99 time per output token. 10 tokens/s streams faster than anyone reads
-    #   (~4-8 tokens/s) and, at 10-20 ms a step at batch 1, leaves a batch of several streams per node; it is
-    #   the node's own default tpot_target_s (the capacity report's max_streams), so both agree.
+    slo_tpot_s: float = 0.2  # decode: p99 time per output token as the gateway sees it: (last token - first
+    #   token) / (tokens - 1). That includes the prefill -> decode handoff after the first token (KV transfer,
+    #   the decode node's admission) and, on 2 shared cores, the other processes' CPU: measured 0.14 s p99 at a
+    #   quarter of capacity while the decode step itself took ~0.05 s. The node sizes its batch on its own
+    #   step (tpot_target_s 0.1: the capacity report's max_streams); the gateway's SLO is the user's view, 5
+    #   tokens/s, about reading speed. It only pushes while the streams exceed what the replicas carry
+    #   (slo.py): a p99 over it at low load is the handoff, which more replicas do not shorten.
     slo_queue_wait_s: float = 1.0  # prefill: p99 wait for admission. Half the TTFT budget: a request that waited
     #   longer cannot make its TTFT once a long prompt's prefill (~1 s here) is added.
     scale_to_zero_after_s: float = 300.0  # a model idle this long (no request arrived or finished, no load) goes to
     #   0 replicas of every role, whatever the min; 0 = never. Coming back costs a claim from the warm pool
     #   (weights injected in ~0.5 s here) plus the first prefill, ~1-2 s; 5 minutes (Ollama's keep_alive
     #   default) keeps a model through pauses of a conversation and frees its memory after.
+    slo_window_s: float = 60.0  # the window of the gateway's p99s (gateway/traffic.py WINDOW_S): for this long
+    #   after a key comes from 0 ready replicas its p99s hold samples from before it was placed (the wait of
+    #   requests the activator held), which say nothing of its capacity: they neither push nor veto
     pool_size: int = 1  # standby runtimes kept per role by the warm pool (autoscaler/pool.py); 0 = none
 
     # --- bounds per role (min 0 = scale to zero allowed, woken by activation) ---
@@ -56,7 +69,8 @@ class AutoscalerConfig:
 
     # --- windows (Knative KPA) ---
     stable_window_s: float = 60.0  # load is averaged over this window for normal decisions
-    panic_window_s: float = 6.0  # short window that detects bursts; must be < stable_window_s
+    panic_window_s: float = 2.0  # short window that detects bursts (4 ticks); must be < stable_window_s. The
+    #   demand signal is a rate over the gateway's own 1-2 s window: panic reads it as it is, not averaged again
     panic_threshold: float = 2.0  # enter panic when panic-window load >= this x ready capacity
 
     # --- scale-down stabilisation ---
@@ -90,6 +104,7 @@ class AutoscalerConfig:
             need(lo <= hi, f"{role}_min_replicas={lo} > {role}_max_replicas={hi}")
         need(self.panic_window_s > 0, "panic_window_s must be > 0")
         need(self.panic_window_s < self.stable_window_s, "panic_window_s must be < stable_window_s")
+        need(self.slo_window_s >= 0, "slo_window_s must be >= 0")
         need(self.panic_threshold > 1, f"panic_threshold={self.panic_threshold} must be > 1")
         need(self.scale_down_delay_s >= 0, "scale_down_delay_s must be >= 0")
         need(0 < self.max_scale_down_fraction <= 1, "max_scale_down_fraction must be in (0, 1]")

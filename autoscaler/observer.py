@@ -42,6 +42,7 @@ Status = Callable[[], Mapping]
 HOLDING = ("loading", "ready")  # model states that make a node a replica of (model, its role)
 _SUMMED = ("queue_depth", "held", "running", "requests")  # per-model gateway counts that add up over gateways
 _WORST = ("queue_wait_p99_s", "ttft_p99_s", "tpot_p99_s")  # per-model p99s: the worst gateway's
+RATES = ("requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s")  # per-model arrival rates: add up
 
 
 def held_models(load: Mapping, default: str | None = None) -> dict[str, tuple[Mapping, str]]:
@@ -62,6 +63,18 @@ def held_models(load: Mapping, default: str | None = None) -> dict[str, tuple[Ma
 def _mean(xs: list) -> float | None:
     vals = [float(x) for x in xs if isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0]
     return sum(vals) / len(vals) if vals else None
+
+
+def decode_tokens_at_slo(cap: Mapping) -> float | None:
+    """Tokens/s one decode replica gives at the SLO batch: max_streams / step time at max_streams (the node's
+    fitted line), else the throughput it measured at whatever batches it ran (lower: smaller batches)."""
+    step, n = cap.get("decode_step_s"), cap.get("max_streams")
+    if isinstance(step, Mapping) and isinstance(n, (int, float)) and n > 0:
+        t = float(step.get("a", 0.0) or 0.0) + float(step.get("b", 0.0) or 0.0) * n
+        if t > 0:
+            return n / t
+    v = cap.get("decode_tokens_per_s")
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
 def loads_from_status(status: Mapping, roles: Sequence[str] = ROLES) -> dict[Key, RoleLoad]:
@@ -87,7 +100,7 @@ def loads_from_status(status: Mapping, roles: Sequence[str] = ROLES) -> dict[Key
         for model, (e, state) in held_models(n.get("load") or {}, default).items():
             a = acc.setdefault((model, role), {"replicas": 0, "ready": 0, "starting": 0, "queued_prompt_tokens": 0,
                                                "running": 0, "queued": 0, "used": 0, "total": 0, "streams": [],
-                                               "tps": []})  # fmt: skip
+                                               "tps": [], "dtps": []})  # fmt: skip
             if state not in HOLDING or n.get("state") == "draining":
                 continue
             a["replicas"] += 1
@@ -102,6 +115,7 @@ def loads_from_status(status: Mapping, roles: Sequence[str] = ROLES) -> dict[Key
                 cap = e.get("capacity") or {}
                 a["streams"].append(cap.get("max_streams"))
                 a["tps"].append(cap.get("prefill_tokens_per_s"))
+                a["dtps"].append(decode_tokens_at_slo(cap))
     out = {}
     for model in [*per_model, *sorted({m for m, _ in acc} - set(per_model))]:
         g = per_model.get(model) or {}
@@ -111,11 +125,13 @@ def loads_from_status(status: Mapping, roles: Sequence[str] = ROLES) -> dict[Key
                 model=model, queue_depth=int(g.get("queue_depth", 0)), held=int(g.get("held", 0)),
                 queue_wait_p99_s=float(g.get("queue_wait_p99_s", 0.0)), ttft_p99_s=float(g.get("ttft_p99_s", 0.0)),
                 tpot_p99_s=float(g.get("tpot_p99_s", 0.0)), idle_s=float(g.get("idle_s", 0.0) or 0.0),
+                **{f: float(g.get(f, 0.0) or 0.0) for f in RATES},
                 **({} if a is None else {
                     "replicas": a["replicas"], "ready": a["ready"], "starting": a["starting"],
                     "queued_prompt_tokens": a["queued_prompt_tokens"], "running_streams": a["running"],
                     "node_queued": a["queued"], "kv_utilisation": a["used"] / a["total"] if a["total"] else 0.0,
-                    "capacity_streams": _mean(a["streams"]), "prefill_tokens_per_s": _mean(a["tps"])}),
+                    "capacity_streams": _mean(a["streams"]), "prefill_tokens_per_s": _mean(a["tps"]),
+                    "decode_tokens_per_s": _mean(a["dtps"])}),
             )  # fmt: skip
     return out
 
@@ -123,7 +139,7 @@ def loads_from_status(status: Mapping, roles: Sequence[str] = ROLES) -> dict[Key
 def merge_status(snapshots: Sequence[Mapping]) -> dict:
     """One snapshot from several gateway replicas: queues add up, the worst p99, nodes by URL.
 
-    Per model: counts add up, p99s are the worst, idle_s the least idle, last_request_t the latest.
+    Per model: counts and arrival rates add up, p99s are the worst, idle_s the least idle, last_request_t the latest.
     """
     nodes: dict[str, Mapping] = {}
     for s in snapshots:
@@ -150,6 +166,8 @@ def _merge_models(per_gateway: Sequence[Mapping]) -> dict:
                 o[f] = o.get(f, 0) + int(e.get(f, 0))
             for f in _WORST:
                 o[f] = max(o.get(f, 0.0), float(e.get(f, 0.0)))
+            for f in RATES:
+                o[f] = o.get(f, 0.0) + float(e.get(f, 0.0) or 0.0)
             if "idle_s" in e:
                 o["idle_s"] = min(o.get("idle_s", math.inf), float(e["idle_s"]))
             if e.get("last_request_t") is not None:

@@ -9,18 +9,28 @@ every key is sized independently, through the same stages, in order:
  1. core      load / what one replica carries, in replicas (Ray Serve's formula), with the
               per-replica figure *measured* by the nodes where they report one (slo.py:
               decode streams / capacity_streams; prefill queued prompt tokens /
-              (prefill_tokens_per_s x slo_ttft_s)); the configured targets only until then.
+              (prefill_tokens_per_s x slo_ttft_s)); the configured targets only until then;
+              and the demand: the gateway's arrival rates / a replica's measured throughput
+              (prompt tokens/s for prefill, output tokens/s at the SLO batch for decode).
+              The largest wins.
  2. windows   the core load averaged over a stable window (60 s) and a panic window
-              (6 s). Panic starts when the panic-window load is >= panic_threshold x
+              (2 s); the panic load is the larger of its window's mean and the demand now
+              (already a rate over the gateway's last 1-2 s: not averaged twice, so a burst
+              is seen a tick or two after it starts). Panic starts when the panic load is >= panic_threshold x
               ready capacity; in panic replicas only go up (never below the panic
               peak or the current count); panic ends once the stable window has
               caught up with the peak, or a stable window after the last
               over-threshold tick (Knative KPA).
  3. SLO       a TTFT / TPOT / queue-wait p99 over its SLO, while the key has work, raises
               the count to at least current + 1: one step per cooldown-free tick (none
-              while a replica is still starting), so the lagging p99 cannot run away. For a
-              stable window after a key is woken from zero, TTFT and queue wait are not read
-              (they still hold the wait of the requests held while it woke).
+              while a replica is still starting), so the lagging p99 cannot run away. TPOT
+              pushes only while the streams exceed what the replicas carry (slo.py). For
+              slo_window_s after a key was last at 0 ready replicas with traffic, no p99 is
+              read (its samples predate the placement: the wait of the requests the
+              activator held, or a previous placement's): they neither push nor veto.
+              At zero: a key at 0 replicas with no demand (nothing held, queued, running or
+              arriving) stays at 0 — whatever its windows or p99s remember — so a model the
+              pool evicted to make room is not placed again by its own history.
  4. bounds    min/max per role. Scale to zero (per model, both roles at once): a model
               idle for scale_to_zero_after_s with no load goes to 0 replicas whatever
               the min, and stays there until a request is held or queued for it; then
@@ -30,7 +40,9 @@ every key is sized independently, through the same stages, in order:
               SLO signal (or the legacy target_queue_wait_p99_s) is breached — lagging
               signals veto cuts rather than size — and removes at most
               max_scale_down_fraction of the replicas (and max_scale_down_step) per
-              decision. Scale-up is never delayed; scale to zero skips this stage.
+              decision. A key with a replica still loading is not cut at all (only scale
+              to zero and the max bound cut it): its load would be cancelled and started
+              again. Scale-up is never delayed; scale to zero skips this stage.
 
 Each stage is a small function; the one that decided the number writes the reason
 `pdserve status` prints ("panic: 6s load 3.1x capacity", "cooldown: 12s left").
@@ -43,7 +55,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from .config import ROLES, AutoscalerConfig
-from .slo import HELD_COUNTS, Breach, breaches, busy, core_load
+from .slo import Breach, breaches, busy, core_load
 
 __all__ = ["AutoscalerConfig", "Decision", "Key", "PolicyContext", "PolicyState", "RoleDecision", "RoleLoad",
            "RoleState", "decide", "key_str", "split_key"]  # fmt: skip
@@ -85,6 +97,10 @@ class RoleLoad:
     idle_s: float = 0.0  # since the model's last request arrived or finished (gateway)
     capacity_streams: float | None = None  # decode: streams one ready replica carries within TPOT (measured)
     prefill_tokens_per_s: float | None = None  # prefill: prompt tokens/s of one ready replica (measured)
+    decode_tokens_per_s: float | None = None  # decode: tokens/s of one ready replica at its SLO batch (measured)
+    requests_per_s: float = 0.0  # arrivals of this model at the gateway, over its last 1-2 s
+    prompt_tokens_per_s: float = 0.0  # prompt tokens of those arrivals per second
+    output_tokens_per_s: float = 0.0  # output tokens those arrivals are expected to ask for, per second
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,6 +112,7 @@ class RoleState:
     panic_peak: int = 0  # replicas held during this panic (only grows)
     last_change_t: float | None = None  # when the policy last asked for a different replica count
     activated_t: float | None = None  # when this key was last woken from zero
+    zero_t: float | None = None  # the last tick it had 0 ready replicas while its model had traffic (p99s stale)
 
 
 @dataclass(slots=True, frozen=True)
@@ -156,7 +173,9 @@ def replicas_for(load: float) -> int:
 
 def windows(rs: RoleState, load: RoleLoad, stable: float, panic: float, now: float, cfg: AutoscalerConfig,
             signal: str) -> tuple[int, RoleState, str, str]:  # fmt: skip
-    """Stable-window sizing, or panic sizing (only up) while a burst lasts; -> (desired, state, reason, event)."""
+    """Stable-window sizing, or panic sizing (only up) while a burst lasts; -> (desired, state, reason, event).
+
+    `panic`: the panic load (its window's mean, or the demand now if larger)."""
     ratio = panic / max(load.ready, 1)
     over = ratio >= cfg.panic_threshold
     stable_n, panic_n = replicas_for(stable), replicas_for(panic)
@@ -199,6 +218,13 @@ def slo_push(desired: int, load: RoleLoad, rs: RoleState, now: float, cfg: Autos
         left = cfg.scale_down_delay_s - (now - rs.last_change_t)
         return desired, f"SLO: {what}: next step in {left:.0f}s"
     return load.replicas + 1, f"SLO: {what}: {load.replicas} -> {load.replicas + 1}"
+
+
+def at_zero(load: RoleLoad) -> str | None:
+    """Why a key at 0 replicas stays there (no demand of any kind), or None."""
+    if load.replicas or load.held or busy(load) or load.requests_per_s > 0:
+        return None
+    return "at zero: no demand (nothing held, queued, running or arriving)"
 
 
 # --- stage 4: bounds, scale to zero and activation ----------------------------------------------
@@ -251,6 +277,8 @@ def stabilise(desired: int, load: RoleLoad, rs: RoleState, now: float, cfg: Auto
     current = load.replicas
     if desired >= current:
         return desired, None
+    if load.starting:
+        return current, f"loading: {load.starting} of {current} not ready yet: holding {current} (load wants {desired})"
     if found:
         return current, f"SLO: {', '.join(map(str, found))}: holding {current} (load wants {desired})"
     if cfg.target_queue_wait_p99_s and load.queue_wait_p99_s > cfg.target_queue_wait_p99_s:
@@ -293,20 +321,27 @@ def _decide_key(key: Key, load: RoleLoad, rs: RoleState | None, cfg: AutoscalerC
                 zero: str | None) -> tuple[RoleDecision, RoleState]:  # fmt: skip
     model, role = split_key(key)
     rs = rs or RoleState(last_change_t=now)  # a fresh key waits a cooldown before cutting
-    core, signal = core_load(role, load, cfg)
+    core, signal, demand = core_load(role, load, cfg)
     samples = tuple((t, v) for t, v in rs.samples if t > now - cfg.stable_window_s) + ((now, core),)
     rs = replace(rs, samples=samples)
     stable = window_mean(samples, now, cfg.stable_window_s)
-    panic = window_mean(samples, now, cfg.panic_window_s)
+    panic = max(window_mean(samples, now, cfg.panic_window_s), demand)
+    if load.ready == 0 and (load.held or load.queue_depth or load.ttft_p99_s or load.queue_wait_p99_s
+                            or load.tpot_p99_s):  # fmt: skip
+        rs = replace(rs, zero_t=now)  # any p99 sample now is from before this key's next placement
     found = breaches(role, load, cfg)
-    if rs.activated_t is not None and now - rs.activated_t < cfg.stable_window_s:
-        # the requests held while it woke count in the gateway's TTFT / queue-wait p99 for a while: not a
-        # sign that the woken replicas are too few
-        found = [b for b in found if b.what not in HELD_COUNTS]
+    if rs.zero_t is not None and now - rs.zero_t < cfg.slo_window_s:
+        # the p99s still hold the wait of the requests held while it was placed (the activator's, not
+        # a sign that the replicas placed are too few) or samples of a previous placement
+        found = []
 
     desired, rs, reason, event = windows(rs, load, stable, panic, now, cfg, signal)
     desired, why = slo_push(desired, load, rs, now, cfg, found)
     reason = why or reason
+    still = None if wake else at_zero(load)
+    if still:
+        desired, reason, event = 0, still, ""
+        rs = replace(rs, panic_over_t=None, panic_peak=0)
     desired, activated, why = bounds(role, desired, load, cfg, wake, zero)
     reason = why or reason
     if activated:

@@ -10,10 +10,18 @@ Stage 1, `core_load` — replicas the observed load of one (model, role) needs n
            `prefill_tokens_per_s` (measured, mean over the ready replicas) x `slo_ttft_s`.
   The configured per-replica targets (`target_*_per_replica`) are used only while no node has
   measured anything yet; the reason says which figure was used.
+  demand   (config demand_signal; Dynamo's SLA planner) what arrives, against what a replica
+           clears: prefill prompt_tokens_per_s / prefill_tokens_per_s; decode output_tokens_per_s
+           / decode_tokens_per_s at the SLO batch (both rates the gateway's, over its last 1-2 s).
+           The queue and the streams only grow once the replicas are already behind; the rate
+           shows a burst as it arrives. Only with a measured capacity: a constant would guess.
 
 Stage 3, `breaches` — the gateway-observed p99s over their SLOs, per role:
   prefill  TTFT and queue wait (a request waits, then is prefilled: both are prefill's to fix)
-  decode   TPOT (pushes), queue wait (only vetoes scale-down: more decoders do not admit faster)
+  decode   TPOT (pushes only while the streams per ready replica exceed what one carries at the
+           SLO, `capacity_streams` or the fallback target: below that a long TPOT is the prefill ->
+           decode handoff or the CPU's other tenants, and another replica does not shorten it),
+           queue wait (only vetoes scale-down: more decoders do not admit faster)
 A breach that pushes raises the desired count to at least current + 1 (see policy.slo_push);
 any breach holds scale-down. A p99 is a lagging signal: it sizes nothing on its own.
 """
@@ -47,9 +55,13 @@ _SIGNALS = {
 HELD_COUNTS = ("TTFT", "queue wait")  # the signals a request held during activation counts in
 
 
-def core_load(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> tuple[float, str]:
-    """Replicas the observed load needs now, and the signal that said so (the largest)."""
+def core_load(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> tuple[float, str, float]:
+    """Replicas the observed load needs now, the signal that said so (the largest), and the demand signal's
+    replicas alone (0.0 when off or not measured: panic reads it as it is, see policy.windows)."""
     signals: dict[str, float] = {}
+    demand = demand_load(role, load, cfg)
+    if demand is not None:
+        signals[demand[1]] = demand[0]
     if role == "prefill":
         tps = load.prefill_tokens_per_s
         if tps and cfg.slo_ttft_s:  # (an SLO of 0 is off: then the configured target sizes it)
@@ -67,7 +79,31 @@ def core_load(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> tuple[float, 
         signals[name] = streams / per
         signals["kv blocks"] = load.kv_utilisation / cfg.target_kv_utilisation * load.ready
     name = max(signals, key=signals.__getitem__)
-    return signals[name], name
+    return signals[name], name, demand[0] if demand else 0.0
+
+
+def demand_load(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> tuple[float, str] | None:
+    """(replicas the arrival rate needs, its name), or None: off, or no replica has measured its capacity."""
+    if not cfg.demand_signal:
+        return None
+    if role == "prefill" and load.prefill_tokens_per_s:
+        tps = load.prefill_tokens_per_s
+        return load.prompt_tokens_per_s / tps, f"prompt demand {load.prompt_tokens_per_s:.0f} tok/s, {tps:.0f} measured"
+    if role == "decode" and load.decode_tokens_per_s:
+        tps = load.decode_tokens_per_s
+        return load.output_tokens_per_s / tps, f"output demand {load.output_tokens_per_s:.0f} tok/s, {tps:.0f} measured"
+    return None
+
+
+def streams_per_replica(load: RoleLoad) -> float:
+    """Decode streams (running + queued at the nodes and the gateway) per ready replica."""
+    return (load.running_streams + load.node_queued + load.queue_depth) / max(load.ready, 1)
+
+
+def over_capacity(load: RoleLoad, cfg: AutoscalerConfig) -> bool:
+    """The decode replicas carry more streams than they can at the SLO batch (measured, else the target)."""
+    per = max(1.0, load.capacity_streams) if load.capacity_streams else cfg.target_running_streams_per_replica
+    return streams_per_replica(load) > per
 
 
 def breaches(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> list[Breach]:
@@ -76,6 +112,8 @@ def breaches(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> list[Breach]:
     for what, field, slo, pushes in _SIGNALS.get(role, ()):
         p99, limit = getattr(load, field), getattr(cfg, slo)
         if limit and p99 > limit:
+            if what == "TPOT" and pushes:
+                pushes = over_capacity(load, cfg)  # only then can one more replica shorten it
             out.append(Breach(what, p99, limit, pushes))
     return out
 

@@ -174,7 +174,7 @@ class Gateway:
         t0 = time.monotonic()
         model, traffic = text.name, self.traffic
         deadline = t0 + self.config.queue_timeout_s
-        traffic.arrived(model)
+        traffic.arrived(model, len(prompt), max_tokens)
         if self.activator.route(model) is None:  # held outside admission: a cold model takes no slot
             await self.activator.hold(model, deadline)
         traffic.admitting(model, 1)

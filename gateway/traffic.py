@@ -8,6 +8,13 @@ for requests of 2 tokens or more; the model idle from now if nothing else runs).
 
 Samples are (time, value) pairs kept for ``WINDOW_S`` (at most ``MAX_SAMPLES`` per series):
 p99s cover the last minute, and 0.0 with no sample (an old burst must not veto scale-down).
+Arrival rates (the autoscaler's demand signal, Dynamo's SLA-planner input) cover only the last
+``RATE_WINDOW_S``, fast to rise: each is the larger of the rate over the whole window and over its
+last ``FAST_WINDOW_S`` (a step up in arrivals shows in full within a second; a gap shows only once
+the whole window has passed, so one quiet second does not read as no demand): ``requests_per_s``, ``prompt_tokens_per_s`` (the prompts that arrived) and
+``output_tokens_per_s`` (each arrival's expected output: its max_tokens, capped by the mean
+tokens of the requests finished in the last minute, since most stop at EOS before it). A
+short window so a burst shows within a tick or two of the control loop (0.5 s ticks locally).
 The clock is passed in (tests step a fake one). The event loop marks; ``snapshot`` may be called
 from another thread (`pdserve up`'s control loop): one lock covers both.
 """
@@ -21,6 +28,9 @@ from dataclasses import dataclass, field
 
 WINDOW_S = 60.0
 MAX_SAMPLES = 2048
+RATE_WINDOW_S = 2.0  # arrivals counted over this long for the rates: 4 ticks of 0.5 s, enough arrivals at
+#   a few requests/s not to jitter
+FAST_WINDOW_S = 1.0  # ... and over this last part of it: a step up is seen in full after 1 s (2 ticks)
 
 
 def _p99(samples: deque, now: float) -> float:
@@ -44,6 +54,8 @@ class ModelTraffic:
     waits: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
     ttfts: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
     tpots: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+    arrivals: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))  # (t, prompt tokens, max_tokens)
+    outputs: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))  # (t, tokens streamed), finished
 
 
 class Traffic:
@@ -61,11 +73,12 @@ class Traffic:
             m = self.models.setdefault(model, ModelTraffic(self.started))
         return m
 
-    def arrived(self, model: str) -> None:
+    def arrived(self, model: str, prompt_tokens: int = 0, max_tokens: int = 0) -> None:
         with self._lock:
             m = self.of(model)
             m.requests += 1
             m.last_request_t = self.wall()
+            m.arrivals.append((self.clock(), int(prompt_tokens), int(max_tokens)))
 
     def admitting(self, model: str, delta: int) -> None:
         with self._lock:
@@ -87,6 +100,8 @@ class Traffic:
             m = self.of(model)
             m.running -= 1
             m.last_request_t = self.wall()
+            if first_t is not None:
+                m.outputs.append((self.clock(), int(tokens)))
             if first_t is not None and tokens > 1:
                 m.tpots.append((self.clock(), (end_t - first_t) / (tokens - 1)))
 
@@ -99,4 +114,21 @@ class Traffic:
             return {"queue_depth": m.admitting + held, "held": held, "running": m.running,
                     "queue_wait_p99_s": _p99(m.waits, now), "ttft_p99_s": _p99(m.ttfts, now),
                     "tpot_p99_s": _p99(m.tpots, now), "requests": m.requests, "last_request_t": last,
-                    "idle_s": max(0.0, idle)}  # fmt: skip
+                    "idle_s": max(0.0, idle), **_rates(m, now)}  # fmt: skip
+
+
+def _rates(m: ModelTraffic, now: float) -> dict:
+    """requests_per_s, prompt_tokens_per_s, output_tokens_per_s over the last RATE_WINDOW_S."""
+    while m.arrivals and m.arrivals[0][0] <= now - RATE_WINDOW_S:
+        m.arrivals.popleft()
+    while m.outputs and m.outputs[0][0] < now - WINDOW_S:
+        m.outputs.popleft()
+    mean_out = sum(n for _, n in m.outputs) / len(m.outputs) if m.outputs else None
+
+    def over(window_s: float) -> tuple[float, float, float]:
+        recent = [a for a in m.arrivals if a[0] > now - window_s]
+        out = sum(mx if mean_out is None else min(mx or mean_out, mean_out) for _, _, mx in recent)
+        return len(recent) / window_s, sum(p for _, p, _ in recent) / window_s, out / window_s
+
+    rates = [max(a, b) for a, b in zip(over(RATE_WINDOW_S), over(FAST_WINDOW_S), strict=True)]
+    return dict(zip(("requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s"), rates, strict=True))

@@ -43,6 +43,7 @@ def cfg(**kw) -> AutoscalerConfig:
                 "target_queued_prompt_tokens_per_replica": 1000,
                 "target_running_streams_per_replica": 10,
                 "scale_down_delay_s": 5.0,
+                "panic_window_s": 6.0,
             }
             | kw
         )
