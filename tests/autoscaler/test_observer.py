@@ -135,3 +135,28 @@ def test_report_body_writes_keys_as_model_slash_role():
     assert body["asked"] == {"m/decode": 2} and list(body["nodes"]) == ["m/decode"]
     assert body["decision"]["roles"]["m/decode"]["model"] == "m" and body["reason"].startswith("m/decode: panic")
     assert body["nodes"]["m/decode"][0]["url"] == "http://d1"
+
+
+def test_arrival_rates_and_decode_throughput_at_the_slo_batch():
+    def dec(**cap):
+        e = held(max_streams=cap.pop("max_streams", None))
+        e["capacity"].update(cap)
+        return e
+
+    snap = {"nodes": [
+        runtime("http://d1", "decode", m=dec(max_streams=7, decode_step_s={"a": 0.043, "b": 0.0079},
+                                             decode_tokens_per_s=20.0)),  # at 7 streams: 7 / 0.0983 s
+        runtime("http://d2", "decode", m=dec(decode_tokens_per_s=30.0)),  # no fit yet: what it measured
+        runtime("http://d3", "decode", m=dec()),  # nothing measured: left out of the mean
+    ], "models": {"m": gw_model(requests_per_s=9.5, prompt_tokens_per_s=380.0, output_tokens_per_s=152.0)}}  # fmt: skip
+    loads = loads_from_status(snap)
+    d, p = loads[("m", "decode")], loads[("m", "prefill")]
+    assert abs(d.decode_tokens_per_s - (7 / (0.043 + 0.0079 * 7) + 30.0) / 2) < 1e-6
+    for x in (p, d):
+        assert (x.requests_per_s, x.prompt_tokens_per_s, x.output_tokens_per_s) == (9.5, 380.0, 152.0)
+    assert p.decode_tokens_per_s is None
+    # an old gateway (no rates): 0.0, the demand signal reads no demand
+    assert loads_from_status({"models": {"m": gw_model()}, "nodes": []})[("m", "prefill")].prompt_tokens_per_s == 0.0
+    # two gateways: their arrivals add up
+    m = merge_status([snap, {"nodes": [], "models": {"m": gw_model(requests_per_s=0.5, prompt_tokens_per_s=20.0)}}])
+    assert (m["models"]["m"]["requests_per_s"], m["models"]["m"]["prompt_tokens_per_s"]) == (10.0, 400.0)

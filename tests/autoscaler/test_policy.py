@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -406,3 +407,90 @@ def test_the_wait_of_requests_held_at_activation_is_no_reason_to_scale_up():
     assert {rep(d)["prefill"] for d in ds} == {1} and not any(d.roles[P].slo for d in ds)
     later = sim.run(10, prefill=busy_slow)  # still breached a stable window later: now it is a real signal
     assert later[-1].replicas[P] > 1 and "TTFT p99 3.00s > 2s SLO" in later[-1].roles[P].slo
+
+
+# --- demand (arrival rates), swaps, loading replicas ---------------------------------------------------
+
+
+def _burst_run(demand_signal: bool) -> list:
+    """A prefill key on a 0.5 s tick fed by the gateway's own Traffic (fake clock) and a simulated queue:
+    1.25 req/s of 40-token prompts for 60 s, then 14 req/s (3x what one replica measured at 188 tok/s clears).
+    Returns the decisions after the onset."""
+    from gateway.traffic import Traffic
+
+    clock = [1000.0]
+    traffic = Traffic(clock=lambda: clock[0], wall=lambda: clock[0])
+    cfg = config(tick_s=0.5, panic_window_s=2.0, demand_signal=demand_signal, target_queue_wait_p99_s=0.0)
+    state, replicas, queued, owed, out = PolicyState(), 1, 0.0, 0.0, []
+    for k in range(140):
+        rate = 1.25 if k < 120 else 14.0
+        t0, owed = clock[0], owed + rate * cfg.tick_s
+        n = int(owed)
+        owed -= n
+        for i in range(n):  # this tick's arrivals, evenly spaced in it
+            clock[0] = t0 + (i + 1) * cfg.tick_s / (n + 1)
+            traffic.arrived(M, 40, 16)
+            queued += 40
+        clock[0] = t0 + cfg.tick_s
+        queued = max(0.0, queued - replicas * 188.0 * cfg.tick_s)
+        g = traffic.snapshot(M)
+        load = RoleLoad(model=M, replicas=replicas, ready=replicas, queued_prompt_tokens=int(queued),
+                        queue_depth=int(queued // 40), prefill_tokens_per_s=188.0, t=clock[0],
+                        requests_per_s=g["requests_per_s"], prompt_tokens_per_s=g["prompt_tokens_per_s"])  # fmt: skip
+        d, state = decide(PolicyContext(cfg, {P: load}, clock[0]), state)
+        replicas = d.replicas[P]
+        if k >= 120:
+            out.append(d)
+    return out
+
+
+def test_a_step_in_arrival_rate_beyond_measured_capacity_scales_up_within_two_ticks():
+    on, off = _burst_run(demand_signal=True), _burst_run(demand_signal=False)
+    first_on = next(i for i, d in enumerate(on) if d.replicas[P] > 1)
+    first_off = next((i for i, d in enumerate(off) if d.replicas[P] > 1), len(off))
+    assert first_on <= 1 and on[first_on].roles[P].panic  # the 2nd tick after the onset at the latest (1 s)
+    assert on[first_on].roles[P].reason.startswith("panic: 2s load ")
+    assert "(prompt demand 320 tok/s, 188 measured)" in on[0].roles[P].reason  # half the step seen after 1 tick
+    assert on[-1].replicas[P] >= 3  # 560 tok/s / 188: 3 replicas
+    # the same arrivals judged by the queue alone: the queue must first grow past 2 replicas' TTFT budget
+    assert first_off >= first_on + 3, (first_on, first_off)
+
+
+def test_an_evicted_model_stays_at_zero_through_cooldown_and_a_stale_ttft_breach():
+    cfg = config(prefill_min_replicas=0, decode_min_replicas=0, scale_down_delay_s=30.0, scale_to_zero_after_s=0.0)
+    sim = Sim(cfg, prefill=1, decode=1, b__prefill=0, b__decode=0)
+    B_P, B_D = ("b", "prefill"), ("b", "decode")
+    busy = {"queued_prompt_tokens": 300, "queue_depth": 1, "ttft_p99_s": 5.0, "requests_per_s": 2.0}
+    sim.run(20, prefill=busy, decode={"running_streams": 3, "requests_per_s": 2.0})
+    assert sim.of() == {"prefill": 1, "decode": 1}
+    # a claim for b evicts m: the pool sets m's replicas to 0; m's last requests finished, its 60 s p99 remembers
+    sim.replicas.update({P: 0, D: 0})
+    stale = {"ttft_p99_s": 5.0, "queue_wait_p99_s": 3.0, "idle_s": 5.0}
+    ds = [sim.step({P: stale, D: stale | {"tpot_p99_s": 1.0}, B_P: {"held": 1, "queue_depth": 1},
+                    B_D: {"held": 1, "queue_depth": 1}}) for _ in range(90)]  # fmt: skip
+    assert {rep(d)["prefill"] for d in ds} == {0} and {rep(d)["decode"] for d in ds} == {0}
+    assert ds[0].roles[P].reason == "at zero: no demand (nothing held, queued, running or arriving)"
+    assert rep(ds[0], "b") == {"prefill": 1, "decode": 1}
+    # the next request for m is held: woken, and its held wait in the p99 pushes nothing for slo_window_s
+    d = sim.step({P: stale | {"held": 1, "queue_depth": 1}, D: stale | {"held": 1, "queue_depth": 1}})
+    assert rep(d) == {"prefill": 1, "decode": 1} and d.roles[P].activation
+    after = sim.run(int(cfg.slo_window_s) - 2, prefill=busy | {"ttft_p99_s": 9.0}, decode={"running_streams": 1})
+    assert {rep(x)["prefill"] for x in after} == {1} and not any(x.roles[P].slo for x in after)
+    # a key that never was at zero with traffic reads its p99 at once
+    fresh = Sim(config(scale_down_delay_s=0.0), prefill=1)
+    assert fresh.run(3, prefill=busy | {"ttft_p99_s": 9.0})[-1].replicas[P] > 1
+
+
+def test_a_loading_replica_is_not_cut_by_a_stable_window_dip():
+    cfg = config(scale_down_delay_s=0.0, prefill_min_replicas=0, scale_to_zero_after_s=30.0)
+    dip = RoleLoad(model=M, replicas=2, ready=1, starting=1, queued_prompt_tokens=10, queue_depth=1)
+    d, _ = decide(PolicyContext(cfg, {P: dip}, 100.0), PolicyState())
+    assert d.replicas[P] == 2 and d.roles[P].reason.startswith("loading: 1 of 2 not ready yet: holding 2")
+    ready = replace(dip, ready=2, starting=0)  # once both are ready the dip cuts (no cooldown here)
+    assert decide(PolicyContext(cfg, {P: ready}, 100.0), PolicyState())[0].replicas[P] == 1
+    # idle past scale_to_zero_after_s and the max bound still cut a loading key
+    idle = replace(dip, queued_prompt_tokens=0, queue_depth=0, idle_s=60.0)
+    both = {P: idle, D: RoleLoad(model=M, idle_s=60.0, replicas=1, ready=1)}
+    assert decide(PolicyContext(cfg, both, 100.0), PolicyState())[0].replicas[P] == 0
+    lowered = config(scale_down_delay_s=0.0, prefill_max_replicas=1)
+    assert decide(PolicyContext(lowered, {P: dip}, 100.0), PolicyState())[0].replicas[P] == 1
