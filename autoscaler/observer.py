@@ -40,7 +40,7 @@ Status = Callable[[], Mapping]
 
 
 HOLDING = ("loading", "ready")  # model states that make a node a replica of (model, its role)
-_SUMMED = ("queue_depth", "held", "running", "requests")  # per-model gateway counts that add up over gateways
+_SUMMED = ("queue_depth", "held", "running", "requests", "recent_requests")  # per-model gateway counts that add up over gateways
 _WORST = ("queue_wait_p99_s", "ttft_p99_s", "tpot_p99_s")  # per-model p99s: the worst gateway's
 RATES = ("requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s")  # per-model arrival rates: add up
 
@@ -125,7 +125,7 @@ def loads_from_status(status: Mapping, roles: Sequence[str] = ROLES) -> dict[Key
                 model=model, queue_depth=int(g.get("queue_depth", 0)), held=int(g.get("held", 0)),
                 queue_wait_p99_s=float(g.get("queue_wait_p99_s", 0.0)), ttft_p99_s=float(g.get("ttft_p99_s", 0.0)),
                 tpot_p99_s=float(g.get("tpot_p99_s", 0.0)), idle_s=float(g.get("idle_s", 0.0) or 0.0),
-                **{f: float(g.get(f, 0.0) or 0.0) for f in RATES},
+                **{f: float(g.get(f, 0.0) or 0.0) for f in RATES}, recent_requests=int(g.get("recent_requests", 0) or 0),
                 **({} if a is None else {
                     "replicas": a["replicas"], "ready": a["ready"], "starting": a["starting"],
                     "queued_prompt_tokens": a["queued_prompt_tokens"], "running_streams": a["running"],

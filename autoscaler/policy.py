@@ -101,6 +101,7 @@ class RoleLoad:
     requests_per_s: float = 0.0  # arrivals of this model at the gateway, over its last 1-2 s
     prompt_tokens_per_s: float = 0.0  # prompt tokens of those arrivals per second
     output_tokens_per_s: float = 0.0  # output tokens those arrivals are expected to ask for, per second
+    recent_requests: int = 0  # the arrivals those rates count (the gateway's last 2 s)
 
 
 @dataclass(slots=True, frozen=True)

@@ -7,7 +7,8 @@ Stage 1, `core_load` — replicas the observed load of one (model, role) needs n
            target (compute/node/capacity.py). KV blocks in use / target utilisation is a second
            signal; the larger wins.
   prefill  queued prompt tokens / the tokens one replica prefills within the TTFT SLO, i.e.
-           `prefill_tokens_per_s` (measured, mean over the ready replicas) x `slo_ttft_s`.
+           `prefill_tokens_per_s` (measured, mean over the ready replicas) x `slo_ttft_s`, at
+           most one replica per prompt there (a prompt is prefilled on one replica).
   The configured per-replica targets (`target_*_per_replica`) are used only while no node has
   measured anything yet; the reason says which figure was used.
   demand   (config demand_signal; Dynamo's SLA planner) what arrives, against what a replica
@@ -15,6 +16,10 @@ Stage 1, `core_load` — replicas the observed load of one (model, role) needs n
            / decode_tokens_per_s at the SLO batch (both rates the gateway's, over its last 1-2 s).
            The queue and the streams only grow once the replicas are already behind; the rate
            shows a burst as it arrives. Only with a measured capacity: a constant would guess.
+           Capped by the requests behind the rate (`recent_requests`): a prompt is prefilled on
+           one replica, so prefill needs no more replicas than prompts arrived; decode no more
+           than the streams there are plus those arrived, at what a replica carries. One long
+           prompt or one max_tokens=2048 request in a quiet second is a rate of noise, not a burst.
 
 Stage 3, `breaches` — the gateway-observed p99s over their SLOs, per role:
   prefill  TTFT and queue wait (a request waits, then is prefilled: both are prefill's to fix)
@@ -68,7 +73,9 @@ def core_load(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> tuple[float, 
             per, name = tps * cfg.slo_ttft_s, f"queued prompt tokens, {tps:.0f} tok/s measured x {cfg.slo_ttft_s:g}s"
         else:
             per, name = cfg.target_queued_prompt_tokens_per_replica, "queued prompt tokens"
-        signals[name] = load.queued_prompt_tokens / per
+        prompts = load.running_streams + load.node_queued + load.queue_depth
+        # a prompt is prefilled on one replica: no more replicas than prompts (one long prompt is no burst)
+        signals[name] = load.queued_prompt_tokens / per if not prompts else min(load.queued_prompt_tokens / per, prompts)
     else:
         streams = load.running_streams + load.node_queued + load.queue_depth
         if load.capacity_streams:
@@ -88,10 +95,13 @@ def demand_load(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> tuple[float
         return None
     if role == "prefill" and load.prefill_tokens_per_s:
         tps = load.prefill_tokens_per_s
-        return load.prompt_tokens_per_s / tps, f"prompt demand {load.prompt_tokens_per_s:.0f} tok/s, {tps:.0f} measured"
+        need = min(load.prompt_tokens_per_s / tps, load.recent_requests)
+        return need, f"prompt demand {load.prompt_tokens_per_s:.0f} tok/s, {tps:.0f} measured"
     if role == "decode" and load.decode_tokens_per_s:
-        tps = load.decode_tokens_per_s
-        return load.output_tokens_per_s / tps, f"output demand {load.output_tokens_per_s:.0f} tok/s, {tps:.0f} measured"
+        tps, per = load.decode_tokens_per_s, max(1.0, load.capacity_streams or cfg.target_running_streams_per_replica)
+        streams = load.running_streams + load.node_queued + load.queue_depth + load.recent_requests
+        need = min(load.output_tokens_per_s / tps, streams / per)
+        return need, f"output demand {load.output_tokens_per_s:.0f} tok/s, {tps:.0f} measured"
     return None
 
 

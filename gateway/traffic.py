@@ -15,6 +15,8 @@ the whole window has passed, so one quiet second does not read as no demand): ``
 ``output_tokens_per_s`` (each arrival's expected output: its max_tokens, capped by the mean
 tokens of the requests finished in the last minute, since most stop at EOS before it). A
 short window so a burst shows within a tick or two of the control loop (0.5 s ticks locally).
+``recent_requests`` is the number of arrivals in the window: the rates of one or two requests are
+noise, and the policy caps the demand by it.
 The clock is passed in (tests step a fake one). The event loop marks; ``snapshot`` may be called
 from another thread (`pdserve up`'s control loop): one lock covers both.
 """
@@ -131,4 +133,5 @@ def _rates(m: ModelTraffic, now: float) -> dict:
         return len(recent) / window_s, sum(p for _, p, _ in recent) / window_s, out / window_s
 
     rates = [max(a, b) for a, b in zip(over(RATE_WINDOW_S), over(FAST_WINDOW_S), strict=True)]
-    return dict(zip(("requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s"), rates, strict=True))
+    out = dict(zip(("requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s"), rates, strict=True))
+    return out | {"recent_requests": len(m.arrivals)}  # the count behind them: a rate of one request is noise

@@ -436,7 +436,8 @@ def _burst_run(demand_signal: bool) -> list:
         g = traffic.snapshot(M)
         load = RoleLoad(model=M, replicas=replicas, ready=replicas, queued_prompt_tokens=int(queued),
                         queue_depth=int(queued // 40), prefill_tokens_per_s=188.0, t=clock[0],
-                        requests_per_s=g["requests_per_s"], prompt_tokens_per_s=g["prompt_tokens_per_s"])  # fmt: skip
+                        requests_per_s=g["requests_per_s"], prompt_tokens_per_s=g["prompt_tokens_per_s"],
+                        recent_requests=g["recent_requests"])  # fmt: skip
         d, state = decide(PolicyContext(cfg, {P: load}, clock[0]), state)
         replicas = d.replicas[P]
         if k >= 120:
@@ -494,3 +495,23 @@ def test_a_loading_replica_is_not_cut_by_a_stable_window_dip():
     assert decide(PolicyContext(cfg, both, 100.0), PolicyState())[0].replicas[P] == 0
     lowered = config(scale_down_delay_s=0.0, prefill_max_replicas=1)
     assert decide(PolicyContext(lowered, {P: dip}, 100.0), PolicyState())[0].replicas[P] == 1
+
+
+def test_one_long_request_in_a_quiet_second_is_no_burst():
+    cfg = config(tick_s=0.5, panic_window_s=2.0)
+    sim = Sim(cfg, prefill=1, decode=1)
+    quiet = {"prefill_tokens_per_s": 188.0}
+    sim.run(120, prefill=quiet, decode={"capacity_streams": 7.0, "decode_tokens_per_s": 71.0})
+    # one 1000-token prompt with max_tokens 2048: as rates over the gateway's 1 s, 5x and 29x what a replica does
+    one = {"recent_requests": 1, "requests_per_s": 1.0}
+    ds = sim.run(4, prefill=quiet | one | {"prompt_tokens_per_s": 1000.0, "queued_prompt_tokens": 1000, "queue_depth": 1},
+                 decode={"capacity_streams": 7.0, "decode_tokens_per_s": 71.0, "output_tokens_per_s": 2048.0,
+                         "running_streams": 1} | one)  # fmt: skip
+    assert {rep(d)["prefill"] for d in ds} == {1} and {rep(d)["decode"] for d in ds} == {1}
+    assert not any(d.roles[P].panic or d.roles[D].panic for d in ds)
+    # ten such requests in that second: a burst
+    ten = {"recent_requests": 10, "requests_per_s": 10.0}
+    d = sim.tick(prefill=quiet | ten | {"prompt_tokens_per_s": 10000.0},
+                 decode={"capacity_streams": 7.0, "decode_tokens_per_s": 71.0, "output_tokens_per_s": 20480.0,
+                         "running_streams": 8} | ten)  # fmt: skip
+    assert d.roles[P].panic and rep(d)["prefill"] == 10 and d.roles[D].panic and rep(d)["decode"] == 3
