@@ -82,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _models(args) -> tuple[list[str], dict[str, dict]]:
     """Import what is missing; -> (store locations, model -> {kind, weights_bytes, kv_bytes})."""
     from compute.node.config import NodeConfig
+    from compute.loader import transient_bytes
     from compute.node.held import estimate_bytes
     from paramstore import ParamStore
     from paramstore.config import store_config
@@ -95,7 +96,8 @@ def _models(args) -> tuple[list[str], dict[str, dict]]:
         for name, kind in MODELS:
             m = store.manifest(name)  # what a node will count against its budget (compute/node/held.py)
             w, kv = estimate_bytes(m, "int8", NodeConfig(role="both", internal_token="-", kv_blocks=args.kv_blocks))
-            info[name] = {"kind": kind, "stored_bytes": manifest_bytes(m), "weights_bytes": w, "kv_bytes": kv}
+            info[name] = {"kind": kind, "stored_bytes": manifest_bytes(m), "weights_bytes": w, "kv_bytes": kv,
+                          "load_transient_bytes": transient_bytes(m, 1)}  # the least a load reserves on top
     return locations, info
 
 
@@ -116,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
     if any(m not in names for m in zero):
         raise ValueError(f"--zero-models: names from {', '.join(names)}")
     locations, info = _models(args)
-    sizes = sorted(v["weights_bytes"] + v["kv_bytes"] for v in info.values())
+    sizes = sorted(v["weights_bytes"] + v["kv_bytes"] + v["load_transient_bytes"] for v in info.values())
     budget = int(args.memory_gb * 2**30) if args.memory_gb else sizes[-1] + sizes[0] // 2
     if budget >= sum(sizes):
         print(f"note: a budget of {budget / 2**30:.2f} GiB holds every model at once", file=sys.stderr)
