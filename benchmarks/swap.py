@@ -81,8 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _models(args) -> tuple[list[str], dict[str, dict]]:
     """Import what is missing; -> (store locations, model -> {kind, weights_bytes, kv_bytes})."""
-    from compute.node.config import NodeConfig
     from compute.loader import transient_bytes
+    from compute.node.config import NodeConfig
     from compute.node.held import estimate_bytes
     from paramstore import ParamStore
     from paramstore.config import store_config
