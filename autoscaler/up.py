@@ -6,7 +6,9 @@ Lifecycle: parse -> internal token (generated unless $PDSERVE_INTERNAL_TOKEN[_FI
 built from the store (tokenizer, chat template) -> the local actuator starts the plan's node
 runtimes, empty (standby); each registers with the gateway once up -> the warm pool
 (autoscaler/pool.py) places the listed models (``--model A --model B``, else the gateway's
-default) on them and keeps ``pool_size`` standby runtimes per role -> the control loop runs
+default) on them, never runs fewer runtimes per role than the plan's (standby when nothing is held:
+a pool that cannot hold every model swaps models on them) and keeps ``pool_size`` standby ones
+within {role}_max_replicas runtimes -> the control loop runs
 always (``--autoscale``: the [autoscaler] bounds; without: the plan's counts), and the gateway's
 activator (a request for a model no node holds) wakes it -> serve until SIGTERM/SIGINT (Ctrl-C)
 -> the gateway finishes its open requests (bounded) -> every runtime it started is drained
