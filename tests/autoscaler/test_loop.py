@@ -250,3 +250,49 @@ def test_factory_registers_backends_lazily():
     assert isinstance(make_actuator("fake", replicas={"decode": 2}), FakeActuator)
     with pytest.raises(ValueError, match="unknown actuator 'k8s'"):
         make_actuator("k8s")
+
+
+def test_a_model_the_pool_evicted_is_not_placed_again_by_its_cooldown_or_its_stale_p99():
+    """The swap of `pdserve bench swap`: a claim for b evicts m (the pool drops m's replicas to 0 under the
+    loop); m's last requests are done but its 60 s TTFT p99 is over the SLO. Nothing may ask for m again."""
+    clock = Clock()
+    BP, BD = ("b", "prefill"), ("b", "decode")
+    act = FakeActuator({P: 1, D: 1, BP: 0, BD: 0}, start_delay_s=2.0, clock=clock)
+    busy_m = {"m": True}
+
+    def observe():
+        out = {}
+        for model, role in (P, D, BP, BD):
+            kw = {"ttft_p99_s": 6.0, "queue_wait_p99_s": 3.0} if model == "m" else {}
+            if model == "m" and busy_m["m"]:
+                kw |= {"queued_prompt_tokens": 800, "queue_depth": 2, "requests_per_s": 2.0, "recent_requests": 4}
+            if model == "b":
+                kw |= {"held": 1, "queue_depth": 1}
+            out[(model, role)] = RoleLoad(model=model, idle_s=1.0, **kw)
+        return out
+
+    loop = ControlLoop(cfg(scale_down_delay_s=30.0, prefill_min_replicas=0, decode_min_replicas=0, scale_to_zero_after_s=0.0),
+                       observe, act,
+                       clock=clock)  # fmt: skip
+    loop.run(max_ticks=5, wait=clock.advance)
+    assert (act.replicas(BP), act.replicas(BD)) == (1, 1)  # b woken by its held request
+    busy_m["m"] = False
+    act.scale(P, 0), act.scale(D, 0)  # the pool evicted m to make room for b
+    act.calls.clear()
+    loop.run(max_ticks=90, wait=clock.advance)
+    assert not [c for c in act.calls if c[0] == "scale" and c[1] in (P, D)]
+    assert (act.replicas(P), act.replicas(D)) == (0, 0)
+    assert loop.last_decision.roles[P].reason.startswith("at zero: no demand")
+
+
+def test_a_replica_still_loading_is_not_cut_when_the_load_dips():
+    clock, gw, act, loop, _ = setup(start_delay_s=20.0, scale_down_delay_s=0.0)
+    gw.prefill_tokens = 1500
+    loop.run(max_ticks=3, wait=clock.advance)
+    act.scale(P, 3)  # two more asked for a while ago (the stable window's count then), loading for 20 s
+    gw.prefill_tokens = 500  # the load dips: the stable window wants 1 or 2
+    reports = [loop.tick() for _ in range(15) if not clock.advance(1.0)]
+    assert all(r.decision.roles[P].replicas == 3 for r in reports) and not act.drained
+    assert reports[-1].decision.roles[P].reason.startswith("loading: 2 of 3 not ready yet: holding 3")
+    loop.run(max_ticks=10, wait=clock.advance)  # ready now: the dip cuts
+    assert act.replicas(P) < 3 and act.drained
