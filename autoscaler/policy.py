@@ -16,8 +16,8 @@ every key is sized independently, through the same stages, in order:
  2. windows   the core load averaged over a stable window (60 s) and a panic window
               (2 s); the panic load is the larger of its window's mean and the demand now
               (already a rate over the gateway's last 1-2 s: not averaged twice, so a burst
-              is seen a tick or two after it starts). Panic starts when the panic load is >= panic_threshold x
-              ready capacity; in panic replicas only go up (never below the panic
+              is seen a tick or two after it starts). Panic starts when the panic load is
+              >= panic_threshold x ready capacity; in panic replicas only go up (never below the panic
               peak or the current count); panic ends once the stable window has
               caught up with the peak, or a stable window after the last
               over-threshold tick (Knative KPA).
@@ -195,7 +195,7 @@ def windows(rs: RoleState, load: RoleLoad, stable: float, panic: float, now: flo
     if rs.panic_over_t is not None:
         desired = max(panic_n, stable_n, rs.panic_peak, load.replicas)
         rs = replace(rs, panic_peak=desired)
-        return desired, rs, f"panic: {cfg.panic_window_s:g}s load {ratio:.1f}x capacity", ""
+        return desired, rs, f"panic: {cfg.panic_window_s:g}s load {ratio:.1f}x capacity ({signal})", ""
     return stable_n, rs, _stable_reason(stable, signal, cfg), ""
 
 

@@ -57,9 +57,6 @@ _SIGNALS = {
 }  # fmt: skip
 
 
-HELD_COUNTS = ("TTFT", "queue wait")  # the signals a request held during activation counts in
-
-
 def core_load(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> tuple[float, str, float]:
     """Replicas the observed load needs now, the signal that said so (the largest), and the demand signal's
     replicas alone (0.0 when off or not measured: panic reads it as it is, see policy.windows)."""
