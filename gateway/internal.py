@@ -36,7 +36,9 @@ def snapshot(gw) -> dict:
 def model_status(gw) -> dict[str, dict]:
     """Per model — every served one, and any other a request was made or held for: queue_depth
     (waiting for admission + held), held, running, the p99s of queue wait, TTFT and TPOT over the
-    last minute, requests since start, last_request_t, idle_s (see gateway.traffic)."""
+    last minute, requests since start, last_request_t, idle_s, and the arrival rates over the last
+    1-2 s: requests_per_s, prompt_tokens_per_s, output_tokens_per_s, recent_requests (the
+    autoscaler's demand signal; see gateway.traffic)."""
     held = dict(gw.activator.held)
     names = list(dict.fromkeys([*gw.models.names, *list(gw.traffic.models), *held]))
     return {m: gw.traffic.snapshot(m, held.get(m, 0)) for m in names if m}
