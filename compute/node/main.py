@@ -27,6 +27,8 @@ def add_arguments(p) -> None:
 
     p.add_argument("--role", choices=["prefill", "decode", "both"], help="required here or as [node] role")
     p.add_argument("--model", help="paramstore reference NAME[@vN] to load at start (else standby: load on demand)")
+    p.add_argument("--standby", action="store_true",
+                   help="start empty even if [node] model is set (the warm pool's runtimes read the shared config)")
     add_store_arguments(p)
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="default 8001")
@@ -83,6 +85,10 @@ def node_config(args):
     if "role" not in kw:
         raise ConfigError("no role: pass --role or set role in [node] of the config file")
     kw.setdefault("internal_token", "")
+    if getattr(args, "standby", False):
+        if args.model:
+            raise ConfigError("--standby and --model exclude each other: a standby runtime starts empty")
+        kw.pop("model", None)  # [node] model is "load this at start" for a node of its own, not for a pool runtime
     return NodeConfig(store=store_cfg.locations, **kw), store_cfg
 
 

@@ -75,6 +75,8 @@ def test_node_precedence_flag_over_env_over_file_over_default(config):
     assert (fl["cache_dir"], fl["kv_blocks"], fl["model"]) == ("/flag", 5, "m")
     alias = resolved(node, {**token, "PARAMSTORE_CONFIG": config})  # the older variable still names the file
     assert alias["model"] == "from-file"
+    pool_runtime = resolved(node + ["--config", config, "--standby"], token)  # the file's other settings still hold
+    assert pool_runtime["model"] is None and pool_runtime["kv_blocks"] == 77
 
 
 def test_gateway_and_autoscale_read_their_tables(config, tmp_path):
@@ -88,7 +90,7 @@ def test_gateway_and_autoscale_read_their_tables(config, tmp_path):
     a = resolved(PDSERVE + ["autoscale"], {"PDSERVE_CONFIG": config, "PDSERVE_INTERNAL_TOKEN": "t"})
     assert a["gateways"] == ["http://gateway.example:18901"] and a["actuator"] == "local"
     assert a["autoscaler"]["decode_max_replicas"] == 3 and a["autoscaler"]["tick_s"] == 2.0
-    assert a["local"]["model"] == "from-file" and a["local"]["kv_blocks"] == 77  # [node] fills LocalConfig
+    assert a["local"]["model"] is None and a["local"]["kv_blocks"] == 77  # [node] fills LocalConfig; runtimes standby
     assert a["local"]["ready_timeout_s"] == 33.0 and a["local"]["extra_args"] == ["--config", config]
     a = resolved(PDSERVE + ["autoscale", "--config", config, "--tick-s", "0.5", "--gateway", "http://127.0.0.1:9"],
                  {"PDSERVE_INTERNAL_TOKEN": "t"})  # fmt: skip
@@ -144,7 +146,9 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, case, command):
 def test_missing_file_and_missing_settings_are_one_line(tmp_path):
     r = run(PDSERVE + ["node", "--role", "decode", "--config", str(tmp_path / "nope.toml")])
     assert r.returncode == 2 and "cannot read config" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = run(PDSERVE + ["node", "--role", "decode"], {"PDSERVE_INTERNAL_TOKEN": "t"})
-    assert r.returncode == 2 and "no model: pass --model" in r.stderr and "Traceback" not in r.stderr
+    r = run(PDSERVE + ["node"], {"PDSERVE_INTERNAL_TOKEN": "t"}, cwd=tmp_path)  # no --model is a standby node; no role
+    assert r.returncode == 2 and "no role: pass --role" in r.stderr and "Traceback" not in r.stderr
+    r = run(PDSERVE + ["node", "--role", "decode", "--standby", "--model", "m"], {"PDSERVE_INTERNAL_TOKEN": "t"})
+    assert r.returncode == 2 and "exclude each other" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run(PDSERVE + ["autoscale", "--gateway", "http://127.0.0.1:9", "--max-ticks", "1"])
     assert r.returncode == 2 and "PDSERVE_INTERNAL_TOKEN" in r.stderr and "Traceback" not in r.stderr
