@@ -232,8 +232,9 @@ def at_zero(load: RoleLoad) -> str | None:
 
 
 def bounds(role: str, desired: int, load: RoleLoad, cfg: AutoscalerConfig, wake: bool,
-           zero: str | None) -> tuple[int, bool, str | None]:  # fmt: skip
-    """Clamp to [min, max]; a model scaled to zero (`zero`: why) stays at 0; a woken key gets >= 1."""
+           zero: str | None, why: str = "") -> tuple[int, bool, str | None]:  # fmt: skip
+    """Clamp to [min, max]; a model scaled to zero (`zero`: why) stays at 0; a woken key gets >= 1.
+    `why`: the reason the load wants `desired` (kept in a max bound's reason: it says what the burst is)."""
     lo, hi = cfg.bounds(role)
     if zero:
         return 0, False, zero
@@ -242,7 +243,7 @@ def bounds(role: str, desired: int, load: RoleLoad, cfg: AutoscalerConfig, wake:
         why = (f"{load.held} held" if load.held else f"{waiting} queued") if waiting else "other role woke"
         return min(max(desired, 1, lo), hi), True, f"activation: {why}, 0 replicas"
     if desired > hi:
-        return hi, False, f"bounds: max {hi} (load wants {desired})"
+        return hi, False, f"bounds: max {hi} (load wants {desired}{': ' + why if why else ''})"
     if desired < lo:
         return lo, False, f"bounds: min {lo} (load wants {desired})"
     return desired, False, None
@@ -343,7 +344,7 @@ def _decide_key(key: Key, load: RoleLoad, rs: RoleState | None, cfg: AutoscalerC
     if still:
         desired, reason, event = 0, still, ""
         rs = replace(rs, panic_over_t=None, panic_peak=0)
-    desired, activated, why = bounds(role, desired, load, cfg, wake, zero)
+    desired, activated, why = bounds(role, desired, load, cfg, wake, zero, reason)
     reason = why or reason
     if activated:
         rs = replace(rs, activated_t=now)
