@@ -271,8 +271,8 @@ class LocalActuator(Actuator):
         cmd = [sys.executable, "-m", "autoscaler.cli", "node", "--role", role, "--host", c.host, "--port", str(port),
                "--weights", c.weights, "--kv-blocks", str(c.kv_blocks), "--kv-transport", c.kv_transport,
                "--threads", str(c.threads), *c.extra_args]  # fmt: skip
-        if c.model:
-            cmd += ["--model", c.model]
+        # a runtime without a model starts empty even when the shared config file sets [node] model
+        cmd += ["--model", c.model] if c.model else ["--standby"]
         if c.import_nice:
             cmd += ["--import-nice", str(c.import_nice)]
         for url in c.store:

@@ -38,6 +38,7 @@ locations = [{", ".join(f'"{u}"' for u in locations)}]
 [node]
 threads = 1
 kv_blocks = 256
+model = "{model}"  # a node of its own would load it at start; the pool's runtimes (--standby) start empty
 [gateway]
 model = "{model}"
 port = {port}
