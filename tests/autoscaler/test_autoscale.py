@@ -39,13 +39,14 @@ locations = [{", ".join(f'"{u}"' for u in locations)}]
 threads = 1
 kv_blocks = 256
 model = "{model}"  # a node of its own would load it at start; the pool's runtimes (--standby) start empty
+tpot_target_s = 0.001  # no batch meets it: each node measures that it carries 1 stream at its target
 [gateway]
 model = "{model}"
 port = {port}
 url = "http://127.0.0.1:{port}"
 [autoscaler]
 tick_s = 0.5
-target_running_streams_per_replica = 1
+target_running_streams_per_replica = 32  # the fallback alone would keep 1 decode replica
 stable_window_s = 4.0
 panic_window_s = 1.0
 scale_down_delay_s = 600.0
@@ -108,7 +109,8 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
         assert "Paris" in answer.choices[0].message.content
         assert ready_nodes(status(gw.url), "prefill") and ready_nodes(status(gw.url), "decode")
 
-        # load: 3 streams on one decode replica, 1 stream per replica wanted -> 2 decode replicas (the maximum)
+        # load: 3 streams on one decode replica that measured it carries 1 at its TPOT target -> 2 decode
+        # replicas (the maximum); the configured fallback (32 per replica) would keep 1: the measure decides
         seen = {"decode_nodes": 0, "asked": 0}
         done = threading.Event()
 
