@@ -12,6 +12,7 @@ Layout: one module per thing measured, each a `pdserve bench NAME` command with
     swap.py          pdserve bench swap      many models on one pool: cold-model first token, from zero
   and what they share:
     service.py       `pdserve up` in a process of its own, observed from outside (used by burst.py, swap.py)
+    observe.py       its timeline: a /load sampler thread and the /load readers (used by burst.py, swap.py)
     synthetic.py     a ~1 GiB Llama-shaped model of random weights, cached (used by swap.py)
     kv_transfer.py   two-process KV transfer rates (used by pd.py)
     mixed_workload.py  chat streams + long prompts through a gateway (used by pd.py)
