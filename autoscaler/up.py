@@ -232,7 +232,7 @@ def autoscale_in_process(gw, actuator, roles: dict[str, int], config=None):
     """The control loop in a thread of this process over `actuator` (the warm pool): the same observer as
     `pdserve autoscale` (autoscaler/observer.py), fed the gateway's status snapshot in-process; each report
     is stored where `pdserve status` reads it; the gateway's activator (a request held for a model no node
-    holds) wakes it. Roles the policy does not size ("both") get a keeper instead (autoscaler/pool.py)."""
+    holds) wakes it. Roles the policy does not size ("both") get a Keeper instead (below)."""
     from gateway.internal import snapshot
 
     from . import AutoscalerConfig
