@@ -308,6 +308,7 @@ class RuntimePool(Actuator):
                     "memory_used_bytes": rt.used, "memory_budget_bytes": rt.budget}
                    for rt in sorted(self.view.values(), key=lambda r: (r.role, r.url))]  # fmt: skip
             return {"pool_size": self.config.pool_size, "runtimes": rts, "claims_done": self.claims_done,
+                    "max_runtimes": {r: self.config.cap(r) for r in self.roles},
                     "claims": list(self._claims), "last_placement": self.last_placement,
                     "desired": {f"{m}/{r}": n for (m, r), n in sorted(self._desired.items())}}  # fmt: skip
 

@@ -119,7 +119,9 @@ def _print_pool(pool: dict | None) -> None:
     if not pool:
         return
     standby = sum(1 for r in pool.get("runtimes", []) if r.get("state") == "standby")
-    print(f"warm pool: {standby} standby runtime(s) (keeps {pool.get('pool_size')} per role); "
+    cap = pool.get("max_runtimes") or {}
+    within = f", at most {'/'.join(str(n) for n in cap.values())} runtimes per role" if cap else ""
+    print(f"warm pool: {standby} standby runtime(s) (keeps {pool.get('pool_size')} per role{within}); "
           f"{pool.get('claims_done', 0)} claim(s)")  # fmt: skip
     last = pool.get("last_placement")
     if last:
