@@ -81,7 +81,13 @@ def fit_line(samples: list[tuple[int, float]]) -> tuple[float, float] | None:
 
 
 def streams_at(a: float, b: float, target_s: float, cap: int) -> int:
-    """The largest batch whose fitted step time stays within ``target_s`` (at least 1, at most ``cap``)."""
+    """The largest batch whose fitted step time stays within ``target_s`` (at least 1, at most ``cap``).
+
+    A step of one stream already past the target: 1 (no batch meets it, whatever the slope's sign —
+    on a fast CPU the fitted slope over batches 1-3 can come out flat or negative from noise alone).
+    """
+    if a + b > target_s:
+        return 1
     if b <= 0:
-        return cap  # the step time does not grow with the batch over what was seen
+        return cap  # within the target at batch 1 and not growing with the batch over what was seen
     return int(max(1, min(cap, (target_s - a) // b)))
