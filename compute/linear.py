@@ -79,16 +79,17 @@ by name; its tensors are copied once into the fused buffer and it keeps views of
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compute import kernels
 from compute.errors import WeightMismatch
+from compute.kernels import dequantize_scratch  # noqa: F401 - re-exported (tests, callers of this module)
 from paramstore.buffers import ALIGN  # the kernels need it too: see ``aligned``
-from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
+from paramstore.quant import dequantize_int8 as dequantize  # noqa: F401 - re-exported: the store's int8 scheme
 
 INT8MM_MAX_M = 64  # largest M that uses the int8 kernel (see the table above)
 INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: see above)
@@ -118,35 +119,23 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_SCRATCH_MAX = 4 * 2**20  # fp32 elements (16 MiB): the largest weight dequantized into the reused buffer
-_scratch = threading.local()  # per thread: a forward runs in one thread
-
-
-def dequantize_scratch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``dequantize`` to fp32 into a reused per-thread buffer (no page faults of a fresh allocation).
-
-    Equal to ``dequantize(q, scale)``; valid until the next call in this thread.
-    """
-    n = q.numel()
-    if n > _SCRATCH_MAX:
-        return dequantize(q, scale)
-    buf = getattr(_scratch, "buf", None)
-    if buf is None:
-        with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
-            buf = _scratch.buf = torch.empty(_SCRATCH_MAX)
-    return torch.mul(q, scale[:, None], out=buf[:n].view(q.shape))
-
-
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, scale_bf16: torch.Tensor | None,
-           bias: torch.Tensor | None, int8mm_max_m: int, cast: bool = True) -> torch.Tensor:  # fmt: skip
+           bias: torch.Tensor | None, int8mm_max_m: int, cast: bool = True, plan: tuple[str, ...] | None = None,
+           w_bf16: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x: [M, K] @ w: [N, K]^T (+ bias) -> [M, N]; the kernel is chosen by w's dtype and M.
 
-    The result is in x's dtype; with ``cast=False`` the int8 kernel's bf16 output is returned
-    as is, for a caller that promotes it anyway (``x32 + y`` adds in fp32: the same numbers).
+    ``plan``: the kernel per M bucket measured on this machine (``compute.kernels``; ``w_bf16``
+    is the ``bf16`` kernel's copy); without one, the fixed rule below (int8mm up to
+    ``int8mm_max_m``, dequant beyond). The result is in x's dtype; with ``cast=False`` a
+    kernel's bf16 output is returned as is, for a caller that promotes it anyway (``x32 + y``
+    adds in fp32: the same numbers).
     """
     if w.dtype != torch.int8:
         return F.linear(x, w, bias)
-    if x.shape[0] <= int8mm_max_m and w.shape[1] % INT8MM_K_MULTIPLE == 0:
+    if plan is not None:
+        y = kernels.run(plan[kernels.bucket(x.shape[0])], x, w, scale, scale_bf16, w_bf16)
+        y = y if y.dtype == x.dtype or (not cast and y.dtype == torch.bfloat16) else y.to(x.dtype)
+    elif x.shape[0] <= int8mm_max_m and w.shape[1] % INT8MM_K_MULTIPLE == 0:
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(aligned(xb.contiguous()), w, scale_bf16)
         y = y if x.dtype == torch.bfloat16 or not cast else y.to(x.dtype)
@@ -155,7 +144,35 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, scale_b
     return y if bias is None else y + bias
 
 
-class _WeightSlot(nn.Module):
+class _KernelPlan:
+    """The measured kernel per M bucket of an int8 linear (``compute.kernels``), and the copy it needs.
+
+    ``use_kernels`` is called once the weights are in, by ``Transformer.use_kernels``; the plan is
+    assigned last, after any bf16 copy exists, so a forward in another thread sees either the old
+    plan or the new one with its copy.
+    """
+
+    plan: tuple[str, ...] | None = None
+    w_bf16: torch.Tensor | None = None  # [N, K] bf16: only if a bucket chose the ``bf16`` kernel
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        raise NotImplementedError
+
+    def use_kernels(self, plan: Sequence[str] | None) -> None:
+        qs = self.int8_weight()
+        if qs is None or plan is None:
+            self.plan, self.w_bf16 = None, None
+            return
+        if len(plan) != len(kernels.BUCKETS) or any(k not in kernels.KERNELS for k in plan):
+            raise ValueError(f"a kernel plan names one of {kernels.KERNELS} per bucket, got {plan!r}")
+        if "bf16" in plan and self.w_bf16 is None:
+            self.w_bf16 = aligned(kernels.bf16_weight(*qs))
+        self.plan = tuple(plan)
+        if "bf16" not in plan:
+            self.w_bf16 = None
+
+
+class _WeightSlot(_KernelPlan, nn.Module):
     """Shared loading logic: ``weight`` (float or int8), optional ``weight_scale`` and ``bias``."""
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype) -> None:
@@ -206,6 +223,9 @@ class _WeightSlot(nn.Module):
         """Use ``other``'s tensors (tied embeddings): the same storage, no copy."""
         self.weight, self.weight_scale, self._scale_act = other.weight, other.weight_scale, other._scale_act
 
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.weight, self.weight_scale) if self.is_int8 and self.weight_scale is not None else None
+
 
 class Linear(_WeightSlot):
     """y = x @ W^T (+ b) with W float or INT8; picks the kernel by M and dtype."""
@@ -223,7 +243,8 @@ class Linear(_WeightSlot):
 
     def forward(self, x: torch.Tensor, cast: bool = True) -> torch.Tensor:
         # x: [M, K] -> [M, N] (cast=False: see ``matmul``)
-        return matmul(x, self.weight, self.weight_scale, self._scale_act, self.bias, self.int8mm_max_m, cast)
+        return matmul(x, self.weight, self.weight_scale, self._scale_act, self.bias, self.int8mm_max_m, cast,
+                      self.plan, self.w_bf16)  # fmt: skip
 
 
 class LinearPart(_WeightSlot):
@@ -242,7 +263,7 @@ class LinearPart(_WeightSlot):
         self._assign(leaf, self._fused.put(self, leaf, self.prepare(leaf, t)))
 
 
-class FusedLinear(nn.Module):
+class FusedLinear(_KernelPlan, nn.Module):
     """Several linears over the same input as one: y = x @ [W_0; W_1; ...]^T -> [M, N_0 + N_1 + ...].
 
     ``parts`` are the per-linear modules to register under their HF names. The fused
@@ -285,7 +306,10 @@ class FusedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] -> [M, N_0 + N_1 + ...]
-        return matmul(x, self.w, self.scale, self.scale_bf16, self.b, self.int8mm_max_m)
+        return matmul(x, self.w, self.scale, self.scale_bf16, self.b, self.int8mm_max_m, True, self.plan, self.w_bf16)
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.w, self.scale) if self.w is not None and self.w.dtype == torch.int8 else None
 
 
 class Embedding(_WeightSlot):

@@ -23,6 +23,9 @@ import torch
 from prometheus_client import Gauge, Histogram
 
 from compute.config import ModelConfig
+from compute.kernels import DEFAULT_CACHE as DEFAULT_KERNEL_CACHE
+from compute.kernels import MODES as KERNEL_MODES
+from compute.kernels import plan_for
 from compute.model import Transformer
 from compute.tokenizer import TextBundle, _token_name
 from paramstore.quant import dequantize_int8
@@ -119,11 +122,16 @@ class WeightInjector:
     """Owns one model's lazy load from the store (steps 1-4 above)."""
 
     def __init__(self, store, ref: str, weights: str = "int8", reader_config=None, cache=None, manifest=None,
-                 text: bool = True):  # fmt: skip
+                 text: bool = True, kernels: str = "measured", kernel_cache: str | None = DEFAULT_KERNEL_CACHE):  # fmt: skip
         """``text=False`` (a node: the gateway tokenizes) skips building the tokenizer (~0.3 s for SmolLM2's);
-        ``eos_token_ids`` is read from the bundle either way."""
+        ``eos_token_ids`` is read from the bundle either way. ``kernels``: ``measured`` (int8 weights run the
+        kernels this machine's table chose, ``compute.kernels``; the table cached at ``kernel_cache``) or
+        ``fixed`` (int8mm up to M = 64, dequant beyond)."""
         if weights not in RUNTIME:
             raise ValueError(f"invalid runtime weights {weights!r}: int8, bf16 or fp32")
+        if kernels not in KERNEL_MODES:
+            raise ValueError(f"invalid kernels {kernels!r}: one of {', '.join(KERNEL_MODES)}")
+        self.kernels, self.kernel_cache, self.kernel_table = kernels, kernel_cache, None
         self.t0 = time.perf_counter()
         self.store, self.reader_config, self.cache = store, reader_config, cache
         self.manifest = manifest if manifest is not None else store.manifest(ref)
@@ -183,6 +191,10 @@ class WeightInjector:
                     LAYERS_LOADED.set(p.layers_loaded)
             if not self.model.ready:
                 raise RuntimeError(f"weights missing after every shard: {self.model.missing_weights()[:5]}")
+            if self.kernels == "measured" and self.model.int8_shapes():
+                # once per machine (cached by CPU, torch version and threads); a warm table costs ~1 ms
+                self.kernel_table = plan_for(self.model.int8_shapes(), torch.get_num_threads(), self.kernel_cache)
+                self.model.use_kernels(self.kernel_table)
             p.ready = True
             p.seconds = time.perf_counter() - self.t0
             TIME_TO_READY.observe(p.seconds)

@@ -202,6 +202,22 @@ class Transformer(nn.Module):
             not any(hasattr(m, "missing") and m.missing() for m in layer.modules()) for layer in self.model.layers
         )
 
+    # -- kernels ---------------------------------------------------------------------------
+
+    def kernel_modules(self) -> list[Linear | FusedLinear]:
+        """The linears that run a matmul with int8 weights (``use_kernels`` plans them)."""
+        return [m for m in self.modules() if isinstance(m, (Linear, FusedLinear)) and m.int8_weight() is not None]
+
+    def int8_shapes(self) -> list[tuple[int, int]]:
+        """Distinct ``(N, K)`` of the int8 matmuls: what ``compute.kernels.plan_for`` measures."""
+        return sorted({tuple(m.int8_weight()[0].shape) for m in self.kernel_modules()})
+
+    def use_kernels(self, table: dict | None) -> None:
+        """Each int8 linear takes the kernel per M bucket that ``table`` chose for its shape (None: the fixed rule)."""
+        for m in self.kernel_modules():
+            n, k = m.int8_weight()[0].shape
+            m.use_kernels(None if table is None else table["shapes"][f"{n}x{k}"]["choice"])
+
     # -- compute ---------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -35,6 +35,7 @@ class NodeConfig:
     threads: int = 0  # torch threads; 0 = torch's default
     memory_gb: float = 0.0  # budget for weights + KV cache of every held model; 0 = half of MemAvailable at start
     tpot_target_s: float = 0.1  # the step time at which the capacity report's max_streams is taken
+    kernels: str = "measured"  # int8 kernels: measured (per machine, cached in cache_dir or ~/.cache/pdserve) | fixed
     import_nice: int = 0  # heavy imports in a thread niced by this much (pool refill); serving threads are not
 
     def __post_init__(self) -> None:
@@ -50,6 +51,8 @@ class NodeConfig:
             raise ValueError("need 0 < kv_timeout_s < kv_hold_s")
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise ValueError("model must be a non-empty NAME[@vN] (or unset: start standby)")
+        if self.kernels not in ("measured", "fixed"):
+            raise ValueError(f"invalid kernels {self.kernels!r}: measured or fixed")
         if self.memory_gb < 0 or self.tpot_target_s <= 0:
             raise ValueError("need memory_gb >= 0 (0: half of MemAvailable) and tpot_target_s > 0")
         if not 0 <= self.import_nice <= 19:

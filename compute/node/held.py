@@ -28,7 +28,7 @@ import torch
 from compute.config import ModelConfig
 from compute.engine import Engine, StepOutput
 from compute.kv_cache import KVCache
-from compute.loader import RUNTIME, LoadProgress, WeightInjector, runtime_weights
+from compute.loader import DEFAULT_KERNEL_CACHE, RUNTIME, LoadProgress, WeightInjector, runtime_weights
 
 from .capacity import CapacityMeter
 from .config import NodeConfig
@@ -95,7 +95,8 @@ class Held:
         from paramstore.reader import ReaderConfig
 
         inj = WeightInjector(store, self.name, self.weights, reader_config=ReaderConfig(prefetch=self.prefetch),
-                             cache=cache, manifest=self.manifest, text=False)  # fmt: skip
+                             cache=cache, manifest=self.manifest, text=False, kernels=cfg.kernels,
+                             kernel_cache=kernel_cache(cfg))  # fmt: skip
         self.injector, self.progress = inj, inj.progress
         if self._cancel.is_set():
             return
@@ -219,6 +220,11 @@ def trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def kernel_cache(cfg: NodeConfig) -> str:
+    """Where this node keeps the machine's kernel table: its cache dir, else the user's default."""
+    return os.path.join(cfg.cache_dir, "kernels.json") if cfg.cache_dir else DEFAULT_KERNEL_CACHE
 
 
 def tensor_bytes(model: torch.nn.Module) -> int:

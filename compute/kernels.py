@@ -1,0 +1,243 @@
+"""INT8-weight linear kernels, chosen by measurement on the machine that runs them.
+
+Machines of one kind do not share a CPU (AVX2 only; AVX-512 with bf16/VNNI; AMX): the same
+kernel wins on one and loses 10x on another (FIELD-NOTES; the table in ``compute/linear.py``).
+So nothing here assumes a CPU:
+
+1. ``plan_for(shapes, threads, cache_path)``: the machine's key (CPU model name, its ISA flags,
+   torch version, threads) names a JSON file; if it holds a table for every shape, it is used;
+2. otherwise ``measure`` times every usable candidate on each weight shape ``[N, K]`` of the
+   model at one M per bucket (``BUCKETS``), min of ``repeats`` interleaved runs, and checks each
+   candidate's error against an fp32 reference on activations with outlier channels (as real
+   LLM activations have); the fastest within ``ERROR_GATE`` wins each bucket;
+3. the table is written (atomically) and each int8 linear gets its choice per bucket
+   (``Transformer.use_kernels``); a ``bf16`` choice makes one bf16 copy of that weight at that
+   moment (memory: +2 bytes per parameter of that linear, counted in the node's bytes).
+
+Candidates (``KERNELS``), all taking x in any float dtype and returning y in ``out`` dtype:
+
+- ``int8mm``: ``torch.ops.aten._weight_int8pack_mm`` on x cast to bf16 (weight-only int8; cost
+  linear in M on x86); needs K % 16 == 0 and 64-byte aligned inputs (``compute/linear.py``);
+- ``dequant``: the weight dequantized into a reused fp32 scratch, fp32 ``F.linear``;
+- ``bf16``: a bf16 copy of the dequantized weight, bf16 ``F.linear`` (oneDNN: native on
+  avx512_bf16 / AMX CPUs, emulated and slow on AVX2);
+- ``w8a8``: x quantized per row to int8, ``torch._int_mm`` (oneDNN s8s8s32: VNNI / AMX-int8),
+  rescaled by row and column scales. Batch-invariant by construction (each row its own scale),
+  but on SmolLM2 per-row activation int8 costs +4% perplexity (FIELD-NOTES figures re-measured:
+  CC0 1.0417, Zen 1.1215, Apache 1.0396 vs fp32): the error gate keeps it out unless a
+  machine's activations allow it; it is measured and printed so the table says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Iterable
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from paramstore.buffers import ALIGN  # the int8 kernel needs aligned inputs (compute/linear.py)
+from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
+
+BUCKETS = (1, 8, 64, None)  # upper bounds of M per bucket: 1 | 2-8 | 9-64 | 65+
+PROBE_M = (1, 8, 32, 256)  # the M each bucket is timed at
+KERNELS = ("int8mm", "dequant", "bf16", "w8a8")
+ERROR_GATE = 0.01  # relative RMS error vs fp32 on outlier activations: ~3x bf16 rounding (int8mm, bf16: 0.3%; w8a8: 1.8-4.4%)
+INT8MM_K_MULTIPLE = 16  # see compute/linear.py
+TABLE_VERSION = 1
+MODES = ("measured", "fixed")  # fixed: int8mm up to M = 64, dequant beyond, on every CPU (the rule before this)
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels.json")  # one per machine
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
+             "amx_bf16", "amx_int8", "amx_tile")  # fmt: skip
+
+
+_SCRATCH_MAX = 4 * 2**20  # fp32 elements (16 MiB): the largest weight dequantized into the reused buffer
+_scratch = threading.local()  # per thread: a forward runs in one thread
+
+
+def dequantize_scratch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``dequantize`` to fp32 into a reused per-thread buffer (no page faults of a fresh allocation).
+
+    Equal to ``dequantize(q, scale)``; valid until the next call in this thread.
+    """
+    n = q.numel()
+    if n > _SCRATCH_MAX:
+        return dequantize(q, scale)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None:
+        with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
+            buf = _scratch.buf = torch.empty(_SCRATCH_MAX)
+    return torch.mul(q, scale[:, None], out=buf[:n].view(q.shape))
+
+
+def bucket(m: int) -> int:
+    """Index of the bucket of M rows."""
+    for i, hi in enumerate(BUCKETS):
+        if hi is None or m <= hi:
+            return i
+    raise AssertionError("unreachable")
+
+
+def usable(name: str, n: int, k: int) -> bool:
+    return name != "int8mm" or k % INT8MM_K_MULTIPLE == 0
+
+
+def run(name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_bf16: torch.Tensor,
+        w_bf16: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """x: [M, K] float @ (q: [N, K] int8 * scale: [N])^T -> [M, N] (bf16 for int8mm/bf16, else fp32)."""
+    if name == "int8mm":
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        if xb.data_ptr() % ALIGN or not xb.is_contiguous():
+            xb = xb.contiguous().clone()  # fresh allocations are ALIGN-byte aligned (compute/linear.py)
+        return torch.ops.aten._weight_int8pack_mm(xb, q, scale_bf16)
+    if name == "bf16":
+        return F.linear(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), w_bf16)
+    if name == "dequant":
+        return F.linear(x.to(torch.float32), dequantize_scratch(q, scale))
+    if name == "w8a8":
+        x32 = x.to(torch.float32)
+        a = x32.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0  # [M, 1]
+        xq = torch.round(x32 / a).to(torch.int8)
+        return torch._int_mm(xq, q.t()) * a * scale  # int32 [M, N] -> fp32
+    raise ValueError(f"unknown kernel {name!r}: one of {', '.join(KERNELS)}")
+
+
+def bf16_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The dequantized weight in bf16 (the ``bf16`` kernel's copy)."""
+    return (q.to(torch.float32) * scale[:, None]).to(torch.bfloat16)
+
+
+def machine_key(threads: int) -> str:
+    """CPU model + ISA flags + torch version + threads: a table is valid only where all four match."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    have = " ".join(f for f in ISA_FLAGS if f in flags)
+    raw = f"{model}|{have}|torch {torch.__version__}|{threads} threads"
+    return f"{hashlib.sha256(raw.encode()).hexdigest()[:16]} {raw}"
+
+
+def _outlier_input(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """[M, K] fp32 activations: unit normal with a few channels 30x larger (as LLM residuals have)."""
+    x = torch.randn(m, k, generator=gen)
+    x[:, torch.randperm(k, generator=gen)[: max(1, k // 100)]] *= 30.0
+    return x
+
+
+def measure(shapes: Iterable[tuple[int, int]], threads: int, repeats: int = 7,
+            kernels: Iterable[str] = KERNELS) -> dict:  # fmt: skip
+    """Time and check every usable kernel on each [N, K] at ``PROBE_M``; -> the table (see the module doc)."""
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, dict] = {}
+    for n, k in sorted(set(shapes)):
+        w = torch.randn(n, k, generator=gen) * 0.05
+        scale = w.abs().amax(1).clamp_min(1e-8) / 127.0
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        sb, wb, wref = scale.to(torch.bfloat16), bf16_weight(q, scale), q.to(torch.float32) * scale[:, None]
+        names = [c for c in kernels if usable(c, n, k)]
+        err, us = {}, {}
+        xe = _outlier_input(16, k, gen)
+        ref = F.linear(xe.double(), wref.double())
+        for c in names:
+            try:
+                y = run(c, xe, q, scale, sb, wb).double()
+                err[c] = float((y - ref).norm() / ref.norm())
+            except RuntimeError as e:  # a kernel this build or CPU lacks: out of the table, with why
+                err[c] = f"{type(e).__name__}: {str(e)[:80]}"
+        ok = [c for c in names if isinstance(err[c], float) and err[c] <= ERROR_GATE]
+        for m in PROBE_M:
+            x = torch.randn(m, k, generator=gen)
+            t = {}
+            for c in ok:  # warm-up, timed: a candidate 4x behind the best here is not timed again
+                run(c, x, q, scale, sb, wb)
+                t0 = time.perf_counter()
+                run(c, x, q, scale, sb, wb)
+                t[c] = time.perf_counter() - t0
+            close = [c for c in ok if t[c] <= 4 * min(t.values())]
+            for _ in range(repeats):  # interleaved: a noisy neighbour hits every candidate alike
+                for c in close:
+                    t0 = time.perf_counter()
+                    run(c, x, q, scale, sb, wb)
+                    t[c] = min(t[c], time.perf_counter() - t0)
+            us[str(m)] = {c: round(v * 1e6, 1) for c, v in t.items()}
+        choice = [min(us[str(m)], key=us[str(m)].get) if ok else "dequant" for m in PROBE_M]
+        out[f"{n}x{k}"] = {"choice": choice, "us": us, "error": err}
+    return {"version": TABLE_VERSION, "key": machine_key(threads), "probe_m": list(PROBE_M),
+            "buckets": [b or "inf" for b in BUCKETS], "error_gate": ERROR_GATE, "shapes": out}  # fmt: skip
+
+
+def plan_for(shapes: Iterable[tuple[int, int]], threads: int, cache_path: str | None = DEFAULT_CACHE) -> dict:
+    """The kernel table for ``shapes`` on this machine: read from ``cache_path`` if it has them, else measured.
+
+    Processes of one machine that find no table measure one at a time (a lock beside the file): the
+    second reads the first's table, so every node of a machine runs the same kernels (and numerics).
+    """
+    shapes, key = sorted(set(shapes)), machine_key(threads)
+    lock = contextlib.nullcontext()
+    if cache_path:
+        os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+        lock = _flock(cache_path + ".lock")
+    with lock:
+        cached = _read(cache_path, key)
+        missing = [s for s in shapes if f"{s[0]}x{s[1]}" not in cached.get("shapes", {})]
+        if cached and not missing:
+            return {**cached, "cached": True}
+        table = measure(missing, threads)
+        table["shapes"] = {**cached.get("shapes", {}), **table["shapes"]}
+        if cache_path:
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(cache_path)), suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(table, f, indent=1)
+            os.replace(tmp, cache_path)  # never a half-written table
+    return {**table, "cached": False}
+
+
+@contextlib.contextmanager
+def _flock(path: str):
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read(cache_path: str | None, key: str) -> dict:
+    """The cached table if it is this machine's (same key and version), else {}."""
+    if not cache_path or not os.path.exists(cache_path):
+        return {}
+    try:
+        with open(cache_path) as f:
+            t = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return t if isinstance(t, dict) and t.get("version") == TABLE_VERSION and t.get("key") == key else {}
+
+
+def format_table(table: dict) -> str:
+    """The table as text: one line per shape and bucket, the choice first, then every candidate's time."""
+    lines = [f"kernel choice on {table['key'].split(' ', 1)[1]} (us, min of interleaved runs; error gate "
+             f"{table['error_gate']:.0%} relative RMS)"]  # fmt: skip
+    for shape, e in table["shapes"].items():
+        errs = ", ".join(f"{c} {v:.2%}" if isinstance(v, float) else f"{c} unusable" for c, v in e["error"].items())
+        lines.append(f"  {shape}: error {errs}")
+        for m, choice in zip(table["probe_m"], e["choice"]):
+            times = "  ".join(f"{c} {t:g}" for c, t in sorted(e["us"][str(m)].items(), key=lambda i: i[1]))
+            lines.append(f"    M={m:<4} -> {choice:<8} ({times})")
+    return "\n".join(lines)

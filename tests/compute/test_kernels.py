@@ -1,0 +1,121 @@
+"""compute/kernels.py: every candidate's numbers, the measured choice, its cache, and a model running it.
+
+Timings are whatever this CPU gives; the tests assert what holds on any x86 CPU: each usable
+kernel agrees with the fp32 reference within the gate, the choice per bucket is the fastest of
+the recorded times among kernels within the gate, the cached table is reused (and re-measured
+for another machine key), and a tiny int8 model gives the same greedy tokens on every plan.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compute import kernels
+from compute.batch import ForwardBatch
+from compute.kv_cache import KVCache
+from compute.model import Transformer
+from tests.compute.test_model_parity import int8_state, quantize
+from tests.compute.tiny import tiny_model
+
+SHAPES = [(96, 64), (48, 128)]
+
+
+@pytest.mark.parametrize("m, want", [(1, 0), (2, 1), (8, 1), (9, 2), (64, 2), (65, 3), (4096, 3)])
+def test_buckets(m, want):
+    assert kernels.bucket(m) == want
+
+
+@pytest.mark.parametrize("name", kernels.KERNELS)
+@pytest.mark.parametrize("m", [1, 5, 33, 130])
+def test_each_kernel_agrees_with_the_fp32_reference(name, m):
+    q, s = quantize(torch.randn(96, 64))
+    x = torch.randn(m, 64)
+    ref = F.linear(x.double(), (q.double() * s.double()[:, None]))
+    y = kernels.run(name, x, q, s, s.to(torch.bfloat16), kernels.bf16_weight(q, s)).double()
+    assert y.shape == (m, 96)
+    rel = float((y - ref).norm() / ref.norm())
+    assert rel < (1e-6 if name == "dequant" else 0.03), (name, rel)  # bf16 / int8 activations: ~0.3% / ~1%
+
+
+def test_measure_chooses_the_fastest_within_the_gate_and_keeps_w8a8_out_on_outlier_activations():
+    table = kernels.measure(SHAPES, torch.get_num_threads(), repeats=2)
+    assert table["key"] == kernels.machine_key(torch.get_num_threads())
+    for n, k in SHAPES:
+        e = table["shapes"][f"{n}x{k}"]
+        assert e["error"]["dequant"] < 1e-5 and e["error"]["w8a8"] > kernels.ERROR_GATE  # outliers: per-row int8 fails
+        for m, choice in zip(kernels.PROBE_M, e["choice"]):
+            times = e["us"][str(m)]
+            assert "w8a8" not in times and choice == min(times, key=times.get)
+    assert "quant" not in kernels.format_table(table).split("\n")[0] and "M=256" in kernels.format_table(table)
+
+
+def test_plan_is_cached_per_machine_key_and_extended_for_new_shapes(tmp_path):
+    path = str(tmp_path / "k" / "kernels.json")
+    first = kernels.plan_for(SHAPES[:1], 1, path)
+    assert first["cached"] is False and set(first["shapes"]) == {"96x64"}
+    again = kernels.plan_for(SHAPES[:1], 1, path)
+    assert again["cached"] is True and again["shapes"] == first["shapes"]
+    more = kernels.plan_for(SHAPES, 1, path)  # one new shape: measured and added, the old kept as it was
+    assert more["cached"] is False and more["shapes"]["96x64"] == first["shapes"]["96x64"]
+    on_disk = json.loads(open(path).read())
+    on_disk["key"] = "another machine"
+    open(path, "w").write(json.dumps(on_disk))
+    assert kernels.plan_for(SHAPES, 1, path)["cached"] is False  # not this machine's table: measured again
+    assert not [p for p in (tmp_path / "k").iterdir() if p.suffix == ".tmp"]
+
+
+def _int8_tiny():
+    fp = tiny_model(seed=3)
+    m = Transformer.build(fp.config)
+    m.load_weights(int8_state({k: v for k, v in fp.state_dict().items() if v is not None}))
+    assert m.ready and m.int8_shapes()
+    return m
+
+
+def _logits(model, ps: list[list[int]]) -> torch.Tensor:
+    """Last-token logits of each prompt, all in one forward (M = total prompt tokens)."""
+    tables = [[i * 8 + j for j in range(8)] for i in range(len(ps))]
+    return model(ForwardBatch.build(ps, [0] * len(ps), tables, 8), KVCache(model.config, 8 * len(ps), 8))
+
+
+@pytest.mark.parametrize("plan", [("int8mm",) * 4, ("bf16",) * 4, ("dequant",) * 4, ("int8mm", "bf16", "bf16", "bf16")])
+def test_a_model_runs_any_plan_within_bf16_rounding_of_the_fixed_rule(plan):
+    model = _int8_tiny()
+    mods = model.kernel_modules()
+    assert mods and all(x.plan is None for x in mods)
+    one, many = [[5, 9, 33, 7]], [[5, 9, 33, 7], list(range(40, 80)), list(range(100, 130))]  # M = 4 | 74
+    ref = dequantized(model)
+    fixed = [_logits(model, ps) for ps in (one, many)]
+    model.use_kernels({"shapes": {f"{n}x{k}": {"choice": list(plan)} for n, k in model.int8_shapes()}})
+    assert all(x.plan == plan for x in mods)
+    assert all((x.w_bf16 is not None) == ("bf16" in plan) for x in mods)  # the copy only where a bucket runs it
+    for ps, f in zip((one, many), fixed):
+        got, want = _logits(model, ps), _logits(ref, ps)
+        assert float((got - want).norm() / want.norm()) < 0.02  # bf16 rounding of activations / weights
+        assert float((f - want).norm() / want.norm()) < 0.02
+    model.use_kernels(None)
+    assert all(x.plan is None and x.w_bf16 is None for x in mods)
+    assert torch.equal(_logits(model, many), fixed[1])  # back on the fixed rule
+
+
+def dequantized(model):
+    """The same model with its int8 weights dequantized to fp32 (the reference)."""
+    ref = Transformer.build(model.config)
+    state = {}
+    for k, v in model.state_dict().items():
+        if v is None or k.endswith("_scale"):
+            continue
+        scale = model.state_dict().get(k + "_scale")
+        state[k] = v.float() * scale[:, None] if scale is not None and v.dtype == torch.int8 else v
+    ref.load_weights(state)
+    return ref
+
+
+def test_a_plan_naming_an_unknown_kernel_is_refused():
+    model = _int8_tiny()
+    with pytest.raises(ValueError, match="one of"):
+        model.kernel_modules()[0].use_kernels(("int8mm", "magic", "bf16", "bf16"))
