@@ -37,15 +37,16 @@ import json
 import os
 import platform
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
-
-import threading
 
 import torch
 import torch.nn.functional as F
 
-from paramstore.buffers import ALIGN  # the int8 kernel needs aligned inputs (compute/linear.py)
+from paramstore.buffers import (
+    ALIGN,  # the int8 kernel needs aligned inputs (compute/linear.py)
+)
 from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
 
 BUCKETS = (1, 8, 64, None)  # upper bounds of M per bucket: 1 | 2-8 | 9-64 | 65+
@@ -232,8 +233,9 @@ def _read(cache_path: str | None, key: str) -> dict:
 
 def format_table(table: dict) -> str:
     """The table as text: one line per shape and bucket, the choice first, then every candidate's time."""
-    lines = [f"kernel choice on {table['key'].split(' ', 1)[1]} (us, min of interleaved runs; error gate "
-             f"{table['error_gate']:.0%} relative RMS)"]  # fmt: skip
+    head = (f"kernel choice on {table['key'].split(' ', 1)[1]} (us, min of interleaved runs; error gate "
+            f"{table['error_gate']:.0%} relative RMS)")  # fmt: skip
+    lines = [head]
     for shape, e in table["shapes"].items():
         errs = ", ".join(f"{c} {v:.2%}" if isinstance(v, float) else f"{c} unusable" for c, v in e["error"].items())
         lines.append(f"  {shape}: error {errs}")

@@ -87,7 +87,7 @@ from torch import nn
 
 from compute import kernels
 from compute.errors import WeightMismatch
-from compute.kernels import dequantize_scratch  # noqa: F401 - re-exported (tests, callers of this module)
+from compute.kernels import dequantize_scratch
 from paramstore.buffers import ALIGN  # the kernels need it too: see ``aligned``
 from paramstore.quant import dequantize_int8 as dequantize  # noqa: F401 - re-exported: the store's int8 scheme
 

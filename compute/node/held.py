@@ -28,7 +28,13 @@ import torch
 from compute.config import ModelConfig
 from compute.engine import Engine, StepOutput
 from compute.kv_cache import KVCache
-from compute.loader import DEFAULT_KERNEL_CACHE, RUNTIME, LoadProgress, WeightInjector, runtime_weights
+from compute.loader import (
+    DEFAULT_KERNEL_CACHE,
+    RUNTIME,
+    LoadProgress,
+    WeightInjector,
+    runtime_weights,
+)
 
 from .capacity import CapacityMeter
 from .config import NodeConfig

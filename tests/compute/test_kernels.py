@@ -61,9 +61,11 @@ def test_plan_is_cached_per_machine_key_and_extended_for_new_shapes(tmp_path):
     assert again["cached"] is True and again["shapes"] == first["shapes"]
     more = kernels.plan_for(SHAPES, 1, path)  # one new shape: measured and added, the old kept as it was
     assert more["cached"] is False and more["shapes"]["96x64"] == first["shapes"]["96x64"]
-    on_disk = json.loads(open(path).read())
+    with open(path) as f:
+        on_disk = json.load(f)
     on_disk["key"] = "another machine"
-    open(path, "w").write(json.dumps(on_disk))
+    with open(path, "w") as f:
+        json.dump(on_disk, f)
     assert kernels.plan_for(SHAPES, 1, path)["cached"] is False  # not this machine's table: measured again
     assert not [p for p in (tmp_path / "k").iterdir() if p.suffix == ".tmp"]
 
