@@ -67,6 +67,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"importing {gguf.name} into the store as {args.model!r} (int8) ...", file=sys.stderr)
         store.import_model(str(gguf), args.model, dtype="int8")
     systems = {f"ours-{args.weights}": Ours(store, args.model, args.weights)}
+    table = systems[f"ours-{args.weights}"].injector.kernel_table
+    if table is not None:  # int8 weights: this machine's kernel choice, and the fixed rule beside it
+        from compute.kernels import format_table
+
+        print(format_table(table), flush=True)
+        systems[f"ours-{args.weights}-fixed"] = Ours(store, args.model, args.weights, kernels="fixed")
     systems["hf-bf16"] = HF(hf_config, tensors, torch.bfloat16)
     if not args.no_fp32:
         systems["hf-fp32"] = HF(hf_config, tensors, torch.float32)
@@ -100,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
     med = {s: {k: statistics.median(v) for k, v in m.items()} for s, m in samples.items()}
     report = {"model": args.model, "gguf": gguf.name, "threads": args.threads, "repeat": args.repeat,
               "tokens": args.tokens, "median": med, "samples": samples,
-              "spawn_breakdown": _LAST_SPAWN}  # fmt: skip
+              "spawn_breakdown": _LAST_SPAWN, "cpu": cpu_line(), "kernel_table": table}  # fmt: skip
     _print_table(med, f"ours-{args.weights}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -115,10 +121,10 @@ def main(args: argparse.Namespace) -> int:
 class Ours:
     batched = True
 
-    def __init__(self, store, ref: str, weights: str) -> None:
+    def __init__(self, store, ref: str, weights: str, kernels: str = "measured") -> None:
         from compute.loader import WeightInjector
 
-        self.injector = WeightInjector(store, ref, weights=weights).start()
+        self.injector = WeightInjector(store, ref, weights=weights, kernels=kernels).start()
         self.injector.wait()
         self.model, self.bundle = self.injector.model, self.injector.bundle
 
@@ -321,7 +327,15 @@ def _spawn_hf(folder: str, threads: int) -> float:
 # -- report ------------------------------------------------------------------------------------
 
 
+def cpu_line() -> str:
+    """The CPU model and the ISA flags its kernels depend on (named beside every figure)."""
+    from compute.kernels import machine_key
+
+    return machine_key(0).split(" ", 1)[1].rsplit("|", 2)[0]
+
+
 def _print_table(med: dict, ours: str) -> None:
+    print(f"CPU: {cpu_line()}")
     metrics = [("decode_1_tok_s", "decode, 1 stream (tok/s)", True),
                ("aggregate_8_tok_s", "aggregate, 8 streams (tok/s)", True),
                ("aggregate_32_tok_s", "aggregate, 32 streams (tok/s)", True),
