@@ -54,7 +54,7 @@ PROBE_M = (1, 8, 32, 256)  # the M each bucket is timed at
 KERNELS = ("int8mm", "dequant", "bf16", "w8a8")
 ERROR_GATE = 0.01  # relative RMS error vs fp32 on outlier activations: ~3x bf16 rounding (int8mm, bf16: 0.3%; w8a8: 1.8-4.4%)
 INT8MM_K_MULTIPLE = 16  # see compute/linear.py
-TABLE_VERSION = 1
+TABLE_VERSION = 2
 MODES = ("measured", "fixed")  # fixed: int8mm up to M = 64, dequant beyond, on every CPU (the rule before this)
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels.json")  # one per machine
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
@@ -195,7 +195,8 @@ def plan_for(shapes: Iterable[tuple[int, int]], threads: int, cache_path: str | 
         os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
         lock = _flock(cache_path + ".lock")
     with lock:
-        cached = _read(cache_path, key)
+        tables = _read(cache_path)  # {machine key: table}: nodes of one machine may differ in threads
+        cached = tables.get(key, {})
         missing = [s for s in shapes if f"{s[0]}x{s[1]}" not in cached.get("shapes", {})]
         if cached and not missing:
             return {**cached, "cached": True}
@@ -204,8 +205,8 @@ def plan_for(shapes: Iterable[tuple[int, int]], threads: int, cache_path: str | 
         if cache_path:
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(cache_path)), suffix=".tmp")
             with os.fdopen(fd, "w") as f:
-                json.dump(table, f, indent=1)
-            os.replace(tmp, cache_path)  # never a half-written table
+                json.dump({"version": TABLE_VERSION, "tables": {**tables, key: table}}, f, indent=1)
+            os.replace(tmp, cache_path)  # never a half-written file
     return {**table, "cached": False}
 
 
@@ -219,8 +220,8 @@ def _flock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _read(cache_path: str | None, key: str) -> dict:
-    """The cached table if it is this machine's (same key and version), else {}."""
+def _read(cache_path: str | None) -> dict[str, dict]:
+    """The cached tables by machine key ({} if none, unreadable, or of another version)."""
     if not cache_path or not os.path.exists(cache_path):
         return {}
     try:
@@ -228,7 +229,8 @@ def _read(cache_path: str | None, key: str) -> dict:
             t = json.load(f)
     except (OSError, ValueError):
         return {}
-    return t if isinstance(t, dict) and t.get("version") == TABLE_VERSION and t.get("key") == key else {}
+    ok = isinstance(t, dict) and t.get("version") == TABLE_VERSION and isinstance(t.get("tables"), dict)
+    return {k: v for k, v in t["tables"].items() if isinstance(v, dict) and v.get("key") == k} if ok else {}
 
 
 def format_table(table: dict) -> str:

@@ -42,8 +42,9 @@ FIELD-NOTES) the picture is another one: oneDNN runs bf16 ``F.linear`` natively
 (``brg_matmul:avx512_core_bf16``), so bf16 weights win prefill there (HF transformers in
 bf16: 512-token prefill 0.54 s against our 1.47 s, 32 streams ~264 tok/s against ~151);
 ``int8mm`` is no GEMM on x86 (int8 -> fp32 inside each 4x4 output tile), its cost linear
-in M (3072 x 576: ~100 us at M = 1, ~1.5 ms at M = 32). The choice below is the AVX2
-one on every CPU; choosing per machine is a later change. It is *correct* on every CPU.
+in M (3072 x 576: ~100 us at M = 1, ~1.5 ms at M = 32). The rule below is the AVX2
+one; it is now only the ``fixed`` mode and the fallback before a plan is set: each machine measures
+its own choice per M bucket (``compute/kernels.py``, ``matmul``'s ``plan``). It is *correct* on every CPU.
 
 What ``int8mm`` needs of its inputs (torch 2.13; ``tests/compute/test_dispatch.py`` runs
 it under every ``ATEN_CPU_CAPABILITY`` the machine has), measured on the AVX-512 box:

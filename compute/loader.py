@@ -193,7 +193,11 @@ class WeightInjector:
                 raise RuntimeError(f"weights missing after every shard: {self.model.missing_weights()[:5]}")
             if self.kernels == "measured" and self.model.int8_shapes():
                 # once per machine (cached by CPU, torch version and threads); a warm table costs ~1 ms
-                self.kernel_table = plan_for(self.model.int8_shapes(), torch.get_num_threads(), self.kernel_cache)
+                try:
+                    self.kernel_table = plan_for(self.model.int8_shapes(), torch.get_num_threads(), self.kernel_cache)
+                except OSError as e:  # an unwritable cache costs a measurement per load, never the load
+                    log.warning("kernel table cache %s unusable (%s): measuring without it", self.kernel_cache, e)
+                    self.kernel_table = plan_for(self.model.int8_shapes(), torch.get_num_threads(), None)
                 self.model.use_kernels(self.kernel_table)
             p.ready = True
             p.seconds = time.perf_counter() - self.t0

@@ -61,9 +61,12 @@ def test_plan_is_cached_per_machine_key_and_extended_for_new_shapes(tmp_path):
     assert again["cached"] is True and again["shapes"] == first["shapes"]
     more = kernels.plan_for(SHAPES, 1, path)  # one new shape: measured and added, the old kept as it was
     assert more["cached"] is False and more["shapes"]["96x64"] == first["shapes"]["96x64"]
+    two = kernels.plan_for(SHAPES, 2, path)  # another thread count: a table of its own, beside the first
+    assert two["cached"] is False and kernels.plan_for(SHAPES, 1, path)["cached"] is True
     with open(path) as f:
         on_disk = json.load(f)
-    on_disk["key"] = "another machine"
+    assert set(on_disk["tables"]) == {kernels.machine_key(1), kernels.machine_key(2)}
+    on_disk["tables"] = {"another machine": on_disk["tables"][kernels.machine_key(1)]}
     with open(path, "w") as f:
         json.dump(on_disk, f)
     assert kernels.plan_for(SHAPES, 1, path)["cached"] is False  # not this machine's table: measured again
@@ -121,3 +124,22 @@ def test_a_plan_naming_an_unknown_kernel_is_refused():
     model = _int8_tiny()
     with pytest.raises(ValueError, match="one of"):
         model.kernel_modules()[0].use_kernels(("int8mm", "magic", "bf16", "bf16"))
+
+
+def test_an_unwritable_cache_costs_a_measurement_never_the_load(tmp_path, tiny_hf):
+    from compute.loader import WeightInjector
+    from paramstore import ParamStore, StoreConfig
+
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    store = ParamStore(StoreConfig.local_default(str(tmp_path / "store"), k=2, m=1))
+    try:
+        store.import_model(tiny_hf[0], "tiny", dtype="int8")
+        inj = WeightInjector(store, "tiny", "int8", kernel_cache=str(blocked / "kernels.json")).start()
+        assert inj.wait(60) and inj.kernel_table is not None and inj.kernel_table["cached"] is False
+        fixed = WeightInjector(store, "tiny", "int8", kernels="fixed").start()
+        assert fixed.wait(60) and fixed.kernel_table is None
+        assert all(m.plan is None for m in fixed.model.kernel_modules())
+        assert all(m.plan is not None for m in inj.model.kernel_modules())
+    finally:
+        store.close()
