@@ -328,10 +328,10 @@ def _spawn_hf(folder: str, threads: int) -> float:
 
 
 def cpu_line() -> str:
-    """The CPU model and the ISA flags its kernels depend on (named beside every figure)."""
-    from compute.kernels import machine_key
+    """The CPU model, the ISA flags its kernels depend on and torch's dispatch level (beside every figure)."""
+    from compute.kernels import machine
 
-    return machine_key(0).split(" ", 1)[1].rsplit("|", 2)[0]
+    return machine()
 
 
 def _print_table(med: dict, ours: str) -> None:

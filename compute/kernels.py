@@ -4,7 +4,7 @@ Machines of one kind do not share a CPU (AVX2 only; AVX-512 with bf16/VNNI; AMX)
 kernel wins on one and loses 10x on another (FIELD-NOTES; the table in ``compute/linear.py``).
 So nothing here assumes a CPU:
 
-1. ``plan_for(shapes, threads, cache_path)``: the machine's key (CPU model name, its ISA flags,
+1. ``plan_for(shapes, threads, cache_path)``: the machine's key (CPU model name, its ISA flags, torch's dispatch level,
    torch version, threads) names a JSON file; if it holds a table for every shape, it is used;
 2. otherwise ``measure`` times every usable candidate on each weight shape ``[N, K]`` of the
    model at one M per bucket (``BUCKETS``), min of ``repeats`` interleaved runs, and checks each
@@ -21,8 +21,9 @@ Candidates (``KERNELS``), all taking x in any float dtype and returning y in ``o
 - ``dequant``: the weight dequantized into a reused fp32 scratch, fp32 ``F.linear``;
 - ``bf16``: a bf16 copy of the dequantized weight, bf16 ``F.linear`` (oneDNN: native on
   avx512_bf16 / AMX CPUs, emulated and slow on AVX2);
-- ``w8a8``: x quantized per row to int8, ``torch._int_mm`` (oneDNN s8s8s32: VNNI / AMX-int8),
-  rescaled by row and column scales. Batch-invariant by construction (each row its own scale),
+- ``w8a8``: x quantized per row to int8, ``torch._int_mm`` (oneDNN s8s8s32: VNNI / AMX-int8;
+  without VNNI, i.e. AVX2 dispatch, its u8s8 pairs saturate at int16 and the product is not exact:
+  6-9% error measured, out by the gate), rescaled by row and column scales. Batch-invariant by construction (each row its own scale),
   but on SmolLM2 per-row activation int8 costs +4% perplexity (FIELD-NOTES figures re-measured:
   CC0 1.0417, Zen 1.1215, Apache 1.0396 vs fp32): the error gate keeps it out unless a
   machine's activations allow it; it is measured and printed so the table says why.
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from paramstore.buffers import (
-    ALIGN,  # the int8 kernel needs aligned inputs (compute/linear.py)
+    ALIGN,  # the int8 kernel needs aligned inputs (see ``aligned``)
 )
 from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
 
@@ -53,8 +54,8 @@ BUCKETS = (1, 8, 64, None)  # upper bounds of M per bucket: 1 | 2-8 | 9-64 | 65+
 PROBE_M = (1, 8, 32, 256)  # the M each bucket is timed at
 KERNELS = ("int8mm", "dequant", "bf16", "w8a8")
 ERROR_GATE = 0.01  # relative RMS error vs fp32 on outlier activations: ~3x bf16 rounding (int8mm, bf16: 0.3%; w8a8: 1.8-4.4%)
-INT8MM_K_MULTIPLE = 16  # see compute/linear.py
-TABLE_VERSION = 2
+INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: compute/linear.py)
+TABLE_VERSION = 3
 MODES = ("measured", "fixed")  # fixed: int8mm up to M = 64, dequant beyond, on every CPU (the rule before this)
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels.json")  # one per machine
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
@@ -80,6 +81,30 @@ def dequantize_scratch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.mul(q, scale[:, None], out=buf[:n].view(q.shape))
 
 
+def is_aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s data starts at a multiple of ``ALIGN`` (an empty tensor has no data: it is)."""
+    return t.numel() == 0 or t.data_ptr() % ALIGN == 0
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if its data is ``ALIGN``-byte aligned, else an aligned copy.
+
+    ``_weight_int8pack_mm``'s AVX-512 kernel segfaults on an int8 weight at an address
+    = 8 or 40 (mod 64), or a bf16 input not 32-byte aligned, once M > 1 (table in ``compute/linear.py``).
+    Store shards place data at 64-byte offsets (``paramstore.shards.pack``), but a view of an
+    older blob, of a tensor after one whose size is not a multiple of 64, or of a buffer with
+    weaker alignment is copied here, once, at load, in its runtime form (``_WeightSlot.load``
+    after ``prepare``: a tensor ``prepare`` converted, or a ``LinearPart``'s copied into the
+    fused buffer, is fresh memory already); ``run`` passes an int8mm input through it per call
+    (free when aligned, the usual case). PyTorch's CPU allocator returns 64-byte aligned memory.
+    """
+    if is_aligned(t):
+        return t
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    out.copy_(t)
+    return out
+
+
 def bucket(m: int) -> int:
     """Index of the bucket of M rows."""
     for i, hi in enumerate(BUCKETS):
@@ -97,9 +122,7 @@ def run(name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_
     """x: [M, K] float @ (q: [N, K] int8 * scale: [N])^T -> [M, N] (bf16 for int8mm/bf16, else fp32)."""
     if name == "int8mm":
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        if xb.data_ptr() % ALIGN or not xb.is_contiguous():
-            xb = xb.contiguous().clone()  # fresh allocations are ALIGN-byte aligned (compute/linear.py)
-        return torch.ops.aten._weight_int8pack_mm(xb, q, scale_bf16)
+        return torch.ops.aten._weight_int8pack_mm(aligned(xb.contiguous()), q, scale_bf16)
     if name == "bf16":
         return F.linear(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), w_bf16)
     if name == "dequant":
@@ -117,8 +140,9 @@ def bf16_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.to(torch.float32) * scale[:, None]).to(torch.bfloat16)
 
 
-def machine_key(threads: int) -> str:
-    """CPU model + ISA flags + torch version + threads: a table is valid only where all four match."""
+def machine() -> str:
+    """This CPU as its kernels see it: model name, the ISA flags that decide kernel speed, and the
+    level torch dispatches at (``ATEN_CPU_CAPABILITY`` can lower it below what the flags allow)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -130,7 +154,12 @@ def machine_key(threads: int) -> str:
     except OSError:
         pass
     have = " ".join(f for f in ISA_FLAGS if f in flags)
-    raw = f"{model}|{have}|torch {torch.__version__}|{threads} threads"
+    return f"{model}|{have}|dispatch {torch.backends.cpu.get_cpu_capability()}"
+
+
+def machine_key(threads: int) -> str:
+    """``machine()`` + torch version + threads: a table is valid only where all of them match."""
+    raw = f"{machine()}|torch {torch.__version__}|{threads} threads"
     return f"{hashlib.sha256(raw.encode()).hexdigest()[:16]} {raw}"
 
 

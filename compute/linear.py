@@ -88,36 +88,16 @@ from torch import nn
 
 from compute import kernels
 from compute.errors import WeightMismatch
-from compute.kernels import dequantize_scratch
-from paramstore.buffers import ALIGN  # the kernels need it too: see ``aligned``
+from compute.kernels import (  # noqa: F401 - the int8 kernel's needs live beside it; re-exported (model, tests)
+    ALIGN,
+    INT8MM_K_MULTIPLE,
+    aligned,
+    dequantize_scratch,
+    is_aligned,
+)
 from paramstore.quant import dequantize_int8 as dequantize  # noqa: F401 - re-exported: the store's int8 scheme
 
 INT8MM_MAX_M = 64  # largest M that uses the int8 kernel (see the table above)
-INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: see above)
-
-
-def is_aligned(t: torch.Tensor) -> bool:
-    """Whether ``t``'s data starts at a multiple of ``ALIGN`` (an empty tensor has no data: it is)."""
-    return t.numel() == 0 or t.data_ptr() % ALIGN == 0
-
-
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` if its data is ``ALIGN``-byte aligned, else an aligned copy.
-
-    ``_weight_int8pack_mm``'s AVX-512 kernel segfaults on an int8 weight at an address
-    = 8 or 40 (mod 64), or a bf16 input not 32-byte aligned, once M > 1 (table above).
-    Store shards place data at 64-byte offsets (``paramstore.shards.pack``), but a view of an
-    older blob, of a tensor after one whose size is not a multiple of 64, or of a buffer with
-    weaker alignment is copied here, once, at load, in its runtime form (``_WeightSlot.load``
-    after ``prepare``: a tensor ``prepare`` converted, or a ``LinearPart``'s copied into the
-    fused buffer, is fresh memory already); ``matmul`` passes its input through it per call
-    (free when aligned, the usual case). PyTorch's CPU allocator returns 64-byte aligned memory.
-    """
-    if is_aligned(t):
-        return t
-    out = torch.empty_like(t, memory_format=torch.contiguous_format)
-    out.copy_(t)
-    return out
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, scale_bf16: torch.Tensor | None,

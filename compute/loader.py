@@ -191,13 +191,14 @@ class WeightInjector:
                     LAYERS_LOADED.set(p.layers_loaded)
             if not self.model.ready:
                 raise RuntimeError(f"weights missing after every shard: {self.model.missing_weights()[:5]}")
-            if self.kernels == "measured" and self.model.int8_shapes():
+            shapes = self.model.int8_shapes() if self.kernels == "measured" else []
+            if shapes:
                 # once per machine (cached by CPU, torch version and threads); a warm table costs ~1 ms
                 try:
-                    self.kernel_table = plan_for(self.model.int8_shapes(), torch.get_num_threads(), self.kernel_cache)
+                    self.kernel_table = plan_for(shapes, torch.get_num_threads(), self.kernel_cache)
                 except OSError as e:  # an unwritable cache costs a measurement per load, never the load
                     log.warning("kernel table cache %s unusable (%s): measuring without it", self.kernel_cache, e)
-                    self.kernel_table = plan_for(self.model.int8_shapes(), torch.get_num_threads(), None)
+                    self.kernel_table = plan_for(shapes, torch.get_num_threads(), None)
                 self.model.use_kernels(self.kernel_table)
             p.ready = True
             p.seconds = time.perf_counter() - self.t0
