@@ -29,6 +29,16 @@ def test_buckets(m, want):
     assert kernels.bucket(m) == want
 
 
+def int_mm_is_exact() -> bool:
+    """Whether ``torch._int_mm`` gives the exact int32 product here. With VNNI / AMX-int8 it does; without
+    (an AVX2-only CPU, or ATEN_CPU_CAPABILITY=avx2|default with ONEDNN_MAX_CPU_ISA capped) oneDNN's u8s8
+    pairs saturate at int16: max error 28592 of 141136 measured on a 5x64 @ 64x96 product."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (5, 64), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (64, 96), generator=g, dtype=torch.int8)
+    return torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
+
+
 @pytest.mark.parametrize("name", kernels.KERNELS)
 @pytest.mark.parametrize("m", [1, 5, 33, 130])
 def test_each_kernel_agrees_with_the_fp32_reference(name, m):
@@ -38,6 +48,9 @@ def test_each_kernel_agrees_with_the_fp32_reference(name, m):
     y = kernels.run(name, x, q, s, s.to(torch.bfloat16), kernels.bf16_weight(q, s)).double()
     assert y.shape == (m, 96)
     rel = float((y - ref).norm() / ref.norm())
+    if name == "w8a8" and not int_mm_is_exact():  # saturating int8 GEMM (no VNNI): 6-9% measured,
+        assert rel > kernels.ERROR_GATE, rel  # so the gate keeps it out of every table on this CPU
+        return
     assert rel < (1e-6 if name == "dequant" else 0.03), (name, rel)  # bf16 / int8 activations: ~0.3% / ~1%
 
 
