@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 STORE ?= ./.pdserve/store
 MODEL ?= smollm2
 
-.PHONY: venv constraints demo stop test test-deploy bench-store clean
+.PHONY: venv constraints demo stop test test-deploy bench-store bench-deps clean
 
 venv: $(STAMP)
 
@@ -69,6 +69,15 @@ test: $(STAMP)
 # ask the gateway container a question (needs: apt-get install -y podman buildah debootstrap runc; see README)
 test-deploy: $(STAMP)
 	deploy/podman/test-deploy.sh
+
+# the llama.cpp baseline of `pdserve bench engine`: llama-cpp-python builds llama.cpp from source (~8-10 min
+# on 2 cores), for this machine's CPU (GGML_NATIVE); not part of `make venv` (the tests do not need it)
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+bench-deps: $(VENV)/.bench-deps
+
+$(VENV)/.bench-deps: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install -q "$(LLAMA_CPP_SPEC)"
+	touch $@
 
 bench-store: $(STAMP)
 	$(VENV)/bin/pdserve bench store

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compute.kv_cache import KVCache
+from compute.kv_cache import KVCache, kv_dtype
 from compute.model import Transformer
 from compute.runner import ModelRunner
 from compute.sampling import Sampler, SamplingParams
@@ -29,18 +29,20 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, model: Transformer, config: SchedulerConfig, sampler: Sampler | None = None) -> None:
+    def __init__(self, model: Transformer, config: SchedulerConfig, sampler: Sampler | None = None,
+                 kv_cache_dtype: str = "auto") -> None:  # fmt: skip
         self.scheduler = Scheduler(config)
-        cache = KVCache(model.config, config.num_blocks, config.block_size, model.dtype)
+        dtype = kv_dtype(kv_cache_dtype, model.dtype, bool(model.kernel_modules()))
+        cache = KVCache(model.config, config.num_blocks, config.block_size, dtype)
         self.runner = ModelRunner(model, cache, sampler)
         self.last_step = (0, 0)  # (sequences decoding, prompt tokens prefilled) in the last step
 
     @classmethod
-    def for_model(cls, model: Transformer, num_blocks: int, **kw) -> Engine:
-        """An engine with the model's context and EOS ids filled in."""
+    def for_model(cls, model: Transformer, num_blocks: int, kv_cache_dtype: str = "auto", **kw) -> Engine:
+        """An engine with the model's context and EOS ids filled in (``kw``: ``SchedulerConfig``)."""
         kw.setdefault("max_model_len", model.config.max_position_embeddings)
         kw.setdefault("eos_token_ids", model.config.eos_token_ids)
-        return cls(model, SchedulerConfig(num_blocks=num_blocks, **kw))
+        return cls(model, SchedulerConfig(num_blocks=num_blocks, **kw), kv_cache_dtype=kv_cache_dtype)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         """Queue a request; ``RequestTooLarge`` if it can never fit. Returns its id."""

@@ -163,6 +163,21 @@ def machine_key(threads: int) -> str:
     return f"{hashlib.sha256(raw.encode()).hexdigest()[:16]} {raw}"
 
 
+def copy_bytes(shapes: Iterable[tuple[int, int]], table: dict | None) -> int:
+    """Bytes of the bf16 weight copies the ``bf16`` kernel keeps for ``shapes`` (one entry per matmul)
+    under ``table``; with no table yet, as if every shape chose it (an upper bound for a budget)."""
+    def takes(n: int, k: int) -> bool:
+        e = None if table is None else table["shapes"].get(f"{n}x{k}")
+        return e is None or "bf16" in e["choice"]
+
+    return sum(2 * n * k for n, k in shapes if takes(n, k))
+
+
+def cached_table(threads: int, cache_path: str | None = DEFAULT_CACHE) -> dict | None:
+    """This machine's cached table for ``threads`` (None if none is cached yet); never measures."""
+    return _read(cache_path).get(machine_key(threads))
+
+
 def _outlier_input(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """[M, K] fp32 activations: unit normal with a few channels 30x larger (as LLM residuals have)."""
     x = torch.randn(m, k, generator=gen)

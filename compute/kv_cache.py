@@ -33,6 +33,20 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)  # page-aligned; the tensor keeps the map
 
 
+KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def kv_dtype(choice: str, model_dtype: torch.dtype, int8_weights: bool) -> torch.dtype:
+    """The cache dtype for ``choice`` (auto | bfloat16 | float32). ``auto``: bf16 (half the memory
+    and gather traffic of fp32; attention runs in it) except for an all-fp32 runtime, which keeps
+    fp32 end to end (the mode HF parity is checked in)."""
+    if choice == "auto":
+        return torch.float32 if model_dtype == torch.float32 and not int8_weights else torch.bfloat16
+    if choice not in KV_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {choice!r}: auto | {' | '.join(KV_DTYPES)}")
+    return KV_DTYPES[choice]
+
+
 class KVCache:
     """K/V block storage for every layer of one model."""
 

@@ -36,6 +36,14 @@ from compute.linear import (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
 
 
+def linear_shapes(c: ModelConfig) -> list[tuple[int, int]]:
+    """``(N, K)`` of every weight matmul of one forward, fused as built below (qkv, o, gate_up, down per
+    layer; the LM head): what a memory estimate needs before any weight exists."""
+    layer = [(c.q_size + 2 * c.kv_size, c.hidden_size), (c.hidden_size, c.q_size),
+             (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]  # fmt: skip
+    return layer * c.num_layers + [(c.vocab_size, c.hidden_size)]
+
+
 class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * w, computed in fp32 like transformers."""
 

@@ -23,6 +23,7 @@ class NodeConfig:
     port: int = 8001
     weights: str = "int8"  # runtime weights: int8 (as stored) | bf16 | fp32
     kv_blocks: int = 2048  # KV cache blocks (x block_size tokens)
+    kv_dtype: str = "auto"  # KV cache: auto (bf16; fp32 for fp32 weights) | bfloat16 | float32
     block_size: int = 16
     max_num_seqs: int = 64  # running sequences per step
     max_num_batched_tokens: int = 512  # tokens per step (the prefill chunk budget)
@@ -51,6 +52,8 @@ class NodeConfig:
             raise ValueError("need 0 < kv_timeout_s < kv_hold_s")
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise ValueError("model must be a non-empty NAME[@vN] (or unset: start standby)")
+        if self.kv_dtype not in ("auto", "bfloat16", "float32"):  # compute.kv_cache.KV_DTYPES (no torch import here)
+            raise ValueError(f"invalid kv_dtype {self.kv_dtype!r}: auto, bfloat16 or float32")
         if self.kernels not in ("measured", "fixed"):
             raise ValueError(f"invalid kernels {self.kernels!r}: measured or fixed")
         if self.memory_gb < 0 or self.tpot_target_s <= 0:

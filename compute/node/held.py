@@ -27,7 +27,7 @@ import torch
 
 from compute.config import ModelConfig
 from compute.engine import Engine, StepOutput
-from compute.kv_cache import KVCache
+from compute.kv_cache import KVCache, kv_dtype
 from compute.loader import (
     DEFAULT_KERNEL_CACHE,
     RUNTIME,
@@ -167,7 +167,7 @@ def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeSe
     eos = inj.eos_token_ids or model.config.eos_token_ids
     engine = Engine.for_model(model, num_blocks=cfg.kv_blocks, block_size=cfg.block_size,
                               max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                              eos_token_ids=eos)  # fmt: skip
+                              eos_token_ids=eos, kv_cache_dtype=cfg.kv_dtype)  # fmt: skip
     meter = CapacityMeter(cfg.tpot_target_s, cfg.max_num_seqs)
     worker = EngineWorker(engine, loop, meter=meter, name=f"engine-{name}")
     svc = NodeService(dataclasses.replace(cfg, model=name, weights=inj.weights), worker, model.config.vocab_size)
@@ -250,7 +250,16 @@ def estimate_bytes(manifest, weights: str, cfg: NodeConfig) -> tuple[int, int]:
     stored = _ELEM.get(manifest.dtype, 4)
     held = stored if w == "int8" else _ELEM[w]
     wbytes = int(sum(s.size for s in manifest.weight_shards()) * held / stored)
-    kv = KVCache.bytes_per_block(ModelConfig.from_hf(manifest.config), cfg.block_size, RUNTIME[w][0]) * cfg.kv_blocks
+    if w == "int8" and cfg.kernels == "measured":  # the bf16 copies this machine's kernel table keeps
+        from compute import kernels
+        from compute.model import linear_shapes
+
+        table = kernels.cached_table(torch.get_num_threads(), kernel_cache(cfg))  # as the loader will read it
+        wbytes += kernels.copy_bytes(linear_shapes(ModelConfig.from_hf(manifest.config)), table)
+    dtype, int8 = RUNTIME[w]
+    per_block = KVCache.bytes_per_block(ModelConfig.from_hf(manifest.config), cfg.block_size,
+                                        kv_dtype(cfg.kv_dtype, dtype, int8))  # fmt: skip
+    kv = per_block * cfg.kv_blocks
     return wbytes, kv
 
 

@@ -38,6 +38,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=int, help="running sequences per step (default 64)")
     p.add_argument("--max-batched-tokens", type=int, help="tokens per step (default 512)")
     p.add_argument("--kv-transport", choices=["nixl", "tcp", "fake"], help="default tcp")
+    p.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float32"],
+                   help="KV cache dtype (default auto: bf16, fp32 for fp32 weights)")  # fmt: skip
     p.add_argument("--kv-compression", choices=["none", "bf16", "fp16", "int8"], help="default none")
     p.add_argument("--kv-hold-s", type=float, help="prefill: hold KV this long for the decode side (default 30)")
     p.add_argument("--kv-timeout-s", type=float, help="decode: fail a KV transfer after this (default 10)")
@@ -75,7 +77,8 @@ def node_config(args):
     tables = read_config(path)
     store_cfg = store_config(args, tables=tables)
     flags = {"role": args.role, "model": args.model, "host": args.host, "port": args.port, "weights": args.weights,
-             "kv_blocks": args.kv_blocks, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
+             "kv_blocks": args.kv_blocks, "kv_dtype": args.kv_dtype, "block_size": args.block_size,
+             "max_num_seqs": args.max_num_seqs,
              "max_num_batched_tokens": args.max_batched_tokens, "kv_transport": args.kv_transport,
              "kv_compression": args.kv_compression, "kv_hold_s": args.kv_hold_s, "kv_timeout_s": args.kv_timeout_s,
              "cache_dir": args.cache_dir, "cache_gb": args.cache_gb, "threads": args.threads,

@@ -104,7 +104,8 @@ def test_seeded_sampling_is_the_same_split_or_colocated(cluster, prompts):
 
 
 def test_int8_kv_compression_through_processes(cluster, prompts):
-    """int8 on the wire between real processes: 3.4x fewer bytes, output still close.
+    """int8 on the wire between real processes: 1.7x fewer bytes than the bf16 cache (3.4x than an fp32
+    one), output still close.
 
     Free-running greedy agreement is reported; the asserted accuracy bound lives in
     tests/compute/kv_transfer/test_agreement.py (teacher-forced, vs fp16 in the same run)."""
@@ -114,7 +115,7 @@ def test_int8_kv_compression_through_processes(cluster, prompts):
         want = generate(cluster["both"], f"ref-int8-{i}", ids)
         got, pre = pd(cluster["int8_p"], cluster["tcp_d"], f"int8-{i}", ids)
         saved += pre["kv"]["nbytes"] - pre["kv"]["wire_nbytes"]
-        assert pre["kv"]["codec"] == "int8" and pre["kv"]["wire_nbytes"] < 0.3 * pre["kv"]["nbytes"]
+        assert pre["kv"]["codec"] == "int8" and pre["kv"]["wire_nbytes"] < 0.6 * pre["kv"]["nbytes"]  # 0.59 measured
         assert got[0] == want[0]  # the first token comes from the prefill node, before any compression
         n = min(len(got), len(want))
         same += sum(a == b for a, b in zip(got[:n], want[:n]))
