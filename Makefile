@@ -71,12 +71,19 @@ test-deploy: $(STAMP)
 	deploy/podman/test-deploy.sh
 
 # the llama.cpp baseline of `pdserve bench engine`: llama-cpp-python builds llama.cpp from source (~8-10 min
-# on 2 cores), for this machine's CPU (GGML_NATIVE); not part of `make venv` (the tests do not need it)
+# on 2 cores) for this CPU's ISA, read from /proc/cpuinfo, AMX left out: llama.cpp 0.3.36's AMX kernels
+# segfault on SmolLM2's Q4_1 at batch >= 2 on an AMX Xeon (llama.cpp #20824, #16315); not in `make venv`
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 bench-deps: $(VENV)/.bench-deps
 
 $(VENV)/.bench-deps: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install -q "$(LLAMA_CPP_SPEC)"
+	flags=" $$(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "; args="-DGGML_NATIVE=OFF"; \
+	for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+	            avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 avx512vbmi:AVX512_VBMI; do \
+	  case "$$flags" in *" $${pair%%:*} "*) args="$$args -DGGML_$${pair#*:}=ON";; *) args="$$args -DGGML_$${pair#*:}=OFF";; esac; \
+	done; echo "CMAKE_ARGS=$$args"; \
+	CMAKE_ARGS="$$args" $(PIP) install -q --no-cache-dir --force-reinstall --no-deps "$(LLAMA_CPP_SPEC)" && \
+	$(PIP) install -q -c constraints.txt "$(LLAMA_CPP_SPEC)"
 	touch $@
 
 bench-store: $(STAMP)

@@ -92,6 +92,23 @@ class ForwardBatch:
         batch.plan()
         return batch
 
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The same batch with its tensors on ``device`` (itself when they are there already)."""
+        if self.input_ids.device == device:
+            return self
+
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        self.input_ids, self.positions = mv(self.input_ids), mv(self.positions)
+        self.slot_mapping, self.logits_rows = mv(self.slot_mapping), mv(self.logits_rows)
+        for s in self.prefills:
+            s.blocks, s.mask = mv(s.blocks), mv(s.mask)
+        d = self.decodes
+        if d is not None:
+            d.rows, d.slots, d.mask = mv(d.rows), mv(d.slots), mv(d.mask)
+        return self
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])

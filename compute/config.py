@@ -86,10 +86,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies ``[head_dim // 2]`` fp32, as transformers computes them."""
+    def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """RoPE inverse frequencies ``[head_dim // 2]`` fp32 on ``device`` (None: torch's default), as
+        transformers computes them (on the host, then moved: the same numbers on every device)."""
+        return self._inv_freq_host().to(device)
+
+    def _inv_freq_host(self) -> torch.Tensor:
         dim = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+        host = torch.device("cpu")  # explicit: a model is built under ``torch.device("meta")``
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=host) / dim))
         s = self.rope_scaling
         if s is None:
             return inv

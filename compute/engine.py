@@ -33,7 +33,7 @@ class Engine:
                  kv_cache_dtype: str = "auto") -> None:  # fmt: skip
         self.scheduler = Scheduler(config)
         dtype = kv_dtype(kv_cache_dtype, model.dtype, bool(model.kernel_modules()))
-        cache = KVCache(model.config, config.num_blocks, config.block_size, dtype)
+        cache = KVCache(model.config, config.num_blocks, config.block_size, dtype, model.device)
         self.runner = ModelRunner(model, cache, sampler)
         self.last_step = (0, 0)  # (sequences decoding, prompt tokens prefilled) in the last step
 

@@ -72,7 +72,7 @@ def dequantize_scratch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     Equal to ``dequantize(q, scale)``; valid until the next call in this thread.
     """
     n = q.numel()
-    if n > _SCRATCH_MAX:
+    if n > _SCRATCH_MAX or q.device.type != "cpu":  # the scratch serves the host's page-fault cost only
         return dequantize(q, scale)
     buf = getattr(_scratch, "buf", None)
     if buf is None:

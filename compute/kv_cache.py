@@ -50,11 +50,16 @@ def kv_dtype(choice: str, model_dtype: torch.dtype, int8_weights: bool) -> torch
 class KVCache:
     """K/V block storage for every layer of one model."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):  # fmt: skip
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.device = torch.device(device)
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # one region for the KV transfer layer to register: kv[l, 0] = K, kv[l, 1] = V of layer l
-        self.kv = zeros_lazily(shape, dtype)  # [L, 2, NB, BS, KVH, Dh]
+        if self.device.type == "cpu":
+            self.kv = zeros_lazily(shape, dtype)  # [L, 2, NB, BS, KVH, Dh]
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k = self.kv[:, 0]  # [L, NB, BS, KVH, Dh] views; k[l] is contiguous
         self.v = self.kv[:, 1]
         kvh, dh = config.num_kv_heads, config.head_dim
@@ -86,11 +91,11 @@ class KVCache:
 
     def export_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy out ``blocks`` of every layer: k, v ``[L, len(blocks), BS, KVH, Dh]``."""
-        idx = torch.tensor(blocks, dtype=torch.long)
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return self.k[:, idx], self.v[:, idx]  # advanced indexing copies
 
     def import_blocks(self, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write exported ``k, v`` into ``blocks`` (same order) of every layer."""
-        idx = torch.tensor(blocks, dtype=torch.long)
-        self.k[:, idx] = k.to(self.dtype)
-        self.v[:, idx] = v.to(self.dtype)
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        self.k[:, idx] = k.to(self.device, self.dtype)
+        self.v[:, idx] = v.to(self.device, self.dtype)

@@ -116,7 +116,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, scale_b
     if plan is not None:
         y = kernels.run(plan[kernels.bucket(x.shape[0])], x, w, scale, scale_bf16, w_bf16)
         y = y if y.dtype == x.dtype or (not cast and y.dtype == torch.bfloat16) else y.to(x.dtype)
-    elif x.shape[0] <= int8mm_max_m and w.shape[1] % INT8MM_K_MULTIPLE == 0:
+    elif x.shape[0] <= int8mm_max_m and w.shape[1] % INT8MM_K_MULTIPLE == 0 and w.device.type == "cpu":
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(aligned(xb.contiguous()), w, scale_bf16)
         y = y if x.dtype == torch.bfloat16 or not cast else y.to(x.dtype)
@@ -269,18 +269,19 @@ class FusedLinear(_KernelPlan, nn.Module):
         n, rows = self.out_features, slice(part.offset, part.offset + part.out_features)
         if leaf == "weight":
             if self.w is None:
-                self.w = torch.empty(n, self.in_features, dtype=t.dtype)
+                self.w = torch.empty(n, self.in_features, dtype=t.dtype, device=t.device)
             elif self.w.dtype != t.dtype:
                 raise WeightMismatch(f"weight dtype {t.dtype} differs from its fused siblings' {self.w.dtype}")
             dst = self.w[rows]
         elif leaf == "weight_scale":
             if self.scale is None:
-                self.scale, self.scale_bf16 = torch.empty(n), torch.empty(n, dtype=torch.bfloat16)
+                self.scale = torch.empty(n, device=t.device)
+                self.scale_bf16 = torch.empty(n, dtype=torch.bfloat16, device=t.device)
             self.scale_bf16[rows] = t
             dst = self.scale[rows]
         else:  # bias
             if self.b is None:
-                self.b = torch.empty(n, dtype=t.dtype)
+                self.b = torch.empty(n, dtype=t.dtype, device=t.device)
             dst = self.b[rows]
         dst.copy_(t)
         return dst

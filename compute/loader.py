@@ -122,11 +122,13 @@ class WeightInjector:
     """Owns one model's lazy load from the store (steps 1-4 above)."""
 
     def __init__(self, store, ref: str, weights: str = "int8", reader_config=None, cache=None, manifest=None,
-                 text: bool = True, kernels: str = "measured", kernel_cache: str | None = DEFAULT_KERNEL_CACHE):  # fmt: skip
+                 text: bool = True, kernels: str = "measured", kernel_cache: str | None = DEFAULT_KERNEL_CACHE,
+                 device: str = "cpu"):  # fmt: skip
         """``text=False`` (a node: the gateway tokenizes) skips building the tokenizer (~0.3 s for SmolLM2's);
         ``eos_token_ids`` is read from the bundle either way. ``kernels``: ``measured`` (int8 weights run the
         kernels this machine's table chose, ``compute.kernels``; the table cached at ``kernel_cache``) or
-        ``fixed`` (int8mm up to M = 64, dequant beyond)."""
+        ``fixed`` (int8mm up to M = 64, dequant beyond). ``device``: where the weights go (the
+        kernel table is the host's: on another device int8 weights run dequantized)."""
         if weights not in RUNTIME:
             raise ValueError(f"invalid runtime weights {weights!r}: int8, bf16 or fp32")
         if kernels not in KERNEL_MODES:
@@ -144,7 +146,7 @@ class WeightInjector:
         # a model imported without a tokenizer still serves token ids (the gateway needs the bundle)
         self.bundle = TextBundle.from_files(files) if text and "tokenizer.json" in files else None
         self.eos_token_ids = tuple(self.bundle.eos_token_ids) if self.bundle else bundle_eos_ids(files)
-        self.model = Transformer.build(self.config, self.dtype)
+        self.model = Transformer.build(self.config, self.dtype, device=device)
         shards = self.manifest.weight_shards()
         self.progress = LoadProgress(self.manifest.ref, 0, self.config.num_layers, 0, len(shards), 0,
                                      sum(s.size for s in shards))  # fmt: skip
@@ -191,7 +193,8 @@ class WeightInjector:
                     LAYERS_LOADED.set(p.layers_loaded)
             if not self.model.ready:
                 raise RuntimeError(f"weights missing after every shard: {self.model.missing_weights()[:5]}")
-            shapes = self.model.int8_shapes() if self.kernels == "measured" else []
+            measured = self.kernels == "measured" and self.model.device.type == "cpu"
+            shapes = self.model.int8_shapes() if measured else []
             if shapes:
                 # once per machine (cached by CPU, torch version and threads); a warm table costs ~1 ms
                 try:

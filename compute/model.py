@@ -146,18 +146,20 @@ class DecoderStack(nn.Module):
 class Transformer(nn.Module):
     """Causal LM over a paged KV cache: ``forward(batch, cache) -> logits [N, V] fp32``."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, int8mm_max_m: int = INT8MM_MAX_M):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, int8mm_max_m: int = INT8MM_MAX_M,
+                 device: torch.device | str = "cpu"):  # fmt: skip
         super().__init__()
-        self.config, self.dtype = config, dtype
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.model = DecoderStack(config, dtype, int8mm_max_m)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, int8mm_max_m)
-        self.inv_freq = config.inv_freq()  # [Dh/2] fp32, a plain attribute (never on meta)
+        self.inv_freq = config.inv_freq(self.device)  # [Dh/2] fp32, a plain attribute (never on meta)
         self.aligned_copies = 0  # misaligned tensors ``load_weights`` got: each copied once, to aligned memory
         self._ready = False
 
     @classmethod
     def build(cls, config: ModelConfig, dtype: torch.dtype = torch.float32, **kw) -> Transformer:
-        """Construct on the meta device: no memory until ``load_weights`` assigns tensors."""
+        """Construct on the meta device: no memory until ``load_weights`` assigns tensors (moved to
+        ``device``, one config value: the host by default)."""
         with torch.device("meta"):
             return cls(config, dtype, **kw).eval()
 
@@ -179,6 +181,8 @@ class Transformer(nn.Module):
                 raise WeightMismatch(f"unknown tensor {name!r}") from None
             if not hasattr(module, "load"):
                 raise WeightMismatch(f"unknown tensor {name!r}")
+            if t.device != self.device:
+                t = t.to(self.device)
             self.aligned_copies += not is_aligned(t)  # an older shard layout's view: ``load`` copies it once
             try:
                 module.load(leaf, t)

@@ -1,7 +1,7 @@
 """Model runner: a scheduled batch (plain data) -> one forward -> sampled tokens.
 
-The only place where the scheduler's lists become tensors. Owns the model, its
-paged KV cache and the sampler.
+The only place where the scheduler's lists become tensors (built on the host, moved
+once to the cache's device). Owns the model, its paged KV cache and the sampler.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class ModelRunner:
             [s.start_pos for s in batch.seqs],
             [s.block_table for s in batch.seqs],
             self.cache.block_size,
-        )
+        ).to(self.cache.device)
         logits = self.model(fb, self.cache)  # [len(batch.seqs), V]: last token of each
         rows = [i for i, s in enumerate(batch.seqs) if s.sample]
         if not rows:

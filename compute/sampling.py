@@ -62,20 +62,24 @@ class Sampler:
     """logits [N, V] + one (params, position of the token to draw) per row -> N token ids."""
 
     def __init__(self, seed: int | None = None) -> None:
-        self.generator = torch.Generator(device="cpu")
-        if seed is not None:
-            self.generator.manual_seed(seed)
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}  # unseeded draws: one stream per device
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
         out = []
         for row, p, pos in zip(logits.to(torch.float32), params, positions):
-            out.append(int(row.argmax()) if p.greedy else self._draw(row, p, self._generator(p, pos)))
+            out.append(int(row.argmax()) if p.greedy else self._draw(row, p, self._generator(p, pos, row.device)))
         return out
 
-    def _generator(self, p: SamplingParams, pos: int) -> torch.Generator:
-        if p.seed is None:
-            return self.generator
-        return torch.Generator(device="cpu").manual_seed(draw_seed(p.seed, pos))
+    def _generator(self, p: SamplingParams, pos: int, device: torch.device) -> torch.Generator:
+        if p.seed is not None:  # the same draws wherever it runs on this kind of device
+            return torch.Generator(device=device).manual_seed(draw_seed(p.seed, pos))
+        g = self.generators.get(device)
+        if g is None:
+            g = self.generators[device] = torch.Generator(device=device)
+            if self.seed is not None:
+                g.manual_seed(self.seed)
+        return g
 
     @staticmethod
     def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -36,6 +36,7 @@ class NodeConfig:
     threads: int = 0  # torch threads; 0 = torch's default
     memory_gb: float = 0.0  # budget for weights + KV cache of every held model; 0 = half of MemAvailable at start
     tpot_target_s: float = 0.1  # the step time at which the capacity report's max_streams is taken
+    device: str = "cpu"  # torch device of weights, KV cache and sampling (cpu | cuda | cuda:N ...)
     kernels: str = "measured"  # int8 kernels: measured (per machine, cached in cache_dir or ~/.cache/pdserve) | fixed
     import_nice: int = 0  # heavy imports in a thread niced by this much (pool refill); serving threads are not
 
@@ -54,6 +55,8 @@ class NodeConfig:
             raise ValueError("model must be a non-empty NAME[@vN] (or unset: start standby)")
         if self.kv_dtype not in ("auto", "bfloat16", "float32"):  # compute.kv_cache.KV_DTYPES (no torch import here)
             raise ValueError(f"invalid kv_dtype {self.kv_dtype!r}: auto, bfloat16 or float32")
+        if self.device != "cpu" and self.role != "both":
+            raise ValueError(f"role {self.role!r} hands its KV over host memory: it needs device 'cpu'")
         if self.kernels not in ("measured", "fixed"):
             raise ValueError(f"invalid kernels {self.kernels!r}: measured or fixed")
         if self.memory_gb < 0 or self.tpot_target_s <= 0:

@@ -102,7 +102,7 @@ class Held:
 
         inj = WeightInjector(store, self.name, self.weights, reader_config=ReaderConfig(prefetch=self.prefetch),
                              cache=cache, manifest=self.manifest, text=False, kernels=cfg.kernels,
-                             kernel_cache=kernel_cache(cfg))  # fmt: skip
+                             kernel_cache=kernel_cache(cfg), device=cfg.device)  # fmt: skip
         self.injector, self.progress = inj, inj.progress
         if self._cancel.is_set():
             return
@@ -250,7 +250,7 @@ def estimate_bytes(manifest, weights: str, cfg: NodeConfig) -> tuple[int, int]:
     stored = _ELEM.get(manifest.dtype, 4)
     held = stored if w == "int8" else _ELEM[w]
     wbytes = int(sum(s.size for s in manifest.weight_shards()) * held / stored)
-    if w == "int8" and cfg.kernels == "measured":  # the bf16 copies this machine's kernel table keeps
+    if w == "int8" and cfg.kernels == "measured" and cfg.device == "cpu":  # the kernel table's bf16 copies
         from compute import kernels
         from compute.model import linear_shapes
 

@@ -49,6 +49,7 @@ def add_arguments(p) -> None:
     p.add_argument("--memory-gb", type=float, help="budget for weights + KV of all held models (0: half MemAvailable)")
     p.add_argument("--tpot-target-s", type=float, help="TPOT target of the capacity report (default 0.1)")
     p.add_argument("--import-nice", type=int, help="do the heavy imports in a thread niced by N (default 0)")
+    p.add_argument("--device", help="torch device of weights, KV cache and sampling (default cpu)")
     p.add_argument("--kernels", choices=("measured", "fixed"),
                    help="int8 kernels: measured on this machine (default; cached) or the fixed rule")  # fmt: skip
     p.add_argument("--token-file", default=None, help="file with the internal token (else $PDSERVE_INTERNAL_TOKEN)")
@@ -83,7 +84,7 @@ def node_config(args):
              "kv_compression": args.kv_compression, "kv_hold_s": args.kv_hold_s, "kv_timeout_s": args.kv_timeout_s,
              "cache_dir": args.cache_dir, "cache_gb": args.cache_gb, "threads": args.threads,
              "memory_gb": args.memory_gb, "tpot_target_s": args.tpot_target_s,
-             "import_nice": args.import_nice, "kernels": args.kernels}  # fmt: skip
+             "import_nice": args.import_nice, "kernels": args.kernels, "device": args.device}  # fmt: skip
     token = env_secret("PDSERVE_INTERNAL_TOKEN", args.token_file)  # --token-file, else $PDSERVE_INTERNAL_TOKEN[_FILE]
     env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None, "internal_token": token or None}
     kw = resolve(NodeConfig, "node", tables, path, flags, env, hints=_SECRETS)
