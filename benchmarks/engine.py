@@ -8,6 +8,9 @@ Same run, interleaved (each repeat measures every system in turn), medians repor
 - aggregate tokens/s of 8 and 32 concurrent streams (all tokens / wall time, prefill included;
   HF: batched ``generate`` with left padding);
 - prefill of a 512-token prompt (time to the first token);
+- served (``ours-served``): the same model through `pdserve up` (one ``both`` node, ``--threads``
+  threads) and the ``openai`` client streaming: decode rate between streamed tokens and the time to
+  the first token of the 512-token prompt (``--no-served`` skips it);
 - spawn -> ready: a fresh process that imports, opens the store, injects and makes a first token,
   vs a fresh process doing ``from_pretrained`` of the same weights saved as an HF folder + a first token.
 
@@ -44,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-fp32", action="store_true", help="skip the HF fp32 baseline")
     p.add_argument("--no-spawn", action="store_true", help="skip the spawn -> ready measurement")
+    p.add_argument("--no-served", action="store_true", help="skip the served path (pdserve up + openai client)")
     p.add_argument("--out", default="bench-results/engine.json")
 
 
@@ -79,11 +83,26 @@ def main(args: argparse.Namespace) -> int:
     lc = LlamaCpp.maybe(gguf, args.threads)
     if lc is not None:
         systems["llama.cpp"] = lc
+    served = None if args.no_served else Served(cfg.locations, args.model, args.threads)
     bundle = systems[f"ours-{args.weights}"].bundle
     chats = [bundle.encode(bundle.render_chat([{"role": "user", "content": q}])) for q in QUESTIONS]
     long = (bundle.encode(" ".join(QUESTIONS)) * 64)[:PREFILL_TOKENS]
 
+    if served is not None:
+        systems["ours-served"] = served.start()
     samples: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
+    try:
+        _measure(systems, samples, args, chats, long)
+    finally:
+        if served is not None:
+            served.stop()
+    if lc is None:
+        print("llama.cpp: not installed, its column is missing (make bench-deps builds it, ~10 min)")
+    return _finish(args, cfg, gguf, systems, samples, table)
+
+
+def _measure(systems: dict, samples: dict, args, chats: list[list[int]], long: list[int]) -> None:
+    """Every metric of every system, ``args.repeat`` times, interleaved (each repeat runs all in turn)."""
     for r in range(args.repeat):
         for name, sysm in systems.items():
             m = samples[name]
@@ -95,6 +114,9 @@ def main(args: argparse.Namespace) -> int:
             m.setdefault("prefill_512_s", []).append(sysm.prefill_time(long))
             print(f"repeat {r + 1}/{args.repeat} {name}: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in m.items()),
                   file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _finish(args, cfg, gguf, systems, samples, table) -> int:
     if not args.no_spawn:
         with tempfile.TemporaryDirectory() as tmp:
             folder = systems["hf-bf16"].save(os.path.join(tmp, "hf"))
@@ -208,6 +230,51 @@ class HF:
         return folder
 
 
+class Served:
+    """``pdserve up`` with one ``both`` node, streamed through the ``openai`` client (token-id prompts)."""
+
+    batched = False
+
+    def __init__(self, locations: list[str], model: str, threads: int) -> None:
+        from benchmarks.service import UpService
+
+        self.model, self.log_dir = model, tempfile.mkdtemp(prefix="pdserve-bench-engine-")
+        self.up = UpService([model], locations, self.log_dir, {"node": {"threads": threads}},
+                            {"both": 1, "prefill": 0, "decode": 0}, autoscale=False)  # fmt: skip
+
+    def start(self) -> Served:
+        import openai
+
+        self.up.start()
+        try:
+            self.up.wait_ready()
+        except BaseException:
+            self.up.stop()
+            raise
+        self.client = openai.OpenAI(base_url=f"{self.up.url}/v1", api_key=self.up.token, max_retries=0)
+        return self
+
+    def stop(self) -> None:
+        self.up.stop()
+
+    def _run(self, prompt, tokens: int) -> list[float]:
+        stamps = [time.perf_counter()]
+        stream = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=tokens, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                stamps.append(time.perf_counter())
+        return stamps
+
+    def decode_rate(self, prompt, tokens: int) -> float:
+        s = self._run(prompt, tokens)
+        return (len(s) - 2) / (s[-1] - s[1])
+
+    def prefill_time(self, prompt) -> float:
+        s = self._run(prompt, 1)
+        return s[1] - s[0]
+
+
 class LlamaCpp:
     """llama-cpp-python on the original GGUF (Q4_1), if installed."""
 
@@ -218,7 +285,6 @@ class LlamaCpp:
         try:
             import llama_cpp
         except ImportError:
-            print("llama_cpp not importable: llama.cpp baseline skipped", file=sys.stderr)
             return None
         return cls(llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_ctx=2048, verbose=False))
 

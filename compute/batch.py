@@ -63,12 +63,14 @@ class ForwardBatch:
         start_positions: list[int],
         block_tables: list[list[int]],
         block_size: int,
-        all_logits: bool = False,
+        all_logits: bool | list[bool] = False,
     ) -> ForwardBatch:
-        """Sequence ``i`` brings ``token_ids[i]`` at positions ``start_positions[i]...``."""
+        """Sequence ``i`` brings ``token_ids[i]`` at positions ``start_positions[i]...``; its logits are
+        computed for its last row, or for every row where ``all_logits`` (or ``all_logits[i]``) is true."""
+        every = all_logits if isinstance(all_logits, list) else [all_logits] * len(token_ids)
         assert len(token_ids) == len(start_positions) == len(block_tables)
-        ids, pos, slots, qlens, ctxs, last = [], [], [], [], [], []
-        for toks, start, table in zip(token_ids, start_positions, block_tables):
+        ids, pos, slots, qlens, ctxs, rows = [], [], [], [], [], []
+        for toks, start, table, full in zip(token_ids, start_positions, block_tables, every):
             assert toks, "a sequence must bring at least one token"
             end = start + len(toks)
             assert len(table) * block_size >= end, "block table too short for the context"
@@ -77,8 +79,7 @@ class ForwardBatch:
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
             qlens.append(len(toks))
             ctxs.append(end)
-            last.append(len(ids) - 1)
-        rows = list(range(len(ids))) if all_logits else last
+            rows.extend(range(len(ids) - len(toks), len(ids)) if full else [len(ids) - 1])
         batch = cls(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.tensor(pos, dtype=torch.long),

@@ -7,12 +7,12 @@ Tokenization, stop strings and streaming text are the caller's layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from compute.kv_cache import KVCache, kv_dtype
 from compute.model import Transformer
 from compute.runner import ModelRunner
-from compute.sampling import Sampler, SamplingParams
+from compute.sampling import Sampler, SamplingParams, TokenLogprobs
 from compute.scheduler import Scheduler, SchedulerConfig
 from compute.sequence import Sequence
 
@@ -26,6 +26,8 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per new token, if the request asked
+    prompt_logprobs: list | None = None  # with the first token, if asked: None then TokenLogprobs per prompt token
 
 
 class Engine:
@@ -34,7 +36,7 @@ class Engine:
         self.scheduler = Scheduler(config)
         dtype = kv_dtype(kv_cache_dtype, model.dtype, bool(model.kernel_modules()))
         cache = KVCache(model.config, config.num_blocks, config.block_size, dtype, model.device)
-        self.runner = ModelRunner(model, cache, sampler)
+        self.runner = ModelRunner(model, cache, sampler or Sampler(eos_token_ids=tuple(config.eos_token_ids or ())))
         self.last_step = (0, 0)  # (sequences decoding, prompt tokens prefilled) in the last step
 
     @classmethod
@@ -63,15 +65,17 @@ class Engine:
         if not batch:
             return []
         try:
-            tokens = self.runner.run(batch, self.scheduler.seqs)
+            res = self.runner.run(batch, self.scheduler.seqs)
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the engine
             failed = self.scheduler.fail([s.seq_id for s in batch.seqs], f"{type(e).__name__}: {e}")
             return [StepOutput(q.seq_id, [], True, q.finish_reason.value, q.error) for q in failed]
-        finished = {q.seq_id: q for q in self.scheduler.postprocess(batch, tokens)}
+        finished = {q.seq_id: q for q in self.scheduler.postprocess(batch, res.tokens)}
         out = []
-        for sid, tok in tokens.items():
+        for sid, tok in res.tokens.items():
             q = finished.get(sid)
-            out.append(StepOutput(sid, [tok], q is not None, q.finish_reason.value if q else None))
+            lp = [res.logprobs[sid]] if sid in res.logprobs else []
+            out.append(StepOutput(sid, [tok], q is not None, q.finish_reason.value if q else None, logprobs=lp,
+                                  prompt_logprobs=res.prompt_logprobs.get(sid)))  # fmt: skip
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -60,6 +60,11 @@ class Sequence:
         # failover: prompt positions from here on are earlier *output*, recomputed one token per
         # step (as decode computed them) so the continuation is bit-identical to the lost stream
         self.replay_from: int | None = None
+        # token_ids[prompt_len:] were generated: lower than num_prompt_tokens on a node that got earlier
+        # output inside its prompt (a decode node's first token, a failover's replay): penalties and
+        # min_tokens count them as output wherever the request runs
+        self.prompt_len = len(prompt_token_ids)
+        self.prompt_logprobs: list = []  # params.prompt_logprobs: per prompt token, None for the first
 
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, {self.status.value}, {self.num_tokens} tokens, {self.num_computed} cached)"

@@ -70,8 +70,32 @@ class TextBundle:
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from None
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may be part of a UTF-8 character;
+        the OpenAI API's logprobs carry them as ``bytes``)."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _byte_decoder()
+        if piece not in self.special.values() and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
     def detokenizer(self, prompt_ids: list[int] | None = None) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self.tokenizer, prompt_ids or [])
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte (printable bytes as themselves, the rest shifted past 255)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
 
 
 def _raise_exception(msg):

@@ -24,6 +24,7 @@ from starlette.routing import Match
 
 from compute.tokenizer import TemplateError
 
+from . import logprobs as lg
 from . import protocol as p
 from .activator import NotPlaced
 from .admin import add_admin_routes
@@ -33,7 +34,9 @@ from .models import UnknownModel
 from .nodes import RequestRejected
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, errors
 from .relay import Unavailable
-from .service import REQUEST_SECONDS, REQUESTS, BadRequest, Gateway
+from .service import REQUEST_SECONDS, REQUESTS, BadRequest, Delta, Gateway
+
+TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call")  # refused with their own message
 
 
 def _err(status: int, message: str, type_: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:
@@ -95,6 +98,12 @@ def create_app(gw: Gateway) -> FastAPI:
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             msg, loc = "request body is not valid JSON", None
+        elif first.get("type") == "extra_forbidden" and loc in TOOL_FIELDS:
+            return _err(400, f"{loc}: tool calling is not supported (pdserve parses no tool calls, and SmolLM2's "
+                        "chat template does not render tools)", param=loc)  # fmt: skip
+        elif first.get("type") == "extra_forbidden":
+            return _err(400, f"unknown field {loc!r}: pdserve does not implement it (the README lists the OpenAI "
+                        "fields it honours, refuses and ignores)", param=loc)  # fmt: skip
         return _err(400, f"{loc + ': ' if loc else ''}{msg}", param=loc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -162,7 +171,9 @@ def create_app(gw: Gateway) -> FastAPI:
             return text
         try:
             prompt = req.prompt if isinstance(req.prompt, list) else text.bundle.encode(req.prompt)
-            max_tokens = gw.check_len(text, prompt, req.limit(), default=16)  # the OpenAI default for completions
+            # max_tokens 0 (prompt scoring): the node makes one token, which is dropped
+            max_tokens = gw.check_len(text, prompt, req.limit() or (1 if req.limit() == 0 else None),
+                                      default=16)  # the OpenAI default for completions  # fmt: skip
         except BadRequest as e:
             return _err(400, str(e), param=e.param)
         return await _respond(text, req, prompt, max_tokens, chat=False)
@@ -191,13 +202,19 @@ def create_app(gw: Gateway) -> FastAPI:
                         "invalid_request_error" if e.status in (400, 413, 422) else "server_error")  # fmt: skip
         except StopAsyncIteration:
             return _err(503, "no output from the nodes", "server_error")
+        echo = text.bundle.decode(prompt) if getattr(req, "echo", False) else ""
+        lp = _Logprobs(text.bundle, req, chat, 0)
+        if req.limit() == 0:  # nothing to generate: the node ran only for the prompt's logprobs
+            first = await _scored_only(gen, first)
         if req.stream:
-            return StreamingResponse(_sse(gen, first, rid, created, req, len(prompt), chat, t0),
+            return StreamingResponse(_sse(gen, first, rid, created, req, prompt, chat, t0, echo, lp),
                                      media_type="text/event-stream")  # fmt: skip
-        text, n, reason = first.text, len(first.token_ids), first.finish_reason
+        out, n, reason = echo + first.text, len(first.token_ids), first.finish_reason
+        logprobs = lp.merge(lp.prompt(prompt, first) if echo else None, lp.add(first))
         try:
             async for d in gen:
-                text, n, reason = text + d.text, n + len(d.token_ids), d.finish_reason or reason
+                out, n, reason = out + d.text, n + len(d.token_ids), d.finish_reason or reason
+                logprobs = lp.merge(logprobs, lp.add(d))
         except (Unavailable, RequestRejected) as e:
             return _err(503, str(e), "server_error")
         finally:
@@ -206,23 +223,24 @@ def create_app(gw: Gateway) -> FastAPI:
         REQUEST_SECONDS.observe(time.monotonic() - t0)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": logprobs,
                       "finish_reason": reason}  # fmt: skip
             return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                     "choices": [choice], "usage": usage}  # fmt: skip
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": out, "logprobs": logprobs, "finish_reason": reason}
         return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                 "choices": [choice], "usage": usage}  # fmt: skip
 
-    async def _sse(gen, first, rid, created, req, n_prompt, chat, t0):
+    async def _sse(gen, first, rid, created, req, prompt: list[int], chat, t0, echo: str, lp: _Logprobs):
         obj = "chat.completion.chunk" if chat else "text_completion"
+        n_prompt = len(prompt)
 
-        def chunk(text=None, reason=None, role=False, usage=None, choices=True):
+        def chunk(text=None, reason=None, role=False, usage=None, choices=True, logprobs=None):
             if chat:
                 delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
-                ch = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                ch = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
-                ch = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                ch = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             body = {"id": rid, "object": obj, "created": created, "model": req.model,
                     "choices": [ch] if choices else []}  # fmt: skip
             if usage is not None:
@@ -234,11 +252,14 @@ def create_app(gw: Gateway) -> FastAPI:
         try:
             if chat:
                 yield chunk(role=True)
+            elif echo:
+                yield chunk(echo, logprobs=lp.prompt(prompt, first))
             d = first
             while True:
                 n += len(d.token_ids)
-                if d.text or d.finish_reason:
-                    yield chunk(d.text, d.finish_reason)
+                logprobs = lp.add(d)
+                if d.text or d.finish_reason or logprobs:
+                    yield chunk(d.text, d.finish_reason, logprobs=logprobs)
                 if d.finish_reason:
                     break
                 d = await gen.__anext__()
@@ -259,3 +280,38 @@ def create_app(gw: Gateway) -> FastAPI:
     add_admin_routes(app, gw)  # /admin/*: nodes, status, the autoscaler's report (admin key)
     add_internal_routes(app, gw)  # /internal/*: the autoscaler's view and its reports (internal token)
     return app
+
+
+async def _scored_only(gen, first):
+    """``max_tokens: 0``: the one token the node made is dropped (its prompt logprobs kept), the stream closed."""
+    await gen.aclose()
+    return Delta("", [], "length", None, first.prompt_logprobs)
+
+
+class _Logprobs:
+    """One response's logprobs in the shape its endpoint gives them (None when not asked for)."""
+
+    def __init__(self, bundle, req, chat: bool, offset: int) -> None:
+        self.bundle, self.chat = bundle, chat
+        self.wanted = req.num_logprobs() is not None
+        self.completion = None if chat else lg.CompletionLogprobs(bundle, offset)
+
+    def prompt(self, prompt: list[int], first) -> dict | None:
+        """An echoed prompt's logprobs (completions): the first token's is null."""
+        if not self.wanted:
+            return None
+        plps = first.prompt_logprobs or [None] * len(prompt)
+        return self.completion.add(prompt, plps)
+
+    def add(self, d) -> dict | None:
+        if not self.wanted or not d.token_ids:
+            return None
+        lps = d.logprobs or [None] * len(d.token_ids)
+        if self.chat:
+            return {"content": lg.chat_entries(self.bundle, d.token_ids, lps)}
+        return self.completion.add(d.token_ids, lps)
+
+    def merge(self, a: dict | None, b: dict | None) -> dict | None:
+        if a is None or b is None:
+            return a or b
+        return {"content": a["content"] + b["content"]} if self.chat else lg.merge(a, b)

@@ -1,5 +1,11 @@
 """The HTTP contract: OpenAI-compatible request bodies, response and error shapes (pydantic: only at
-the HTTP boundary), and ``describe``, which fills in what /openapi.json can only know at run time."""
+the HTTP boundary), and ``describe``, which fills in what /openapi.json can only know at run time.
+
+Strict: a request field pdserve does not implement is a 400 naming it (``extra="forbid"``), never
+dropped. Only fields that cannot change the result are accepted and ignored: ``IGNORED``. A field that
+is implemented for some values only (``n``, ``response_format``, ``tools``...) refuses the others with
+a 400 saying so.
+"""
 
 from __future__ import annotations
 
@@ -26,14 +32,31 @@ def Int(**bounds) -> type:
 
 
 
+IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # accepted; change nothing
+MAX_TOP_LOGPROBS = 20
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]  # json_object / json_schema (structured output): not yet, a 400 that says so
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        if v != "text":
+            raise ValueError(f"response_format type {v!r} is not supported yet (no structured output): only 'text'")
+        return v
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # see Int
+    model_config = ConfigDict(extra="forbid", strict=True)  # see Int; unknown fields: 400
 
     model: str
     max_tokens: Int(ge=1) | None = None
@@ -45,10 +68,23 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Int(json_schema_extra={"minimum": 1, "maximum": 1}) = 1  # only 1 (the validator's message)
-    user: str | None = None
     ignore_eos: bool = False  # extension (vLLM)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=10.0)  # extension (vLLM)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # extension (vLLM)
+    min_tokens: Int(ge=0) = 0  # extension (vLLM)
+    # token id (a decimal string) -> bias; an id outside the vocabulary cannot be drawn: its bias changes nothing
+    logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")],
+                     Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # fmt: skip
+    stop_token_ids: list[Int(ge=0)] | None = None  # extension (vLLM)
+    response_format: ResponseFormat | None = None
+    # accepted and ignored (IGNORED): they cannot change the result
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("n")
     @classmethod
@@ -71,14 +107,14 @@ class _Sampling(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # see Int
+    model_config = ConfigDict(extra="forbid", strict=True)  # see Int
 
     type: Literal["text"]  # the only content part supported
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # see Int
+    model_config = ConfigDict(extra="forbid", strict=True)  # see Int
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
@@ -95,16 +131,35 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int(ge=1) | None = None
+    logprobs: bool = False
+    top_logprobs: Int(ge=0, le=MAX_TOP_LOGPROBS) | None = None  # read only with logprobs: true
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_Sampling):
+    max_tokens: Int(ge=0) | None = None  # 0: nothing generated (with echo + logprobs: score the prompt)
     # one prompt: text, token ids, or a list of exactly one text
     prompt: (NonEmpty | Annotated[list[Int(ge=0)], Field(min_length=1)]
              | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)])  # fmt: skip
     echo: bool = False
+    logprobs: Int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
+    best_of: Int(json_schema_extra={"minimum": 1, "maximum": 1}) | None = None  # only 1
+    suffix: None = None  # not supported: only null
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, v):
+        if v not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -138,6 +193,27 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str
@@ -146,7 +222,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None  # stop | length
 
 
@@ -162,7 +238,7 @@ class ChatCompletion(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -285,6 +361,9 @@ def describe(schema: dict, models: list[str] | str, max_tokens: int, vocab: int,
             for alt in props.get(key, {}).get("anyOf", []):
                 if alt.get("type") == "integer":
                     alt["maximum"] = max_tokens
+        for alt in props.get("logit_bias", {}).get("anyOf", []):
+            if alt.get("type") == "object":  # keys are token ids: nothing else (pydantic leaves this out)
+                alt["additionalProperties"] = False
         for alt in props.get("prompt", {}).get("anyOf", []):
             if alt.get("type") == "array" and alt.get("items", {}).get("type") == "integer":
                 alt["items"]["maximum"] = vocab - 1

@@ -22,6 +22,7 @@ import logging
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from prometheus_client import Counter
@@ -52,6 +53,16 @@ class GenRequest:
     route: Route | None = None  # the route of the last attempt
 
 
+class Chunk(NamedTuple):
+    """What the relay yields: new tokens, the finish reason (None until the last), and the tokens'
+    logprobs as the node sent them (``[[logprob, [[id, logprob], ...]], ...]``; None if not asked)."""
+
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None  # once, with the first tokens, if asked: null then one per prompt token
+
+
 class Relay:
     def __init__(self, registry: NodeRegistry, client: NodeClient, retry_attempts: int,
                  backoff_base_s: float, backoff_max_s: float, activator: Activator | None = None):  # fmt: skip
@@ -63,14 +74,17 @@ class Relay:
         return await self.activator.hold(req.model or None, req.deadline, exclude)
 
     def _body(self, req: GenRequest, node_rid: str) -> dict:
-        params = dict(req.params, max_tokens=req.max_tokens - len(req.produced), replay_tokens=len(req.produced))
+        n = len(req.produced)  # earlier output, now part of the prompt: replayed, and counted as output
+        params = dict(req.params, max_tokens=req.max_tokens - n, replay_tokens=n, output_tokens=n)
+        if n:
+            params.pop("prompt_logprobs", None)  # the client has them since the first tokens
         body = {"request_id": node_rid, "prompt_token_ids": req.prompt_ids + req.produced, "params": params}
         if req.model:
             body["model"] = req.model
         return body
 
-    async def run(self, req: GenRequest) -> AsyncIterator[tuple[list[int], str | None]]:
-        """Yields (new token ids, finish_reason or None) until a finish reason."""
+    async def run(self, req: GenRequest) -> AsyncIterator[Chunk]:
+        """Yields ``Chunk``s (new token ids, finish_reason or None, logprobs) until a finish reason."""
         exclude: set[str] = set()
         while True:
             route = await self._route(req, exclude)
@@ -79,12 +93,12 @@ class Relay:
             holding: list[str] = []
             finished = False
             try:
-                async for toks, reason in self._attempt(req, route, node_rid, holding):
-                    req.produced.extend(toks)
-                    if reason:
+                async for chunk in self._attempt(req, route, node_rid, holding):
+                    req.produced.extend(chunk.token_ids)
+                    if chunk.finish_reason:
                         finished = True
-                    yield toks, reason
-                    if reason:
+                    yield chunk
+                    if chunk.finish_reason:
                         return
                 raise NodeFailed(route.nodes()[-1], "stream ended early")
             except NodeFailed as e:
@@ -110,17 +124,18 @@ class Relay:
         holding.append(route.prefill)
         body = self._body(req, rid)
         first = await self.client.prefill(route.prefill, body)
-        toks, reason = _unpack(route.prefill, first)
-        if reason or not first.get("kv"):
+        chunk = _unpack(route.prefill, first)
+        toks = chunk.token_ids
+        if chunk.finish_reason or not first.get("kv"):
             holding.clear()
-            yield toks, reason or "stop"
+            yield chunk._replace(finish_reason=chunk.finish_reason or "stop")
             return
-        yield toks, None
+        yield chunk
         route = req.route = self._decode_still_live(route, req.model or None)
         holding.append(route.decode)
         dbody = {**body, "first_token_id": toks[-1], "kv": _reachable(first["kv"], route.prefill),
                  "params": {**body["params"], "max_tokens": body["params"]["max_tokens"] - len(toks),
-                            "replay_tokens": 0}}  # fmt: skip
+                            "replay_tokens": 0, "prompt_logprobs": None}}  # fmt: skip
         async for msg in self.client.stream(route.decode, "decode", dbody):
             holding[:] = [route.decode]  # the decode side confirmed the KV: prefill has freed it
             yield _unpack(route.decode, msg)
@@ -139,11 +154,11 @@ class Relay:
         return Route(prefill=route.prefill, decode=decode)
 
 
-def _unpack(url: str, msg: dict) -> tuple[list[int], str | None]:
+def _unpack(url: str, msg: dict) -> Chunk:
     reason = msg.get("finish_reason")
     if reason in ("error", "abort"):  # the gateway never asked for it: the node failed or is leaving
         raise NodeFailed(url, msg.get("error") or f"request ended by the node ({reason})")
-    return list(msg.get("token_ids") or []), reason
+    return Chunk(list(msg.get("token_ids") or []), reason, msg.get("logprobs"), msg.get("prompt_logprobs"))
 
 
 async def _shielded(coro) -> None:

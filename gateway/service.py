@@ -53,6 +53,8 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list | None = None  # per token [logprob, [[id, logprob], ...]] as the node sent them
+    prompt_logprobs: list | None = None  # with the first delta, if asked: null, then one per prompt token
 
 
 class Gateway:
@@ -162,8 +164,13 @@ class Gateway:
 
     def node_params(self, req) -> dict:
         seed = None if req.seed is None else req.seed % 2**63
-        return {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(0, req.top_k),
-                "seed": seed, "ignore_eos": req.ignore_eos}  # fmt: skip
+        bias = {int(t): b for t, b in (req.logit_bias or {}).items()}
+        return {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(0, req.top_k), "min_p": req.min_p,
+                "seed": seed, "ignore_eos": req.ignore_eos, "presence_penalty": req.presence_penalty,
+                "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
+                "min_tokens": req.min_tokens, "logit_bias": bias, "stop_token_ids": list(req.stop_token_ids or ()),
+                "logprobs": req.num_logprobs(),
+                "prompt_logprobs": req.num_logprobs() if getattr(req, "echo", False) else None}  # fmt: skip
 
     # --- generation ------------------------------------------------------------------
     async def generate(self, text: Text, prompt: list[int], max_tokens: int, params: dict, stops: list[str],
@@ -202,7 +209,7 @@ class Gateway:
         eos = text.bundle.eos_token_ids
         matcher = StopMatcher(stops)
         async with aclosing(self.relay.run(req)) as stream:
-            async for toks, reason in stream:
+            async for toks, reason, lps, plps in stream:
                 marks["n"] += len(toks)
                 if marks["first"] is None:
                     marks["first"] = time.monotonic()
@@ -211,11 +218,11 @@ class Gateway:
                     self.traffic.first_token(req.model, timing["ttft"])
                 out, stopped = matcher.feed(detok.add([t for t in toks if t not in eos]))
                 if stopped:
-                    yield Delta(out, toks, "stop")
+                    yield Delta(out, toks, "stop", lps, plps)
                     return
                 if reason:
                     tail, hit = matcher.feed(detok.flush())
                     tail = tail if hit else tail + matcher.flush()
-                    yield Delta(out + tail, toks, "stop" if reason in ("stop", "eos") else reason)
+                    yield Delta(out + tail, toks, "stop" if reason in ("stop", "eos") else reason, lps, plps)
                     return
-                yield Delta(out, toks, None)
+                yield Delta(out, toks, None, lps, plps)

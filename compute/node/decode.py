@@ -21,7 +21,15 @@ import time
 from compute.errors import CacheFull, RequestTooLarge
 from compute.sequence import Sequence
 
-from .service import Active, BadNodeRequest, NodeBusy, NodeService, parse, sampling_params
+from .service import (
+    Active,
+    BadNodeRequest,
+    NodeBusy,
+    NodeService,
+    parse,
+    prompt_len,
+    sampling_params,
+)
 
 
 def make_receiver(svc: NodeService, layout, cache_tensor) -> None:
@@ -41,6 +49,7 @@ async def decode(svc: NodeService, body: dict):
         raise BadNodeRequest("decode needs first_token_id (int) and kv (the prefill handle)")
     svc.check_tokens(prompt + [first])
     seq = Sequence(prompt + [first], sampling_params(params))
+    seq.prompt_len = prompt_len(prompt, params)  # the first token (from the prefill node) is output
     if rid in svc.active:
         raise BadNodeRequest(f"duplicate request_id {rid!r}")
     try:

@@ -18,7 +18,15 @@ from __future__ import annotations
 
 import logging
 
-from .service import BadNodeRequest, NodeBusy, NodeService, new_sequence, parse, sampling_params
+from .service import (
+    BadNodeRequest,
+    NodeBusy,
+    NodeService,
+    output_json,
+    new_sequence,
+    parse,
+    sampling_params,
+)
 
 log = logging.getLogger("pdserve.node")
 
@@ -54,12 +62,11 @@ async def prefill(svc: NodeService, body: dict) -> dict:
         svc.finish(rid)
     if out.finish_reason in ("error", "abort"):
         return {"token_ids": [], "finish_reason": out.finish_reason, "error": out.error, "kv": None}
-    first = out.new_token_ids
+    first, line = out.new_token_ids, output_json(out)  # its logprobs and the prompt's, if asked
     ended = out.finish_reason == "stop" or want.max_tokens == 1
     if ended:
         svc.worker.post(lambda e: e.scheduler.release(seq.seq_id))
-        return {"token_ids": first, "finish_reason": out.finish_reason if out.finish_reason == "stop" else "length",
-                "kv": None}  # fmt: skip
+        return line | {"finish_reason": out.finish_reason if out.finish_reason == "stop" else "length", "kv": None}
     blocks = await svc.worker.call(lambda e: list(e.scheduler.held.get(seq.seq_id, [])))
     svc.held[rid] = seq.seq_id
     try:
@@ -68,4 +75,4 @@ async def prefill(svc: NodeService, body: dict) -> dict:
         svc.held.pop(rid, None)
         svc.worker.post(lambda e: e.scheduler.release(seq.seq_id))
         raise NodeBusy(f"cannot offer KV: {e}") from None
-    return {"token_ids": first, "finish_reason": None, "kv": handle}
+    return line | {"finish_reason": None, "kv": handle}

@@ -52,19 +52,54 @@ class Active:
 
 def sampling_params(params: dict, max_tokens: int | None = None) -> SamplingParams:
     try:
+        lp, plp = params.get("logprobs"), params.get("prompt_logprobs")
         return SamplingParams(
             max_tokens=int(max_tokens if max_tokens is not None else params.get("max_tokens", 16)),
             temperature=float(params.get("temperature", 1.0)), top_p=float(params.get("top_p", 1.0)),
-            top_k=int(params.get("top_k", 0) or 0), seed=params.get("seed"),
+            top_k=int(params.get("top_k", 0) or 0), min_p=float(params.get("min_p", 0.0)), seed=params.get("seed"),
             stop_token_ids=tuple(params.get("stop_token_ids") or ()), ignore_eos=bool(params.get("ignore_eos", False)),
+            presence_penalty=float(params.get("presence_penalty", 0.0)),
+            frequency_penalty=float(params.get("frequency_penalty", 0.0)),
+            repetition_penalty=float(params.get("repetition_penalty", 1.0)),
+            logit_bias={int(t): float(b) for t, b in (params.get("logit_bias") or {}).items()},
+            min_tokens=int(params.get("min_tokens", 0)), logprobs=None if lp is None else int(lp),
+            prompt_logprobs=None if plp is None else int(plp),
         )  # fmt: skip
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, AttributeError) as e:
         raise BadNodeRequest(f"invalid sampling params: {e}") from None
+
+
+def prompt_len(prompt: list[int], params: dict) -> int:
+    """Where the request's own prompt ends: ``params.output_tokens`` trailing tokens are earlier output."""
+    n = params.get("output_tokens") or 0
+    if not isinstance(n, int) or not 0 <= n < len(prompt):
+        raise BadNodeRequest("output_tokens must be an int in [0, len(prompt))")
+    return len(prompt) - n
+
+
+def logprobs_json(lps: list | None) -> list | None:
+    """Logprobs as NDJSON: per token ``[logprob, [[id, logprob], ...]]`` or null (None if there are none)."""
+    if not lps:
+        return None
+    return [None if lp is None else [lp.logprob, [list(t) for t in lp.top]] for lp in lps]
+
+
+def output_json(o) -> dict:
+    """One step output as an NDJSON line (prompt logprobs ride on the first token's line)."""
+    line = {"token_ids": o.new_token_ids, "finish_reason": o.finish_reason}
+    if o.logprobs:
+        line["logprobs"] = logprobs_json(o.logprobs)
+    if o.prompt_logprobs is not None:
+        line["prompt_logprobs"] = logprobs_json(o.prompt_logprobs)
+    if o.error:
+        line["error"] = o.error
+    return line
 
 
 def new_sequence(prompt: list[int], params: dict, sp: SamplingParams) -> Sequence:
     """A sequence whose last ``params.replay_tokens`` prompt tokens are replayed output (failover)."""
     seq = Sequence(prompt, sp)
+    seq.prompt_len = prompt_len(prompt, params)
     replay = int(params.get("replay_tokens") or 0)
     if replay:
         if not 0 < replay < len(prompt):
@@ -148,10 +183,7 @@ class NodeService:
                 elif last is not None and o.new_token_ids:
                     TPOT.observe(now - last)
                 last, n = now, n + len(o.new_token_ids)
-                line = {"token_ids": o.new_token_ids, "finish_reason": o.finish_reason}
-                if o.error:
-                    line["error"] = o.error
-                yield (json.dumps(line) + "\n").encode()
+                yield (json.dumps(output_json(o)) + "\n").encode()
                 if o.finished:
                     done = True
                     return

@@ -89,7 +89,7 @@ def test_scale_down_drains_without_losing_a_request(tmp_path, tiny_model_store):
                 req = GenRequest(rid, [5 + i % 200 for i in range(8)], max_tokens,
                                  {"temperature": 0, "ignore_eos": True}, deadline=time.monotonic() + 30)  # fmt: skip
                 got, reason = [], None
-                async for toks, r in relay.run(req):
+                async for toks, r, *_ in relay.run(req):
                     got += toks
                     reason = r or reason
                 return req, len(got), reason

@@ -50,7 +50,7 @@ def _run(drain):
     req = GenRequest("r", [1, 2, 3], 3, {"temperature": 0}, deadline=1e18)
 
     async def go():
-        return [t async for t in relay.run(req)]
+        return [(t.token_ids, t.finish_reason) async for t in relay.run(req)]
 
     out = asyncio.run(go())
     return out, client.calls, req
