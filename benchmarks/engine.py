@@ -76,6 +76,7 @@ def main(args: argparse.Namespace) -> int:
         from compute.kernels import format_table
 
         print(format_table(table), flush=True)
+        systems[f"ours-{args.weights}-invariant"] = Ours(store, args.model, args.weights, kernels="invariant")
         systems[f"ours-{args.weights}-fixed"] = Ours(store, args.model, args.weights, kernels="fixed")
     systems["hf-bf16"] = HF(hf_config, tensors, torch.bfloat16)
     if not args.no_fp32:

@@ -51,12 +51,14 @@ def reference_texts() -> dict[str, str]:
 
 
 def logprobs(model, ids: list[int], chunk: int) -> torch.Tensor:
-    """Next-token log-probabilities ``[len(ids), V]`` through our model, ``chunk`` tokens per forward."""
+    """Next-token log-probabilities ``[len(ids), V]`` through our model, ``chunk`` tokens per forward, over
+    the KV cache dtype a node serves it with (``auto``: bf16 for int8 weights, fp32 for fp32 weights)."""
     from compute.batch import ForwardBatch
-    from compute.kv_cache import KVCache
+    from compute.kv_cache import KVCache, kv_dtype
 
     bs = 16
-    cache = KVCache(model.config, -(-len(ids) // bs), bs, model.dtype)
+    dtype = kv_dtype("auto", model.dtype, bool(model.kernel_modules()))
+    cache = KVCache(model.config, -(-len(ids) // bs), bs, dtype)
     table = list(range(cache.num_blocks))
     out = []
     for start in range(0, len(ids), chunk):

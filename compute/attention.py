@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compute.batch import DecodeGroup, ForwardBatch
+from compute.batch import DecodeGroup, ForwardBatch, padded_keys
 from compute.kv_cache import KVCache
 
 
@@ -44,17 +44,17 @@ def paged_attention(
         return _decode(q.to(dt), layer, cache, d, scale, gqa).to(q.dtype)
     out = torch.empty_like(q)
     for s in batch.prefills:
-        if s.mask is None:  # no cached prefix: its context is this step's own K/V
-            kc, vc = k[s.start : s.end].to(dt), v[s.start : s.end].to(dt)  # [q, KVH, Dh]
+        n = padded_keys(s.context_len)  # keys of this call (see compute.batch.KEY_MULTIPLE), masked past ctx
+        if s.fresh:  # no cached prefix: its context is this step's own K/V
+            kc, vc = _padded(k[s.start : s.end].to(dt), n), _padded(v[s.start : s.end].to(dt), n)  # [L, KVH, Dh]
         else:
             kc, vc = cache.gather(layer, s.blocks)  # [nb*BS, KVH, Dh]
-            kc, vc = kc[: s.context_len], vc[: s.context_len]  # [ctx, KVH, Dh]
+            kc, vc = _padded(kc, n), _padded(vc, n)  # [L, KVH, Dh]
         o = F.scaled_dot_product_attention(
             q[None, s.start : s.end].to(dt).transpose(1, 2),  # [1, H, q, Dh]
             kc[None].transpose(1, 2),  # [1, KVH, ctx, Dh]
             vc[None].transpose(1, 2),
             attn_mask=s.mask,
-            is_causal=s.mask is None,
             scale=scale,
             enable_gqa=gqa,
         )  # [1, H, q, Dh]
@@ -62,6 +62,13 @@ def paged_attention(
     if d is not None:
         out[d.rows] = _decode(q[d.rows].to(dt), layer, cache, d, scale, gqa).to(q.dtype)
     return out
+
+
+def _padded(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t: [m, ...]`` cut or zero-padded to ``n`` rows."""
+    if t.shape[0] >= n:
+        return t[:n]
+    return torch.cat((t, t.new_zeros((n - t.shape[0], *t.shape[1:]))))
 
 
 def _decode(q: torch.Tensor, layer: int, cache: KVCache, d: DecodeGroup, scale: float, gqa: bool) -> torch.Tensor:

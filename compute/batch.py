@@ -19,6 +19,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Keys per attention call are padded (masked) to a multiple of this. SDPA's CPU kernel sums a tail of
+# fewer than 16 keys another way than a masked full vector, so a row's result depended on how many keys
+# its call had: alone vs padded in a decode batch, or a 10-token chunk vs the whole prompt (measured:
+# 8 of 12 SmolLM2 answers changed in a batch). With every call's keys a multiple of 16, the masked
+# extra keys add exact zeros and a row's numbers no longer depend on its batch or chunking.
+KEY_MULTIPLE = 16
+
+
+def padded_keys(n: int) -> int:
+    return -(-n // KEY_MULTIPLE) * KEY_MULTIPLE
+
 
 @dataclass(slots=True)
 class PrefillSeq:
@@ -28,7 +39,8 @@ class PrefillSeq:
     end: int  # one past its last row
     blocks: torch.Tensor  # [nb] long: its block table
     context_len: int  # keys to attend over
-    mask: torch.Tensor | None  # [q, context_len] bool (True = attend); None = plain causal from 0
+    mask: torch.Tensor  # [q, padded_keys(context_len)] bool (True = attend): causal, shifted by the cached prefix
+    fresh: bool  # no cached prefix: its keys are this step's own (no gather)
 
 
 @dataclass(slots=True)
@@ -36,7 +48,7 @@ class DecodeGroup:
     """Sequences bringing exactly one token: attended together, padded to the longest context."""
 
     rows: torch.Tensor  # [B] long: their rows in the flat batch
-    slots: torch.Tensor  # [B, L] long: KV slot of each key position (L = longest context; padding -> slot 0)
+    slots: torch.Tensor  # [B, L] long: KV slot of each key position (L = padded_keys(longest); padding -> slot 0)
     mask: torch.Tensor | None  # [B, 1, 1, L] bool: key is inside the context; None when no row is padded
     only: bool  # the whole batch is these decodes, in order (rows == arange(T)): no row gather needed
 
@@ -126,12 +138,12 @@ class ForwardBatch:
                 dec_ctx.append(ctx)
             else:
                 first = ctx - q  # position of the first query
-                mask = None
-                if first:
-                    qpos = torch.arange(first, ctx)[:, None]  # [q, 1]
-                    mask = torch.arange(ctx)[None, :] <= qpos  # [q, ctx]
+                # an explicit mask, also from position 0: SDPA's is_causal path stops each row's keys at the
+                # diagonal, which sums differently from a masked full vector (see KEY_MULTIPLE)
+                qpos = torch.arange(first, ctx)[:, None]  # [q, 1]
+                mask = torch.arange(padded_keys(ctx))[None, :] <= qpos  # [q, L]: keys past ctx are off
                 blocks = torch.tensor(table[:nb], dtype=torch.long)
-                self.prefills.append(PrefillSeq(start, start + q, blocks, ctx, mask))
+                self.prefills.append(PrefillSeq(start, start + q, blocks, ctx, mask, first == 0))
             start += q
         self.decodes = None
         if dec_rows:
@@ -140,7 +152,8 @@ class ForwardBatch:
 
 def _decode_group(rows: list[int], tables: list[list[int]], ctx: list[int], block_size: int, tokens: int):
     """The slot of every key of every decode, once per step (every layer reuses it)."""
-    width, longest = max(len(t) for t in tables), max(ctx)
+    longest = padded_keys(max(ctx))
+    width = max(max(len(t) for t in tables), -(-longest // block_size))
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)  # [B, nb]
     slots = (padded[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :longest].contiguous()  # [B, L]
     mask = None

@@ -10,9 +10,17 @@ So nothing here assumes a CPU:
    model at one M per bucket (``BUCKETS``), min of ``repeats`` interleaved runs, and checks each
    candidate's error against an fp32 reference on activations with outlier channels (as real
    LLM activations have); the fastest within ``ERROR_GATE`` wins each bucket;
-3. the table is written (atomically) and each int8 linear gets its choice per bucket
-   (``Transformer.use_kernels``); a ``bf16`` choice makes one bf16 copy of that weight at that
-   moment (memory: +2 bytes per parameter of that linear, counted in the node's bytes).
+3. each candidate is also probed for *row invariance*: every row of its output bitwise the same at
+   every M in ``INVARIANCE_M`` as computed alone. Measured on the AMX Xeon: only int8mm is (each
+   output tile's K loop is the same whatever M); oneDNN's bf16 GEMM changes its blocking at M = 33-64
+   and others, MKL's fp32 GEMM below M ~ 16-25. ``invariant`` names the row-invariant kernel within
+   the gate with the least total time over the probe Ms (None if there is none);
+4. the table is written (atomically) and each int8 linear gets its plan (``plan_of``):
+   ``measured`` (the default) the fastest per bucket; ``invariant`` the ``invariant`` kernel at
+   every M, so a request's numbers do not depend on its batch (greedy output alone == in any batch:
+   tests/compute/test_realmodel.py), at a price where another kernel is faster (prefill, batched
+   decode); a ``bf16`` plan makes one bf16 copy of that weight at that moment (memory: +2 bytes
+   per parameter of that linear, counted).
 
 Candidates (``KERNELS``), all taking x in any float dtype and returning y in ``out`` dtype:
 
@@ -55,8 +63,12 @@ PROBE_M = (1, 8, 32, 256)  # the M each bucket is timed at
 KERNELS = ("int8mm", "dequant", "bf16", "w8a8")
 ERROR_GATE = 0.01  # relative RMS error vs fp32 on outlier activations: ~3x bf16 rounding (int8mm, bf16: 0.3%; w8a8: 1.8-4.4%)
 INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: compute/linear.py)
-TABLE_VERSION = 3
-MODES = ("measured", "fixed")  # fixed: int8mm up to M = 64, dequant beyond, on every CPU (the rule before this)
+TABLE_VERSION = 7
+# measured: the fastest per M bucket; invariant: one batch-invariant kernel per shape;
+# fixed: int8mm up to M = 64, dequant beyond, on every CPU (the rule before this)
+MODES = ("measured", "invariant", "fixed")
+INVARIANCE_M = (*range(2, 66), 96, 128, 200, 256, 300, 384, 420, 512)  # every row at these M as in the largest, whose rows are as alone
+INVARIANCE_ROWS = 8  # rows of the largest M compared with each computed alone
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels.json")  # one per machine
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
              "amx_bf16", "amx_int8", "amx_tile")  # fmt: skip
@@ -163,14 +175,33 @@ def machine_key(threads: int) -> str:
     return f"{hashlib.sha256(raw.encode()).hexdigest()[:16]} {raw}"
 
 
-def copy_bytes(shapes: Iterable[tuple[int, int]], table: dict | None) -> int:
+def plan_of(entry: dict, mode: str) -> tuple[str, ...]:
+    """The kernel per M bucket a shape's table ``entry`` gives under ``mode`` (measured | invariant)."""
+    if mode == "invariant" and entry.get("invariant"):
+        return (entry["invariant"],) * len(BUCKETS)
+    return tuple(entry["choice"])  # measured, or no row-invariant kernel passed the gate on this machine
+
+
+def copy_bytes(shapes: Iterable[tuple[int, int]], table: dict | None, mode: str = "measured") -> int:
     """Bytes of the bf16 weight copies the ``bf16`` kernel keeps for ``shapes`` (one entry per matmul)
     under ``table``; with no table yet, as if every shape chose it (an upper bound for a budget)."""
     def takes(n: int, k: int) -> bool:
         e = None if table is None else table["shapes"].get(f"{n}x{k}")
-        return e is None or "bf16" in e["choice"]
+        return e is None or "bf16" in plan_of(e, mode)
 
     return sum(2 * n * k for n, k in shapes if takes(n, k))
+
+
+def row_invariant(name: str, q: torch.Tensor, scale: torch.Tensor, sb: torch.Tensor, wb: torch.Tensor | None,
+                  gen: torch.Generator) -> bool:  # fmt: skip
+    """Every row of ``name``'s output is bitwise the same at every M in ``INVARIANCE_M`` as in the largest
+    batch, and there as computed alone (first ``INVARIANCE_ROWS`` rows): neither the batch size nor where
+    a row sits in it may matter (a GEMM may change its blocking with M, or run tail rows otherwise)."""
+    x = torch.randn(max(INVARIANCE_M), q.shape[1], generator=gen)
+    big = run(name, x, q, scale, sb, wb)
+    if not all(torch.equal(run(name, x[i : i + 1], q, scale, sb, wb)[0], big[i]) for i in range(INVARIANCE_ROWS)):
+        return False
+    return all(torch.equal(run(name, x[:m], q, scale, sb, wb), big[:m]) for m in INVARIANCE_M)
 
 
 def cached_table(threads: int, cache_path: str | None = DEFAULT_CACHE) -> dict | None:
@@ -222,7 +253,10 @@ def measure(shapes: Iterable[tuple[int, int]], threads: int, repeats: int = 7,
                     t[c] = min(t[c], time.perf_counter() - t0)
             us[str(m)] = {c: round(v * 1e6, 1) for c, v in t.items()}
         choice = [min(us[str(m)], key=us[str(m)].get) if ok else "dequant" for m in PROBE_M]
-        out[f"{n}x{k}"] = {"choice": choice, "us": us, "error": err}
+        inv = {c: row_invariant(c, q, scale, sb, wb, gen) for c in ok}
+        total = {c: sum(us[str(m)].get(c, float("inf")) for m in PROBE_M) for c in ok if inv[c]}
+        out[f"{n}x{k}"] = {"choice": choice, "us": us, "error": err, "row_invariant": inv,
+                           "invariant": min(total, key=total.get) if total else None}  # fmt: skip
     return {"version": TABLE_VERSION, "key": machine_key(threads), "probe_m": list(PROBE_M),
             "buckets": [b or "inf" for b in BUCKETS], "error_gate": ERROR_GATE, "shapes": out}  # fmt: skip
 
@@ -284,7 +318,9 @@ def format_table(table: dict) -> str:
     lines = [head]
     for shape, e in table["shapes"].items():
         errs = ", ".join(f"{c} {v:.2%}" if isinstance(v, float) else f"{c} unusable" for c, v in e["error"].items())
-        lines.append(f"  {shape}: error {errs}")
+        inv = ", ".join(c for c, ok in e["row_invariant"].items() if ok) or "none"
+        lines.append(f"  {shape}: error {errs}; row-invariant: {inv} (kernels = \"invariant\": "
+                     f"{e['invariant'] or 'none, the fastest per bucket'} at every M)")  # fmt: skip
         for m, choice in zip(table["probe_m"], e["choice"]):
             times = "  ".join(f"{c} {t:g}" for c, t in sorted(e["us"][str(m)].items(), key=lambda i: i[1]))
             lines.append(f"    M={m:<4} -> {choice:<8} ({times})")

@@ -193,7 +193,7 @@ class WeightInjector:
                     LAYERS_LOADED.set(p.layers_loaded)
             if not self.model.ready:
                 raise RuntimeError(f"weights missing after every shard: {self.model.missing_weights()[:5]}")
-            measured = self.kernels == "measured" and self.model.device.type == "cpu"
+            measured = self.kernels != "fixed" and self.model.device.type == "cpu"
             shapes = self.model.int8_shapes() if measured else []
             if shapes:
                 # once per machine (cached by CPU, torch version and threads); a warm table costs ~1 ms
@@ -202,7 +202,7 @@ class WeightInjector:
                 except OSError as e:  # an unwritable cache costs a measurement per load, never the load
                     log.warning("kernel table cache %s unusable (%s): measuring without it", self.kernel_cache, e)
                     self.kernel_table = plan_for(shapes, torch.get_num_threads(), None)
-                self.model.use_kernels(self.kernel_table)
+                self.model.use_kernels(self.kernel_table, self.kernels)
             p.ready = True
             p.seconds = time.perf_counter() - self.t0
             TIME_TO_READY.observe(p.seconds)

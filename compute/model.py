@@ -23,6 +23,7 @@ from compute.attention import paged_attention
 from compute.batch import ForwardBatch
 from compute.config import ModelConfig
 from compute.errors import WeightMismatch
+from compute.kernels import plan_of
 from compute.kv_cache import KVCache
 from compute.linear import (
     INT8MM_MAX_M,
@@ -224,11 +225,12 @@ class Transformer(nn.Module):
         """Distinct ``(N, K)`` of the int8 matmuls: what ``compute.kernels.plan_for`` measures."""
         return sorted({tuple(m.int8_weight()[0].shape) for m in self.kernel_modules()})
 
-    def use_kernels(self, table: dict | None) -> None:
-        """Each int8 linear takes the kernel per M bucket that ``table`` chose for its shape (None: the fixed rule)."""
+    def use_kernels(self, table: dict | None, mode: str = "measured") -> None:
+        """Each int8 linear takes the kernels ``table`` gives its shape under ``mode`` (measured: the fastest
+        per M bucket; invariant: one batch-invariant kernel; ``compute.kernels.plan_of``); None: the fixed rule."""
         for m in self.kernel_modules():
             n, k = m.int8_weight()[0].shape
-            m.use_kernels(None if table is None else table["shapes"][f"{n}x{k}"]["choice"])
+            m.use_kernels(None if table is None else plan_of(table["shapes"][f"{n}x{k}"], mode))
 
     # -- compute ---------------------------------------------------------------------------
 

@@ -37,7 +37,8 @@ class NodeConfig:
     memory_gb: float = 0.0  # budget for weights + KV cache of every held model; 0 = half of MemAvailable at start
     tpot_target_s: float = 0.1  # the step time at which the capacity report's max_streams is taken
     device: str = "cpu"  # torch device of weights, KV cache and sampling (cpu | cuda | cuda:N ...)
-    kernels: str = "measured"  # int8 kernels: measured (per machine, cached in cache_dir or ~/.cache/pdserve) | fixed
+    kernels: str = "measured"  # int8 kernels, measured per machine (cached in cache_dir or ~/.cache/pdserve):
+    # measured (the fastest per M bucket) | invariant (one batch-invariant kernel per shape) | fixed (the old rule)
     import_nice: int = 0  # heavy imports in a thread niced by this much (pool refill); serving threads are not
 
     def __post_init__(self) -> None:
@@ -57,8 +58,8 @@ class NodeConfig:
             raise ValueError(f"invalid kv_dtype {self.kv_dtype!r}: auto, bfloat16 or float32")
         if self.device != "cpu" and self.role != "both":
             raise ValueError(f"role {self.role!r} hands its KV over host memory: it needs device 'cpu'")
-        if self.kernels not in ("measured", "fixed"):
-            raise ValueError(f"invalid kernels {self.kernels!r}: measured or fixed")
+        if self.kernels not in ("measured", "invariant", "fixed"):  # compute.kernels.MODES (no torch import here)
+            raise ValueError(f"invalid kernels {self.kernels!r}: measured, invariant or fixed")
         if self.memory_gb < 0 or self.tpot_target_s <= 0:
             raise ValueError("need memory_gb >= 0 (0: half of MemAvailable) and tpot_target_s > 0")
         if not 0 <= self.import_nice <= 19:

@@ -50,8 +50,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tpot-target-s", type=float, help="TPOT target of the capacity report (default 0.1)")
     p.add_argument("--import-nice", type=int, help="do the heavy imports in a thread niced by N (default 0)")
     p.add_argument("--device", help="torch device of weights, KV cache and sampling (default cpu)")
-    p.add_argument("--kernels", choices=("measured", "fixed"),
-                   help="int8 kernels: measured on this machine (default; cached) or the fixed rule")  # fmt: skip
+    p.add_argument("--kernels", choices=("measured", "invariant", "fixed"),
+                   help="int8 kernels measured on this machine (cached): the fastest per batch size (measured, "
+                        "default), one batch-invariant kernel per shape (invariant), or the fixed rule")  # fmt: skip
     p.add_argument("--token-file", default=None, help="file with the internal token (else $PDSERVE_INTERNAL_TOKEN)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as JSON and exit")

@@ -22,8 +22,8 @@ from .service import (
     BadNodeRequest,
     NodeBusy,
     NodeService,
-    output_json,
     new_sequence,
+    output_json,
     parse,
     sampling_params,
 )
@@ -62,7 +62,7 @@ async def prefill(svc: NodeService, body: dict) -> dict:
         svc.finish(rid)
     if out.finish_reason in ("error", "abort"):
         return {"token_ids": [], "finish_reason": out.finish_reason, "error": out.error, "kv": None}
-    first, line = out.new_token_ids, output_json(out)  # its logprobs and the prompt's, if asked
+    line = output_json(out)  # the first token, its logprobs and the prompt's, if asked
     ended = out.finish_reason == "stop" or want.max_tokens == 1
     if ended:
         svc.worker.post(lambda e: e.scheduler.release(seq.seq_id))

@@ -116,3 +116,39 @@ def test_kv_blocks_exported_and_imported_continue_decoding(model):
     step = ForwardBatch.build([[tok]], [len(p)], [src_table], 8)
     moved = ForwardBatch.build([[tok]], [len(p)], [dst_table], 8)
     assert torch.equal(model(step, src), model(moved, dst))
+
+
+def test_int8mm_runtime_is_bitwise_batch_and_chunk_invariant():
+    """On int8 weights with one row-invariant kernel at every M (``kernels = "invariant"``: int8mm here) and
+    the bf16 KV cache, a sequence's logits are bitwise the same alone, padded beside a longer one in a
+    decode batch, and whatever its prefill chunking (attention keys padded to a multiple of 16, masked)."""
+    from compute.batch import ForwardBatch
+    from compute.kv_cache import KVCache
+    from compute.model import Transformer
+    from tests.compute.test_model_parity import int8_state
+
+    host = tiny_model(seed=7)
+    m = Transformer.build(host.config, torch.float32)
+    m.load_weights(int8_state({n: b for n, b in host.named_buffers() if b is not None}))
+    for lin in m.kernel_modules():
+        lin.use_kernels(("int8mm",) * 4)
+    a, b = [5, 9, 17, 33, 2, 71, 8, 8, 4, 19, 23], [3] * 37  # contexts 11 and 37: a is padded beside b
+
+    def run(chunks: list[list[list[int]]]) -> list[torch.Tensor]:
+        """Steps of (per sequence) token chunks; -> each step's logits (every row)."""
+        cache = KVCache(m.config, 16, 8, torch.bfloat16)
+        tables, pos, out = [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], [0, 0], []
+        for step in chunks:
+            seqs = [i for i, c in enumerate(step) if c]
+            fb = ForwardBatch.build([step[i] for i in seqs], [pos[i] for i in seqs], [tables[i] for i in seqs], 8,
+                                    all_logits=True)  # fmt: skip
+            out.append(m(fb, cache))
+            for i in seqs:
+                pos[i] += len(step[i])
+        return out
+
+    alone = run([[a[:-1], []], [a[-1:], []]])
+    together = run([[a[:-1], b[:-1]], [a[-1:], b[-1:]]])
+    assert torch.equal(together[0][: len(a) - 1], alone[0]) and torch.equal(together[1][:1], alone[1])
+    chunked = run([[a[:4], []], [a[4:-1], []], [a[-1:], []]])
+    assert torch.equal(torch.cat(chunked[:2]), alone[0]) and torch.equal(chunked[2], alone[1])

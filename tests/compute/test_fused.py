@@ -103,14 +103,15 @@ def test_decode_slot_table_and_gather():
     ctx = [6, 2, 9]  # after this step's token
     b = ForwardBatch.build([[1], [2], [3]], [c - 1 for c in ctx], tables, 4)
     d = b.decodes
-    assert d.only and d.slots.shape == (3, 9) and d.mask.shape == (3, 1, 1, 9)
+    # keys padded to a multiple of KEY_MULTIPLE (16), masked past each context
+    assert d.only and d.slots.shape == (3, 16) and d.mask.shape == (3, 1, 1, 16)
     assert d.slots[0, :6].tolist() == [12, 13, 14, 15, 28, 29] and d.slots[1, :2].tolist() == [36, 37]
     assert d.mask[:, 0, 0].sum(1).tolist() == ctx
     kv = cache.gather_slots(1, d.slots)  # [2, B, L, KVH, Dh]
     k_ref, v_ref = cache.gather(1, torch.tensor([1, 2, 4]))
-    assert torch.equal(kv[0, 2], k_ref[:9]) and torch.equal(kv[1, 2], v_ref[:9])
-    same = ForwardBatch.build([[1], [2]], [5, 5], [[3, 7], [1, 2]], 4).decodes
-    assert same.mask is None  # nothing padded
+    assert torch.equal(kv[0, 2, :9], k_ref[:9]) and torch.equal(kv[1, 2, :9], v_ref[:9])
+    same = ForwardBatch.build([[1], [2]], [15, 15], [[3, 7, 5, 6], [1, 2, 8, 0]], 4).decodes
+    assert same.mask is None  # nothing padded: both contexts are 16
     mixed = ForwardBatch.build([[1, 2, 3], [4]], [0, 5], [[3, 7], [1, 2]], 4).decodes
     assert not mixed.only and mixed.rows.tolist() == [3]
 

@@ -76,9 +76,10 @@ def _greedy(inj, prompts: list[list[int]], **kw) -> list[list[int]]:
     from compute.engine import Engine
     from compute.sampling import SamplingParams
 
-    eng = Engine.for_model(inj.model, num_blocks=64, **kw)
+    blocks = kw.pop("num_blocks", 64)
+    eng = Engine.for_model(inj.model, num_blocks=blocks, **kw)
     out = eng.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
-    assert eng.scheduler.blocks.num_free == 64
+    assert eng.scheduler.blocks.num_free == blocks
     return out
 
 
@@ -97,6 +98,20 @@ def test_fp32_greedy_equals_transformers_and_is_batch_invariant(real, fp32, prom
     assert alone == expected
     # the same prompts together, with a token budget that chunks the prefills
     assert _greedy(fp32, prompts, max_num_batched_tokens=48) == alone
+
+
+def test_int8_runtime_with_invariant_kernels_is_batch_invariant(real, prompts):
+    """``kernels = "invariant"`` (one row-invariant kernel per shape, probed on this machine): a request's
+    greedy output alone equals its output in a batch of 16, and with chunked prefills."""
+    from compute.loader import WeightInjector
+
+    inj = WeightInjector(real[0], "smollm2", weights="int8", kernels="invariant").start()
+    assert inj.wait()
+    batch = (prompts * 4)[:16]
+    alone = [_greedy(inj, [p])[0] for p in prompts]
+    want = (alone * 4)[:16]
+    assert _greedy(inj, batch, num_blocks=256) == want
+    assert _greedy(inj, batch, num_blocks=256, max_num_batched_tokens=48) == want
 
 
 def test_int8_answer_and_perplexity(fp32, int8):
