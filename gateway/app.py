@@ -3,6 +3,7 @@ health, readiness, metrics; admin routes in ``admin``, internal ones in ``intern
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -170,17 +171,42 @@ def create_app(gw: Gateway) -> FastAPI:
         if isinstance(text := await _text(req.model), JSONResponse):
             return text
         try:
-            prompt = req.prompt if isinstance(req.prompt, list) else text.bundle.encode(req.prompt)
+            prompts = [p if isinstance(p, list) else text.bundle.encode(p) for p in req.prompts()]
             # max_tokens 0 (prompt scoring): the node makes one token, which is dropped
-            max_tokens = gw.check_len(text, prompt, req.limit() or (1 if req.limit() == 0 else None),
-                                      default=16)  # the OpenAI default for completions  # fmt: skip
+            limits = [gw.check_len(text, p, req.limit() or (1 if req.limit() == 0 else None), default=16)
+                      for p in prompts]  # 16: the OpenAI default for completions  # fmt: skip
         except BadRequest as e:
             return _err(400, str(e), param=e.param)
-        return await _respond(text, req, prompt, max_tokens, chat=False)
+        if len(prompts) == 1:
+            return await _respond(text, req, prompts[0], limits[0], chat=False)
+        return await _respond_many(text, req, prompts, limits)
 
-    async def _respond(text, req, prompt: list[int], max_tokens: int, chat: bool):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
+    async def _respond_many(text, req, prompts: list[list[int]], limits: list[int]):
+        """A list of prompts (OpenAI batch semantics): each its own request, all at once; choice i is
+        prompt i's. Streamed, the choices' chunks interleave as they come (each carries its index)."""
+        rid, created, counts = "cmpl-" + uuid.uuid4().hex, int(time.time()), {}
+        parts = await asyncio.gather(*(_respond(text, req, p, m, chat=False, index=i, rid=rid, created=created,
+                                                counts=counts) for i, (p, m) in enumerate(zip(prompts, limits))))  # fmt: skip
+        failed = next((r for r in parts if isinstance(r, JSONResponse)), None)
+        if failed is not None:
+            for r in parts:
+                if not isinstance(r, (JSONResponse, dict)):
+                    await r.aclose()  # a stream not read: its generator's finally aborts the nodes
+            return failed
+        if not req.stream:
+            choices = [r["choices"][0] for r in parts]
+            usage = {k: sum(r["usage"][k] for r in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+            return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                    "choices": choices, "usage": usage}  # fmt: skip
+        return StreamingResponse(_merged(parts, req, rid, created, sum(map(len, prompts)), counts),
+                                 media_type="text/event-stream")  # fmt: skip
+
+    async def _respond(text, req, prompt: list[int], max_tokens: int, chat: bool, index: int = 0,
+                       rid: str | None = None, created: int | None = None, counts: dict | None = None):  # fmt: skip
+        """One choice. ``counts`` given: part of a batch (``_respond_many``): a stream comes back as its
+        generator of SSE events (no usage, no [DONE]; its token count lands in ``counts[index]``)."""
+        rid = rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = created or int(time.time())
         params, stops = gw.node_params(req), req.stop_list()
         timing: dict = {}
         t0 = time.monotonic()
@@ -207,7 +233,10 @@ def create_app(gw: Gateway) -> FastAPI:
         if req.limit() == 0:  # nothing to generate: the node ran only for the prompt's logprobs
             first = await _scored_only(gen, first)
         if req.stream:
-            return StreamingResponse(_sse(gen, first, rid, created, req, prompt, chat, t0, echo, lp),
+            events = _sse(gen, first, rid, created, req, prompt, chat, t0, echo, lp, index, counts)
+            if counts is not None:
+                return events
+            return StreamingResponse(events,
                                      media_type="text/event-stream")  # fmt: skip
         out, n, reason = echo + first.text, len(first.token_ids), first.finish_reason
         logprobs = lp.merge(lp.prompt(prompt, first) if echo else None, lp.add(first))
@@ -223,24 +252,25 @@ def create_app(gw: Gateway) -> FastAPI:
         REQUEST_SECONDS.observe(time.monotonic() - t0)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": logprobs,
+            choice = {"index": index, "message": {"role": "assistant", "content": out}, "logprobs": logprobs,
                       "finish_reason": reason}  # fmt: skip
             return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                     "choices": [choice], "usage": usage}  # fmt: skip
-        choice = {"index": 0, "text": out, "logprobs": logprobs, "finish_reason": reason}
+        choice = {"index": index, "text": out, "logprobs": logprobs, "finish_reason": reason}
         return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                 "choices": [choice], "usage": usage}  # fmt: skip
 
-    async def _sse(gen, first, rid, created, req, prompt: list[int], chat, t0, echo: str, lp: _Logprobs):
+    async def _sse(gen, first, rid, created, req, prompt: list[int], chat, t0, echo: str, lp: _Logprobs,
+                   index: int = 0, counts: dict | None = None):  # fmt: skip
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_prompt = len(prompt)
 
         def chunk(text=None, reason=None, role=False, usage=None, choices=True, logprobs=None):
             if chat:
                 delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
-                ch = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+                ch = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
-                ch = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+                ch = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             body = {"id": rid, "object": obj, "created": created, "model": req.model,
                     "choices": [ch] if choices else []}  # fmt: skip
             if usage is not None:
@@ -263,6 +293,9 @@ def create_app(gw: Gateway) -> FastAPI:
                 if d.finish_reason:
                     break
                 d = await gen.__anext__()
+            if counts is not None:
+                counts[index] = n  # part of a batch: the merged stream ends it
+                return
             if req.include_usage:
                 yield chunk(usage={"prompt_tokens": n_prompt, "completion_tokens": n,
                                    "total_tokens": n_prompt + n}, choices=False)  # fmt: skip
@@ -280,6 +313,39 @@ def create_app(gw: Gateway) -> FastAPI:
     add_admin_routes(app, gw)  # /admin/*: nodes, status, the autoscaler's report (admin key)
     add_internal_routes(app, gw)  # /internal/*: the autoscaler's view and its reports (internal token)
     return app
+
+
+async def _merged(parts: list, req, rid: str, created: int, n_prompt: int, counts: dict):
+    """Several choices' SSE events as one stream, in arrival order; then usage (if asked) and [DONE]."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(events) -> None:
+        try:
+            async for e in events:
+                await queue.put(e)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(p)) for p in parts]
+    try:
+        left = len(tasks)
+        while left:
+            e = await queue.get()
+            if e is None:
+                left -= 1
+            else:
+                yield e
+        if req.include_usage:
+            n = sum(counts.values())
+            usage = {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
+            body = {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": [],
+                    "usage": usage}  # fmt: skip
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:  # a client gone: each part's generator closes, aborting its nodes
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _scored_only(gen, first):

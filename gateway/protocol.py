@@ -34,6 +34,7 @@ def Int(**bounds) -> type:
 
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # accepted; change nothing
 MAX_TOP_LOGPROBS = 20
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
 
 class StreamOptions(BaseModel):
@@ -143,9 +144,11 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     max_tokens: Int(ge=0) | None = None  # 0: nothing generated (with echo + logprobs: score the prompt)
-    # one prompt: text, token ids, or a list of exactly one text
+    # text, token ids, or a batch (OpenAI): a list of texts or of token-id lists, one choice each
     prompt: (NonEmpty | Annotated[list[Int(ge=0)], Field(min_length=1)]
-             | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)])  # fmt: skip
+             | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[Annotated[list[Int(ge=0)], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)])  # fmt: skip
     echo: bool = False
     logprobs: Int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     best_of: Int(json_schema_extra={"minimum": 1, "maximum": 1}) | None = None  # only 1
@@ -161,10 +164,10 @@ class CompletionRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, v):
-        return v[0] if isinstance(v, list) and isinstance(v[0], str) else v
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice: a text or token ids each."""
+        v = self.prompt
+        return v if isinstance(v, list) and isinstance(v[0], (str, list)) else [v]
 
     def limit(self) -> int | None:
         return self.max_tokens
@@ -365,8 +368,11 @@ def describe(schema: dict, models: list[str] | str, max_tokens: int, vocab: int,
             if alt.get("type") == "object":  # keys are token ids: nothing else (pydantic leaves this out)
                 alt["additionalProperties"] = False
         for alt in props.get("prompt", {}).get("anyOf", []):
-            if alt.get("type") == "array" and alt.get("items", {}).get("type") == "integer":
-                alt["items"]["maximum"] = vocab - 1
+            items = alt.get("items", {}) if alt.get("type") == "array" else {}
+            if items.get("type") == "integer":
+                items["maximum"] = vocab - 1
+            elif items.get("type") == "array" and items.get("items", {}).get("type") == "integer":
+                items["items"]["maximum"] = vocab - 1
     if bearer:
         schema["components"]["securitySchemes"] = {n: {"type": "http", "scheme": "bearer"} for n in bearer}
     for path, ops in schema.get("paths", {}).items():

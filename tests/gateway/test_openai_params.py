@@ -123,3 +123,22 @@ def test_what_is_not_implemented_is_refused_by_name(both, body, needle):
                     json={"model": both["name"], "messages": Q, "max_tokens": 2, "user": "u1", "metadata": {"a": "b"},
                           "store": False, "service_tier": "auto"}, timeout=60)  # fmt: skip
     assert ok.status_code == 200, ok.text  # IGNORED fields: accepted
+
+
+def test_a_list_of_prompts_gets_one_choice_each_streamed_or_not(both, bundle):
+    texts = ["The capital of France is", "One, two, three,", "The quick brown fox"]
+    c = client(both)
+    one = [c.completions.create(model=both["name"], prompt=t, max_tokens=6, temperature=0).choices[0].text
+           for t in texts]  # fmt: skip
+    r = c.completions.create(model=both["name"], prompt=texts, max_tokens=6, temperature=0)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and [ch.text for ch in r.choices] == one
+    assert r.usage.prompt_tokens == sum(len(bundle.encode(t)) for t in texts)
+    ids = [bundle.encode(t) for t in texts]
+    got = {0: "", 1: "", 2: ""}
+    chunks = list(c.completions.create(model=both["name"], prompt=ids, max_tokens=6, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))  # fmt: skip
+    for ch in chunks:
+        for choice in ch.choices:
+            got[choice.index] += choice.text
+    assert [got[i] for i in range(3)] == one
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
