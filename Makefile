@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 STORE ?= ./.pdserve/store
 MODEL ?= smollm2
 
-.PHONY: venv constraints demo stop test test-deploy bench-store bench-deps clean
+.PHONY: venv constraints demo stop test test-deploy bench-store bench-deps eval-deps clean
 
 venv: $(STAMP)
 
@@ -84,6 +84,16 @@ $(VENV)/.bench-deps: $(STAMP)
 	done; echo "CMAKE_ARGS=$$args"; \
 	CMAKE_ARGS="$$args" $(PIP) install -q --no-cache-dir --force-reinstall --no-deps "$(LLAMA_CPP_SPEC)" && \
 	$(PIP) install -q -c constraints.txt "$(LLAMA_CPP_SPEC)"
+	touch $@
+
+# lm-evaluation-harness for `pdserve bench lm-eval`, in a venv of its own (datasets, evaluate, ... stay out of .venv)
+EVAL_VENV ?= .venv-eval
+eval-deps: $(EVAL_VENV)/.installed
+
+$(EVAL_VENV)/.installed:
+	test -x $(EVAL_VENV)/bin/python || $(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(EVAL_VENV)/bin/python -m pip install -q "lm-eval[api]==0.4.13" "transformers==5.24.0"
 	touch $@
 
 bench-store: $(STAMP)

@@ -44,6 +44,7 @@ BENCHES = {
     "gateway": ("benchmarks.gateway", "gateway overhead vs a node served directly"),
     "burst": ("benchmarks.burst", "autoscaling under a burst sized from measured capacity, warm pool vs cold"),
     "swap": ("benchmarks.swap", "many models on one pool: cold-model first token vs a fresh process, from zero"),
+    "lm-eval": ("benchmarks.lm_eval", "lm-evaluation-harness scoring through the gateway vs in-process engine and HF"),
 }
 
 
