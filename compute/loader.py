@@ -146,6 +146,7 @@ class WeightInjector:
         # a model imported without a tokenizer still serves token ids (the gateway needs the bundle)
         self.bundle = TextBundle.from_files(files) if text and "tokenizer.json" in files else None
         self.eos_token_ids = tuple(self.bundle.eos_token_ids) if self.bundle else bundle_eos_ids(files)
+        self.tokenizer_json = files.get("tokenizer.json")  # structured output builds its matchers from it
         self.model = Transformer.build(self.config, self.dtype, device=device)
         shards = self.manifest.weight_shards()
         self.progress = LoadProgress(self.manifest.ref, 0, self.config.num_layers, 0, len(shards), 0,

@@ -52,7 +52,8 @@ class ModelRunner:
         owners = [seqs[batch.seqs[i].seq_id] for i in rows]
         out = self.sampler.sample(logits[[last[i] for i in rows]], [q.params for q in owners],
                                   [q.num_tokens for q in owners],
-                                  [History(q.token_ids, q.prompt_len) for q in owners])  # fmt: skip
+                                  [History(q.token_ids, q.prompt_len) for q in owners],
+                                  [q.matcher for q in owners])  # fmt: skip
         lps = {q.seq_id: lp for q, lp in zip(owners, out.logprobs) if lp is not None}
         for q in owners:  # with the first token this node samples for it (not again after a preemption)
             if q.params.prompt_logprobs is not None and q.num_tokens == q.num_prompt_tokens:

@@ -54,6 +54,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop tokens are impossible before this many generated tokens
     logprobs: int | None = None  # None: none; k in [0, MAX_LOGPROBS]: the chosen token's + the top k
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (prompt scoring)
+    grammar: dict | None = None  # structured output (compute.grammar): json_object | json_schema | regex spec
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -132,9 +133,19 @@ class Sampler:
         return self.sample(logits, params, positions, histories).tokens
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-               histories: list[History] | None = None) -> Sampled:  # fmt: skip
+               histories: list[History] | None = None, matchers: list | None = None) -> Sampled:  # fmt: skip
+        """``matchers``: per row a grammar matcher (``compute.grammar``) or None; a row's matcher masks its
+        logits first and consumes the token drawn."""
         raw = logits.to(torch.float32)  # [N, V]
         x = self._process(raw, params, histories)  # [N, V]: bias, penalties, min_tokens (raw itself if none)
+        constrained = [i for i, m in enumerate(matchers or ()) if m is not None]
+        if constrained:
+            from compute.grammar import mask_logits
+
+            x = x.clone() if x is raw else x
+            sub = x[constrained]
+            mask_logits(sub, [matchers[i] for i in constrained])
+            x[constrained] = sub
         tokens = [0] * len(params)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:
@@ -146,6 +157,8 @@ class Sampler:
             for row, i in zip(probs, drawn):
                 g = self._generator(params[i], positions[i], row.device)
                 tokens[i] = int(torch.multinomial(row, 1, generator=g))
+        for i in constrained:
+            matchers[i].consume_token(tokens[i])
         return Sampled(tokens, self._logprobs(raw, params, tokens))
 
     # -- the steps ---------------------------------------------------------------------------

@@ -65,6 +65,7 @@ class Sequence:
         # min_tokens count them as output wherever the request runs
         self.prompt_len = len(prompt_token_ids)
         self.prompt_logprobs: list = []  # params.prompt_logprobs: per prompt token, None for the first
+        self.matcher = None  # params.grammar: its matcher (compute.grammar), advanced by the sampler
 
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, {self.status.value}, {self.num_tokens} tokens, {self.num_computed} cached)"

@@ -26,6 +26,7 @@ from .admission import Admission
 from .config import GatewayConfig
 from .models import ModelCatalogue, Text
 from .nodes import NodeClient
+from .protocol import grammar_spec
 from .registry import NodeRegistry
 from .relay import GenRequest, Relay
 from .stops import StopMatcher
@@ -170,7 +171,8 @@ class Gateway:
                 "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
                 "min_tokens": req.min_tokens, "logit_bias": bias, "stop_token_ids": list(req.stop_token_ids or ()),
                 "logprobs": req.num_logprobs(),
-                "prompt_logprobs": req.num_logprobs() if getattr(req, "echo", False) else None}  # fmt: skip
+                "prompt_logprobs": req.num_logprobs() if getattr(req, "echo", False) else None,
+                "grammar": grammar_spec(req.response_format)}  # fmt: skip
 
     # --- generation ------------------------------------------------------------------
     async def generate(self, text: Text, prompt: list[int], max_tokens: int, params: dict, stops: list[str],

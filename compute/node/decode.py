@@ -26,6 +26,7 @@ from .service import (
     BadNodeRequest,
     NodeBusy,
     NodeService,
+    constrain,
     parse,
     prompt_len,
     sampling_params,
@@ -50,6 +51,7 @@ async def decode(svc: NodeService, body: dict):
     svc.check_tokens(prompt + [first])
     seq = Sequence(prompt + [first], sampling_params(params))
     seq.prompt_len = prompt_len(prompt, params)  # the first token (from the prefill node) is output
+    seq.matcher = constrain(svc.grammars, seq.params, seq.token_ids[seq.prompt_len :])
     if rid in svc.active:
         raise BadNodeRequest(f"duplicate request_id {rid!r}")
     try:

@@ -171,6 +171,7 @@ def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeSe
     meter = CapacityMeter(cfg.tpot_target_s, cfg.max_num_seqs)
     worker = EngineWorker(engine, loop, meter=meter, name=f"engine-{name}")
     svc = NodeService(dataclasses.replace(cfg, model=name, weights=inj.weights), worker, model.config.vocab_size)
+    svc.tokenizer_json, svc.eos_token_ids = inj.tokenizer_json, tuple(eos or ())
     cache_t = engine.runner.cache
     layout = KVLayout(model.config.num_layers, cfg.block_size, model.config.num_kv_heads, model.config.head_dim,
                       cache_t.dtype)  # fmt: skip

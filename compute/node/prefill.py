@@ -50,7 +50,7 @@ async def prefill(svc: NodeService, body: dict) -> dict:
     rid, prompt, params = parse(body)
     svc.check_tokens(prompt)
     want = sampling_params(params)  # the whole request's limits (validated here)
-    seq = new_sequence(prompt, params, sampling_params(params, max_tokens=1))
+    seq = new_sequence(prompt, params, sampling_params(params, max_tokens=1), svc.grammars)
     seq.hold_kv = True
     # the context check must cover the whole request, not just this first token
     if len(prompt) + want.max_tokens > svc.scheduler.max_len:

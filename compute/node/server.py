@@ -71,7 +71,7 @@ def create_app(host: ModelHost) -> FastAPI:
         svc.check_accepting()
         rid, prompt, params = parse(body)
         svc.check_tokens(prompt)
-        q = await svc.add(rid, new_sequence(prompt, params, sampling_params(params)), "generate")
+        q = await svc.add(rid, new_sequence(prompt, params, sampling_params(params), svc.grammars), "generate")
         return StreamingResponse(svc.relay(rid, q), media_type="application/x-ndjson")
 
     async def prefill(body: dict):

@@ -63,7 +63,7 @@ def sampling_params(params: dict, max_tokens: int | None = None) -> SamplingPara
             repetition_penalty=float(params.get("repetition_penalty", 1.0)),
             logit_bias={int(t): float(b) for t, b in (params.get("logit_bias") or {}).items()},
             min_tokens=int(params.get("min_tokens", 0)), logprobs=None if lp is None else int(lp),
-            prompt_logprobs=None if plp is None else int(plp),
+            prompt_logprobs=None if plp is None else int(plp), grammar=params.get("grammar"),
         )  # fmt: skip
     except (TypeError, ValueError, AttributeError) as e:
         raise BadNodeRequest(f"invalid sampling params: {e}") from None
@@ -75,6 +75,20 @@ def prompt_len(prompt: list[int], params: dict) -> int:
     if not isinstance(n, int) or not 0 <= n < len(prompt):
         raise BadNodeRequest("output_tokens must be an int in [0, len(prompt))")
     return len(prompt) - n
+
+
+def constrain(grammars, sp: SamplingParams, output: list[int]):
+    """The grammar matcher of a request that asks for one (None otherwise); BadNodeRequest if it cannot be."""
+    if sp.grammar is None:
+        return None
+    if grammars is None:
+        raise BadNodeRequest("structured output needs the model's tokenizer, which this node does not have")
+    from compute.grammar import InvalidGrammar
+
+    try:
+        return grammars.matcher(sp.grammar, output)
+    except InvalidGrammar as e:
+        raise BadNodeRequest(f"response_format: {e}") from None
 
 
 def logprobs_json(lps: list | None) -> list | None:
@@ -96,10 +110,12 @@ def output_json(o) -> dict:
     return line
 
 
-def new_sequence(prompt: list[int], params: dict, sp: SamplingParams) -> Sequence:
-    """A sequence whose last ``params.replay_tokens`` prompt tokens are replayed output (failover)."""
+def new_sequence(prompt: list[int], params: dict, sp: SamplingParams, grammars=None) -> Sequence:
+    """A sequence whose last ``params.replay_tokens`` prompt tokens are replayed output (failover); with a
+    grammar, its matcher (``grammars``: the model's ``compute.grammar.Grammars``) past the output so far."""
     seq = Sequence(prompt, sp)
     seq.prompt_len = prompt_len(prompt, params)
+    seq.matcher = constrain(grammars, sp, prompt[seq.prompt_len :])
     replay = int(params.get("replay_tokens") or 0)
     if replay:
         if not 0 < replay < len(prompt):
@@ -127,6 +143,18 @@ class NodeService:
         self.sender = None  # prefill role: a KVSender
         self.receiver = None  # decode role: a KVReceiver
         self.held: dict[str, int] = {}  # prefill: request id -> seq id whose blocks the sender holds
+        self.tokenizer_json: bytes | None = None  # the model's, for structured output (set by the loader)
+        self.eos_token_ids: tuple[int, ...] = ()
+        self._grammars = None
+
+    @property
+    def grammars(self):
+        """The model's ``compute.grammar.Grammars``, built on first use (None without a tokenizer)."""
+        if self._grammars is None and self.tokenizer_json is not None:
+            from compute.grammar import Grammars
+
+            self._grammars = Grammars(self.tokenizer_json, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     @property
     def scheduler(self):

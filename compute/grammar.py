@@ -1,0 +1,104 @@
+"""Structured output: a request's grammar (JSON object, JSON schema, regex) enforced token by token.
+
+Lifecycle, per request that asks for one (``SamplingParams.grammar``: the spec as the API gave it):
+
+1. ``Grammars.matcher(spec, output)`` compiles the spec with llguidance (once per distinct spec: an
+   LRU of compiled grammars) and returns a matcher that has consumed the request's output so far
+   (a decode node's first token, a failover's replayed tokens: the same state wherever it runs);
+   an invalid spec raises ``InvalidGrammar`` (the request's 400);
+2. each step, the sampler asks every constrained row's matcher for its token bitmask and masks the
+   logits before anything else (``Sampler``); EOS is allowed only where the grammar accepts;
+3. the sampled token is consumed; a matcher that reached the end of its grammar allows only EOS.
+
+Why llguidance (measured on the Intel AMX box, SmolLM2's 49152-token vocabulary, a 3-field JSON schema,
+30-token answer): per step, the mask of one matcher took 12 us (median) with llguidance, 5 us with
+xgrammar; 32 matchers 337 us and 71 us; a step of the model is ~25 ms (1 stream) to ~90 ms (32), so
+either is under 0.5%. llguidance has no dependencies; xgrammar 0.2.9 pulls in transformers and triton
+on Linux. outlines-core was not measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import OrderedDict
+
+import torch
+
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a small model cannot loop on whitespace
+
+
+class InvalidGrammar(ValueError):
+    """The request's structured-output spec cannot be compiled: fix the schema or pattern (a 400)."""
+
+
+def grammar_text(spec: dict) -> str:
+    """llguidance's grammar for an API spec: {"type": "json_object"} | {"type": "json_schema", "schema": {...}}
+    | {"type": "regex", "pattern": "..."}."""
+    import llguidance
+
+    kind = spec.get("type")
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "json_schema":
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidGrammar("json_schema needs a schema object")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except (ValueError, TypeError) as e:
+            raise InvalidGrammar(f"json_schema: {e}") from None
+    if kind == "regex":
+        pattern = spec.get("pattern")
+        if not isinstance(pattern, str) or not pattern:
+            raise InvalidGrammar("regex needs a non-empty pattern")
+        return llguidance.LLMatcher.grammar_from_regex(pattern)
+    raise InvalidGrammar(f"unknown grammar type {kind!r}: json_object, json_schema or regex")
+
+
+class Grammars:
+    """One model's tokenizer as llguidance sees it, and its compiled grammars (an LRU by spec)."""
+
+    def __init__(self, tokenizer_json: bytes, vocab_size: int, eos_token_ids: tuple[int, ...], cache: int = 64):
+        import llguidance
+
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:  # llguidance reads a path
+            f.write(tokenizer_json)
+        try:
+            self.tokenizer = llguidance.LLTokenizer(f.name, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        finally:
+            os.unlink(f.name)
+        self.vocab_size = vocab_size
+        self._compiled: OrderedDict[str, str] = OrderedDict()
+        self._cache = cache
+
+    def matcher(self, spec: dict, output: list[int] = ()):
+        """A matcher for ``spec`` that has consumed ``output`` (tokens this request already generated)."""
+        import llguidance
+
+        key = json.dumps(spec, sort_keys=True)
+        text = self._compiled.get(key)
+        if text is None:
+            text = grammar_text(spec)
+            err = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+            if err:
+                raise InvalidGrammar(err)
+            self._compiled[key] = text
+            if len(self._compiled) > self._cache:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(key)
+        m = llguidance.LLMatcher(self.tokenizer, text)
+        if output and not m.consume_tokens(list(output)):
+            raise InvalidGrammar(f"the output so far does not fit the grammar: {m.get_error()}")
+        return m
+
+
+def mask_logits(x: torch.Tensor, matchers: list) -> None:
+    """x: [R, V] logits, one matcher per row: tokens the grammar does not allow next get -inf (in place)."""
+    import llguidance.torch as lt
+
+    bm = lt.allocate_token_bitmask(len(matchers), x.shape[1])
+    for i, m in enumerate(matchers):
+        lt.fill_next_token_bitmask(m, bm, i)
+    lt.apply_token_bitmask_inplace(x, bm.to(x.device))
