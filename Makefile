@@ -86,14 +86,15 @@ $(VENV)/.bench-deps: $(STAMP)
 	$(PIP) install -q -c constraints.txt "$(LLAMA_CPP_SPEC)"
 	touch $@
 
-# lm-evaluation-harness for `pdserve bench lm-eval`, in a venv of its own (datasets, evaluate, ... stay out of .venv)
+# lm-evaluation-harness and guidellm for `pdserve bench lm-eval | guidellm`, in a venv of their own (datasets,
+# evaluate, ... stay out of .venv)
 EVAL_VENV ?= .venv-eval
 eval-deps: $(EVAL_VENV)/.installed
 
 $(EVAL_VENV)/.installed:
 	test -x $(EVAL_VENV)/bin/python || $(PYTHON) -m venv $(EVAL_VENV)
 	$(EVAL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(EVAL_VENV)/bin/python -m pip install -q "lm-eval[api]==0.4.13" "transformers==5.24.0"
+	$(EVAL_VENV)/bin/python -m pip install -q "lm-eval[api]==0.4.13" "transformers==5.24.0" "guidellm==0.8.1"
 	touch $@
 
 bench-store: $(STAMP)

@@ -45,6 +45,7 @@ BENCHES = {
     "burst": ("benchmarks.burst", "autoscaling under a burst sized from measured capacity, warm pool vs cold"),
     "swap": ("benchmarks.swap", "many models on one pool: cold-model first token vs a fresh process, from zero"),
     "lm-eval": ("benchmarks.lm_eval", "lm-evaluation-harness scoring through the gateway vs in-process engine and HF"),
+    "guidellm": ("benchmarks.guidellm", "guidellm (a load client for OpenAI-compatible servers) against the gateway"),
 }
 
 

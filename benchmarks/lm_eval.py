@@ -104,11 +104,11 @@ def main(args: argparse.Namespace) -> int:
     return 0 if worst <= 1e-3 else 1
 
 
-def _tokenizer_folder(store, tmp: str) -> str:
+def _tokenizer_folder(store, tmp: str, model: str = "smollm2-fp32") -> str:
     """The model's tokenizer files from the store, as a folder transformers' AutoTokenizer reads."""
     folder = os.path.join(tmp, "tokenizer")
     os.makedirs(folder)
-    with store.reader(store.manifest("smollm2-fp32")) as r:
+    with store.reader(store.manifest(model)) as r:
         for name, data in r.bundle().items():
             if name.startswith("tokenizer") or name.endswith(".jinja"):
                 with open(os.path.join(folder, name), "wb") as f:

@@ -10,6 +10,10 @@ Per layer: write this step's K/V into their slots, then
   attend in one batched call with a key-padding mask (none when nothing is padded).
   A batch of decodes only skips the row gather and scatter.
 
+Every call's keys are a multiple of ``compute.batch.KEY_MULTIPLE`` (16), the extra ones masked,
+and the causal mask is explicit: that keeps a row's numbers independent of its batch and of
+its prefill chunking (the reason is in ``compute/batch.py``).
+
 GQA/MQA uses SDPA's ``enable_gqa`` (no repeated K/V). Attention runs in the cache's dtype (bf16 by
 default: q is cast once, K/V are read as stored) and returns q's dtype. Every SDPA call gets 4-D
 ``[B, heads, L, Dh]`` inputs: with 3-D ones torch 2.13 falls back to its math kernel on CPU (measured:
@@ -52,7 +56,7 @@ def paged_attention(
             kc, vc = _padded(kc, n), _padded(vc, n)  # [L, KVH, Dh]
         o = F.scaled_dot_product_attention(
             q[None, s.start : s.end].to(dt).transpose(1, 2),  # [1, H, q, Dh]
-            kc[None].transpose(1, 2),  # [1, KVH, ctx, Dh]
+            kc[None].transpose(1, 2),  # [1, KVH, L, Dh]
             vc[None].transpose(1, 2),
             attn_mask=s.mask,
             scale=scale,

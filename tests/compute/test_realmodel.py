@@ -107,6 +107,9 @@ def test_int8_runtime_with_invariant_kernels_is_batch_invariant(real, prompts):
 
     inj = WeightInjector(real[0], "smollm2", weights="int8", kernels="invariant").start()
     assert inj.wait()
+    missing = [s for s, e in inj.kernel_table["shapes"].items() if not e["invariant"]]
+    if missing:  # measured, not assumed: a CPU whose kernels all change with M has no invariant mode
+        pytest.skip(f"no row-invariant int8 kernel measured on this CPU for {missing}")
     batch = (prompts * 4)[:16]
     alone = [_greedy(inj, [p])[0] for p in prompts]
     want = (alone * 4)[:16]
