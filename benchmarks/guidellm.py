@@ -8,7 +8,7 @@ token length made with the model's tokenizer (given locally: no hub), in a concu
 reports TTFT, inter-token latency and throughput per concurrency level. aiperf pulls dash, kaleido and
 ffmpeg; inference-perf is not on PyPI.
 
-`pdserve up` serves SmolLM2 (int8) on one prefill and one decode node (as `make demo`), 2 threads each;
+`pdserve up` serves SmolLM2 (int8) on one prefill and one decode node (as `make demo`), 1 thread each;
 for each concurrency level guidellm sends ``--requests`` requests of 128 prompt tokens and 64 output
 tokens; its JSON report is kept and summarised.
 """
@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--streams", default="1,4,8", help="concurrency levels")
     p.add_argument("--requests", type=int, default=24, help="requests per level")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per node (pdserve up's default: 1)")
     p.add_argument("--out", default="bench-results/guidellm.json")
 
 
@@ -46,22 +47,22 @@ def main(args: argparse.Namespace) -> int:
     cfg = store_config(args)
     store = ParamStore(cfg)
     rows = []
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tok = _tokenizer_folder(store, tmp, args.model)
-        up = UpService([args.model], cfg.locations, os.path.join(tmp, "logs"), {"node": {"threads": 2}},
+        up = UpService([args.model], cfg.locations, os.path.join(tmp, "logs"), {"node": {"threads": args.threads}},
                        {"prefill": 1, "decode": 1}, autoscale=False).start()  # fmt: skip
         try:
             up.wait_ready()
             for streams in (int(s) for s in args.streams.split(",")):
-                report = os.path.join(tmp, f"c{streams}")
-                cmd = [tool, "run", "--backend", f"kind=openai_http,target={up.url},model={args.model}",
+                report = os.path.join(os.path.dirname(os.path.abspath(args.out)), f"guidellm-c{streams}")
+                cmd = [tool, "run", "--backend", f"kind=openai_http,target={up.url},model={args.model},api_key={up.token}",
                        "--profile", f"kind=concurrent,streams={streams}",
                        "--constraint", f"kind=max_requests,count={args.requests}",
                        "--tokenizer", f"kind=huggingface_auto,model={tok}",
                        "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=64",
-                       "--output", f"kind=json,filename={report}.json", "--disable-console-interactive"]  # fmt: skip
-                env = dict(os.environ, OPENAI_API_KEY=up.token, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                           GUIDELLM__OPENAI__API_KEY=up.token)  # fmt: skip
+                       "--output", f"kind=json,path={report}.json", "--disable-console-interactive"]  # fmt: skip
+                env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
                 r = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
                 if r.returncode != 0:
                     raise RuntimeError(f"guidellm failed ({r.returncode}): {(r.stdout + r.stderr)[-3000:]}")

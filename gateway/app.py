@@ -273,6 +273,8 @@ def create_app(gw: Gateway) -> FastAPI:
                 ch = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             body = {"id": rid, "object": obj, "created": created, "model": req.model,
                     "choices": [ch] if choices else []}  # fmt: skip
+            if usage is None and req.continuous_usage:  # vLLM's extension: the usage so far, in every chunk
+                usage = {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
             if usage is not None:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"

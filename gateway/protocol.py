@@ -41,6 +41,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # extension (vLLM): every chunk carries the usage so far
 
 
 class JsonSchemaSpec(BaseModel):
@@ -137,6 +138,10 @@ class _Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class TextPart(BaseModel):
