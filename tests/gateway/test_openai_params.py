@@ -189,3 +189,12 @@ def test_structured_output_always_parses(both, split):
                      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
                      timeout=60)  # fmt: skip
     assert bad.status_code == 400 and "objectx" in bad.json()["error"]["message"], bad.text
+
+
+def test_continuous_usage_stats_in_every_chunk(both):
+    """vLLM's extension (guidellm sends it): each streamed chunk carries the usage so far."""
+    chunks = list(client(both).chat.completions.create(
+        model=both["name"], messages=Q, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # fmt: skip
+    counts = [ch.usage.completion_tokens for ch in chunks if ch.choices]
+    assert all(ch.usage is not None for ch in chunks) and counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens
