@@ -24,7 +24,7 @@ def test_penalties_follow_their_formulas():
     p = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3)
     got = Sampler()._process(raw, [p], [hist])[0]
     want = raw[0].clone()
-    for t in {1, 2, 5, 7}:  # repetition: prompt and output, sign-aware
+    for t in (1, 2, 5, 7):  # repetition: prompt and output, sign-aware
         want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
     for t, n in {5: 1, 7: 3}.items():  # frequency and presence: output only
         want[t] -= 0.25 * n + 0.5
