@@ -54,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    from benchmarks.service import ServedEngine
     from paramstore import NotFound, ParamStore
     from paramstore.config import store_config
     from paramstore.realmodel import gguf_path
@@ -84,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     lc = LlamaCpp.maybe(gguf, args.threads)
     if lc is not None:
         systems["llama.cpp"] = lc
-    served = None if args.no_served else Served(cfg.locations, args.model, args.threads)
+    served = None if args.no_served else ServedEngine(cfg.locations, args.model, args.threads)
     bundle = systems[f"ours-{args.weights}"].bundle
     chats = [bundle.encode(bundle.render_chat([{"role": "user", "content": q}])) for q in QUESTIONS]
     long = (bundle.encode(" ".join(QUESTIONS)) * 64)[:PREFILL_TOKENS]
@@ -229,51 +230,6 @@ class HF:
     def save(self, folder: str) -> str:
         self.model.save_pretrained(folder)
         return folder
-
-
-class Served:
-    """``pdserve up`` with one ``both`` node, streamed through the ``openai`` client (token-id prompts)."""
-
-    batched = False
-
-    def __init__(self, locations: list[str], model: str, threads: int) -> None:
-        from benchmarks.service import UpService
-
-        self.model, self.log_dir = model, tempfile.mkdtemp(prefix="pdserve-bench-engine-")
-        self.up = UpService([model], locations, self.log_dir, {"node": {"threads": threads}},
-                            {"both": 1, "prefill": 0, "decode": 0}, autoscale=False)  # fmt: skip
-
-    def start(self) -> Served:
-        import openai
-
-        self.up.start()
-        try:
-            self.up.wait_ready()
-        except BaseException:
-            self.up.stop()
-            raise
-        self.client = openai.OpenAI(base_url=f"{self.up.url}/v1", api_key=self.up.token, max_retries=0)
-        return self
-
-    def stop(self) -> None:
-        self.up.stop()
-
-    def _run(self, prompt, tokens: int) -> list[float]:
-        stamps = [time.perf_counter()]
-        stream = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=tokens, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True})  # fmt: skip
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
-                stamps.append(time.perf_counter())
-        return stamps
-
-    def decode_rate(self, prompt, tokens: int) -> float:
-        s = self._run(prompt, tokens)
-        return (len(s) - 2) / (s[-1] - s[1])
-
-    def prefill_time(self, prompt) -> float:
-        s = self._run(prompt, 1)
-        return s[1] - s[0]
 
 
 class LlamaCpp:

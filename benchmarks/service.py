@@ -246,3 +246,47 @@ def _proc_memory(pid: int) -> dict | None:
         return {"rss_bytes": kb("VmRSS"), "peak_rss_bytes": kb("VmHWM")}
     except (OSError, KeyError, ValueError):
         return None
+
+
+class ServedEngine:
+    """``pdserve up`` with one ``both`` node, streamed through the ``openai`` client (token-id prompts): the
+    served column of `pdserve bench engine` (decode rate between streamed tokens, time to first token)."""
+
+    batched = False
+
+    def __init__(self, locations: list[str], model: str, threads: int) -> None:
+        self.model, self.log_dir = model, tempfile.mkdtemp(prefix="pdserve-bench-engine-")
+        self.up = UpService([model], locations, self.log_dir, {"node": {"threads": threads}},
+                            {"both": 1, "prefill": 0, "decode": 0}, autoscale=False)  # fmt: skip
+
+    def start(self) -> ServedEngine:
+        import openai
+
+        self.up.start()
+        try:
+            self.up.wait_ready()
+        except BaseException:
+            self.up.stop()
+            raise
+        self.client = openai.OpenAI(base_url=f"{self.up.url}/v1", api_key=self.up.token, max_retries=0)
+        return self
+
+    def stop(self) -> None:
+        self.up.stop()
+
+    def _run(self, prompt, tokens: int) -> list[float]:
+        stamps = [time.perf_counter()]
+        stream = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=tokens, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                stamps.append(time.perf_counter())
+        return stamps
+
+    def decode_rate(self, prompt, tokens: int) -> float:
+        s = self._run(prompt, tokens)
+        return (len(s) - 2) / (s[-1] - s[1])
+
+    def prefill_time(self, prompt) -> float:
+        s = self._run(prompt, 1)
+        return s[1] - s[0]

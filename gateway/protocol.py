@@ -20,7 +20,8 @@ from pydantic import (
     field_validator,
 )
 
-NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+from .formats import NonEmpty, ResponseFormat
+
 # strict models (JSON types as the schema says: no 0 for false, no "1" for 1), except that 1.0 is an
 # integer in JSON Schema: a whole float is taken as an int
 _whole = BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)
@@ -42,51 +43,6 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # extension (vLLM): every chunk carries the usage so far
-
-
-class JsonSchemaSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-
-    name: str = "response"
-    schema_: dict = Field(alias="schema")  # a JSON Schema; one llguidance cannot compile is a 400 saying why
-    strict: bool | None = None  # the output always follows the schema (strict or not)
-    description: str | None = None
-
-
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-
-
-class JsonObjectFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["json_object"]
-
-
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["json_schema"]
-    json_schema: JsonSchemaSpec
-
-
-class RegexFormat(BaseModel):  # extension: the output matches a regular expression (whole)
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["regex"]
-    pattern: NonEmpty
-
-
-ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat | RegexFormat, Field(discriminator="type")]
-
-
-def grammar_spec(fmt) -> dict | None:
-    """The node's grammar spec (``compute.grammar``) for a response_format (None: free text)."""
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_schema":
-        return {"type": "json_schema", "schema": fmt.json_schema.schema_}
-    if fmt.type == "regex":
-        return {"type": "regex", "pattern": fmt.pattern}
-    return {"type": "json_object"}
 
 
 class _Sampling(BaseModel):

@@ -24,9 +24,9 @@ from prometheus_client import Counter, Histogram
 from .activator import Activator
 from .admission import Admission
 from .config import GatewayConfig
+from .formats import grammar_spec
 from .models import ModelCatalogue, Text
 from .nodes import NodeClient
-from .protocol import grammar_spec
 from .registry import NodeRegistry
 from .relay import GenRequest, Relay
 from .stops import StopMatcher
