@@ -165,11 +165,10 @@ class Gateway:
 
     def node_params(self, req) -> dict:
         seed = None if req.seed is None else req.seed % 2**63
-        bias = {int(t): b for t, b in (req.logit_bias or {}).items()}
         return {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(0, req.top_k), "min_p": req.min_p,
                 "seed": seed, "ignore_eos": req.ignore_eos, "presence_penalty": req.presence_penalty,
                 "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
-                "min_tokens": req.min_tokens, "logit_bias": bias, "stop_token_ids": list(req.stop_token_ids or ()),
+                "min_tokens": req.min_tokens, "logit_bias": req.logit_bias or {}, "stop_token_ids": list(req.stop_token_ids or ()),
                 "logprobs": req.num_logprobs(),
                 "prompt_logprobs": req.num_logprobs() if getattr(req, "echo", False) else None,
                 "grammar": grammar_spec(req.response_format)}  # fmt: skip

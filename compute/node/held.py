@@ -251,16 +251,15 @@ def estimate_bytes(manifest, weights: str, cfg: NodeConfig) -> tuple[int, int]:
     stored = _ELEM.get(manifest.dtype, 4)
     held = stored if w == "int8" else _ELEM[w]
     wbytes = int(sum(s.size for s in manifest.weight_shards()) * held / stored)
+    config = ModelConfig.from_hf(manifest.config)
     if w == "int8" and cfg.kernels != "fixed" and cfg.device == "cpu":  # the kernel table's bf16 copies
         from compute import kernels
         from compute.model import linear_shapes
 
         table = kernels.cached_table(torch.get_num_threads(), kernel_cache(cfg))  # as the loader will read it
-        wbytes += kernels.copy_bytes(linear_shapes(ModelConfig.from_hf(manifest.config)), table, cfg.kernels)
+        wbytes += kernels.copy_bytes(linear_shapes(config), table, cfg.kernels)
     dtype, int8 = RUNTIME[w]
-    per_block = KVCache.bytes_per_block(ModelConfig.from_hf(manifest.config), cfg.block_size,
-                                        kv_dtype(cfg.kv_dtype, dtype, int8))  # fmt: skip
-    kv = per_block * cfg.kv_blocks
+    kv = KVCache.bytes_per_block(config, cfg.block_size, kv_dtype(cfg.kv_dtype, dtype, int8)) * cfg.kv_blocks
     return wbytes, kv
 
 
