@@ -54,6 +54,14 @@ def test_each_kernel_agrees_with_the_fp32_reference(name, m):
     assert rel < (1e-6 if name == "dequant" else 0.03), (name, rel)  # bf16 / int8 activations: ~0.3% / ~1%
 
 
+def test_the_bf16_copy_is_converted_in_blocks_bitwise_as_one_expression(monkeypatch):
+    monkeypatch.setattr(kernels, "BF16_BLOCK_ELEMS", 3 * 40)  # 3 rows per block: 101 rows end in a partial one
+    q = torch.randint(-127, 128, (101, 40), dtype=torch.int8)
+    scale = torch.rand(101) * 0.01
+    got = kernels.bf16_weight(q, scale)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, (q.to(torch.float32) * scale[:, None]).to(torch.bfloat16))
+
+
 def test_measure_chooses_the_fastest_within_the_gate_and_keeps_w8a8_out_on_outlier_activations():
     table = kernels.measure(SHAPES, torch.get_num_threads(), repeats=2)
     assert table["key"] == kernels.machine_key(torch.get_num_threads())
