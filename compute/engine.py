@@ -38,6 +38,7 @@ class Engine:
         cache = KVCache(model.config, config.num_blocks, config.block_size, dtype, model.device)
         self.runner = ModelRunner(model, cache, sampler or Sampler(eos_token_ids=tuple(config.eos_token_ids or ())))
         self.last_step = (0, 0)  # (sequences decoding, prompt tokens prefilled) in the last step
+        self.prompt_tokens_computed = 0  # since start: prompt positions run through the model (forks share theirs)
 
     @classmethod
     def for_model(cls, model: Transformer, num_blocks: int, kv_cache_dtype: str = "auto", **kw) -> Engine:
@@ -60,10 +61,14 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        self.runner.cache.copy_blocks(batch.copies)  # forks' partial prompt blocks, before anything writes them
         decodes = sum(len(s.token_ids) == 1 for s in batch.seqs)
         self.last_step = (decodes, batch.num_tokens - decodes)
         if not batch:
             return []
+        seqs = self.scheduler.seqs
+        self.prompt_tokens_computed += sum(max(0, min(s.start_pos + len(s.token_ids), seqs[s.seq_id].num_prompt_tokens)
+                                               - s.start_pos) for s in batch.seqs)  # fmt: skip
         try:
             res = self.runner.run(batch, self.scheduler.seqs)
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the engine

@@ -89,6 +89,12 @@ class KVCache:
         flat = self._kv_slots[layer].index_select(1, slots.view(-1))  # [2, B*L, KVH*Dh]
         return flat.view(2, *slots.shape, *self.kv.shape[-2:])
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy block ``src`` to ``dst`` in every layer, K and V, for each ``(src, dst)`` (copy-on-write)."""
+        if pairs:
+            src, dst = (torch.tensor(c, dtype=torch.long, device=self.device) for c in zip(*pairs))
+            self.kv[:, :, dst] = self.kv[:, :, src]
+
     def export_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy out ``blocks`` of every layer: k, v ``[L, len(blocks), BS, KVH, Dh]``."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)

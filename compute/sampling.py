@@ -55,6 +55,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k in [0, MAX_LOGPROBS]: the chosen token's + the top k
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (prompt scoring)
     grammar: dict | None = None  # structured output (compute.grammar): json_object | json_schema | regex spec
+    fork_group: str | None = None  # the choices of one n > 1 request: they share the prompt's KV (compute.scheduler)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -18,6 +18,15 @@ Lifecycle of a request through the scheduler:
 5. disaggregation: a ``hold_kv`` sequence keeps its blocks at finish (``held``) until
    ``release``; ``add_imported`` allocates blocks for KV arriving from a prefill node
    (IMPORTING, never scheduled) and ``activate`` turns it into a running decode.
+6. forks (``n > 1``: one request's choices, ``SamplingParams.fork_group``): the first of a group
+   to arrive leads; a later one with the same prompt waits (parked) until the leader has computed
+   all but the prompt's last token, then *forks*: it shares the leader's full prompt blocks
+   (reference-counted in the block manager), gets a copy of the partial one (``copies``, done by
+   the runner before the next forward: copy-on-write), and computes only the last prompt token
+   itself, so its first token is sampled from its own logits with its own seed. A prefill node's
+   leader finishes at its first token: its blocks, held for the KV transfer, serve forks until
+   released. The prompt is prefilled once; a choice that cannot fork (leader gone, prompt logprobs
+   asked, a failover's replay, no free block) runs as a request of its own.
 
 Because every admitted request fits alone, preemption always lets the oldest
 running sequence progress: the scheduler cannot deadlock.
@@ -64,6 +73,7 @@ class ScheduledSeq:
 class ScheduledBatch:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)  # seq ids sent back to waiting this step
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks to copy before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +96,10 @@ class Scheduler:
         self.num_preemptions = 0  # since start: a metric of cache pressure
         self.held: dict[int, list[int]] = {}  # seq id -> blocks kept for a KV transfer
         self.importing: dict[int, Sequence] = {}  # decode side: blocks allocated, KV in flight
+        self.leaders: dict[str, Sequence] = {}  # fork group -> the sequence that computes its prompt
+        self.parked: dict[int, list[Sequence]] = {}  # leader seq id -> choices waiting for its prompt
+        self.copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next batch
+        self.num_forked = 0  # since start: choices that shared a prompt instead of computing it
 
     def add(self, seq: Sequence) -> None:
         need = seq.num_prompt_tokens + seq.params.max_tokens
@@ -96,8 +110,9 @@ class Scheduler:
                 f" KV cache {self.blocks.capacity_tokens})"
             )
         seq.status = Status.WAITING
-        self.waiting.append(seq)
         self.seqs[seq.seq_id] = seq
+        if not self._join(seq):
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return any(s.status is not Status.IMPORTING for s in self.seqs.values())
@@ -109,7 +124,8 @@ class Scheduler:
         blocks = self.held.pop(seq_id, None)
         if blocks is None:
             return False
-        self.blocks._free.extend(blocks)
+        self.blocks.release(blocks)
+        self.leaders = {g: q for g, q in self.leaders.items() if q.seq_id != seq_id}  # no blocks left to fork from
         return True
 
     def add_imported(self, seq: Sequence, num_cached: int) -> list[int]:
@@ -143,6 +159,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         out, budget = ScheduledBatch(), self.config.max_num_batched_tokens
+        out.copies, self.copies = self.copies, []
         taken: set[int] = set()
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):  # decodes first, then oldest
             if budget == 0:
@@ -181,6 +198,8 @@ class Scheduler:
             if seq is None or seq.status is not Status.RUNNING:
                 continue  # aborted or failed meanwhile
             seq.num_computed = max(seq.num_computed, s.start_pos + len(s.token_ids))
+            if seq.seq_id in self.parked and seq.num_computed >= seq.num_prompt_tokens - 1:
+                self._fork_parked(seq)  # before a finish can free the prompt's blocks
             if not s.sample:
                 continue
             tok = tokens[s.seq_id]
@@ -240,8 +259,13 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        elif seq.status is Status.WAITING:
+        elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq.status is Status.WAITING:  # parked behind a leader
+            for lead, group in self.parked.items():
+                if seq in group:
+                    group.remove(seq)
+                    break
         elif seq.status is Status.IMPORTING:
             self.importing.pop(seq.seq_id, None)
         if seq.hold_kv and reason in (FinishReason.STOP, FinishReason.LENGTH) and seq.block_table:
@@ -250,3 +274,49 @@ class Scheduler:
             self.blocks.free(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.seqs.pop(seq.seq_id, None)
+        group = seq.params.fork_group
+        if group and self.leaders.get(group) is seq and seq.seq_id not in self.held:
+            del self.leaders[group]  # held blocks still serve forks, until ``release``
+        self.waiting.extend(self.parked.pop(seq.seq_id, []))  # a leader gone early: they compute their own
+
+    # -- forks (n > 1) ------------------------------------------------------------------------
+
+    def _join(self, seq: Sequence) -> bool:
+        """A fork group's member: fork from its leader now, or park until the leader's prompt is
+        computed. False: it runs on its own (and leads its group if nobody does)."""
+        group = seq.params.fork_group
+        if not group or seq.params.prompt_logprobs is not None or seq.replay_from is not None or seq.num_prompt_tokens < 2:
+            return False
+        lead = self.leaders.get(group)
+        if lead is None:
+            self.leaders[group] = seq
+            return False
+        n = seq.num_prompt_tokens
+        if lead.num_prompt_tokens != n or lead.token_ids[:n] != seq.token_ids or lead.status is Status.IMPORTING:
+            return False
+        if lead.status is Status.FINISHED:  # a prefill node's leader: its blocks are held for the transfer
+            return lead.seq_id in self.held and self._fork(lead, seq, self.held[lead.seq_id])
+        if lead.status is Status.RUNNING and lead.num_computed >= n - 1:
+            return self._fork(lead, seq, lead.block_table)
+        self.parked.setdefault(lead.seq_id, []).append(seq)
+        return True
+
+    def _fork_parked(self, lead: Sequence) -> None:
+        for seq in self.parked.pop(lead.seq_id, []):
+            if not self._fork(lead, seq, lead.block_table):
+                self.waiting.append(seq)
+
+    def _fork(self, lead: Sequence, seq: Sequence, blocks: list[int]) -> bool:
+        """``seq`` shares ``blocks`` (``lead``'s prompt) but the last token's, which it computes itself."""
+        shared = seq.num_prompt_tokens - 1
+        full, partial = divmod(shared, self.config.block_size)
+        if partial and not self.blocks.num_free:
+            return False
+        self.blocks.share(blocks[:full], seq)
+        if partial:  # copy-on-write: the block the fork goes on writing in is its own
+            self.blocks.allocate(seq, shared)
+            self.copies.append((blocks[full], seq.block_table[full]))
+        seq.num_computed = shared
+        self.waiting.appendleft(seq)  # next, within the step's seats and budget
+        self.num_forked += 1
+        return True

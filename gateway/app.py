@@ -25,6 +25,7 @@ from starlette.routing import Match
 
 from compute.tokenizer import TemplateError
 
+from . import choices
 from . import logprobs as lg
 from . import protocol as p
 from .activator import NotPlaced
@@ -164,6 +165,8 @@ def create_app(gw: Gateway) -> FastAPI:
             max_tokens = gw.check_len(text, prompt, req.limit())
         except (BadRequest, TemplateError, ValueError) as e:
             return _err(400, str(e), param=getattr(e, "param", None))
+        if req.n > 1:
+            return await _respond_many(text, req, [prompt], [max_tokens], chat=True)
         return await _respond(text, req, prompt, max_tokens, chat=True)
 
     @app.post("/v1/completions", responses={200: {"model": p.Completion, "content": p.SSE}, **generation_errors})
@@ -177,40 +180,53 @@ def create_app(gw: Gateway) -> FastAPI:
                       for p in prompts]  # 16: the OpenAI default for completions  # fmt: skip
         except BadRequest as e:
             return _err(400, str(e), param=e.param)
-        if len(prompts) == 1:
+        if len(prompts) == 1 and req.n == 1 and (req.best_of or 1) == 1:
             return await _respond(text, req, prompts[0], limits[0], chat=False)
-        return await _respond_many(text, req, prompts, limits)
+        return await _respond_many(text, req, prompts, limits, chat=False)
 
-    async def _respond_many(text, req, prompts: list[list[int]], limits: list[int]):
-        """A list of prompts (OpenAI batch semantics): each its own request, all at once; choice i is
-        prompt i's. Streamed, the choices' chunks interleave as they come (each carries its index)."""
-        rid, created, counts = "cmpl-" + uuid.uuid4().hex, int(time.time()), {}
-        parts = await asyncio.gather(*(_respond(text, req, p, m, chat=False, index=i, rid=rid, created=created,
-                                                counts=counts) for i, (p, m) in enumerate(zip(prompts, limits))))  # fmt: skip
+    async def _respond_many(text, req, prompts: list[list[int]], limits: list[int], chat: bool):
+        """Several choices (gateway/choices.py): a list of prompts, ``n`` per prompt, ``best_of``; each
+        its own request, all at once; streamed, the choices' chunks interleave (each carries its index)."""
+        rid, created, counts = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), {}
+        best_of = getattr(req, "best_of", None) or req.n
+        sub = req  # best_of ranks choices by their logprobs: asked of the nodes even if not of us
+        if best_of > req.n and req.num_logprobs() is None:
+            sub = req.model_copy(update={"logprobs": 0})
+        todo = choices.jobs(prompts, limits, best_of, req.seed, rid)
+        parts = await asyncio.gather(*(_respond(text, sub, j.prompt, j.limit, chat=chat, index=j.index, rid=rid,
+                                                created=created, counts=counts, extra=j.params, affinity=j.affinity)
+                                       for j in todo))  # fmt: skip
         failed = next((r for r in parts if isinstance(r, JSONResponse)), None)
         if failed is not None:
             for r in parts:
                 if not isinstance(r, (JSONResponse, dict)):
                     await r.aclose()  # a stream not read: its generator's finally aborts the nodes
             return failed
+        n_prompt = sum(map(len, prompts))  # each prompt once, however many choices it has (OpenAI)
         if not req.stream:
-            choices = [r["choices"][0] for r in parts]
-            usage = {k: sum(r["usage"][k] for r in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-            return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                    "choices": choices, "usage": usage}  # fmt: skip
-        return StreamingResponse(_merged(parts, req, rid, created, sum(map(len, prompts)), counts),
+            picked = choices.best(parts, req.n, best_of, req.num_logprobs() is not None) if best_of > req.n \
+                else [r["choices"][0] for r in parts]  # fmt: skip
+            n_out = sum(r["usage"]["completion_tokens"] for r in parts)
+            usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+            return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                    "model": req.model, "choices": picked, "usage": usage}  # fmt: skip
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        return StreamingResponse(choices.merged(parts, obj, rid, created, req.model, req.include_usage, n_prompt,
+                                                counts),
                                  media_type="text/event-stream")  # fmt: skip
 
     async def _respond(text, req, prompt: list[int], max_tokens: int, chat: bool, index: int = 0,
-                       rid: str | None = None, created: int | None = None, counts: dict | None = None):  # fmt: skip
-        """One choice. ``counts`` given: part of a batch (``_respond_many``): a stream comes back as its
-        generator of SSE events (no usage, no [DONE]; its token count lands in ``counts[index]``)."""
+                       rid: str | None = None, created: int | None = None, counts: dict | None = None,
+                       extra: dict | None = None, affinity=None):  # fmt: skip
+        """One choice. ``counts`` given: part of several (``_respond_many``): a stream comes back as its
+        generator of SSE events (no usage, no [DONE]; its token count lands in ``counts[index]``);
+        ``extra``: node params of this choice (seed, fork group); ``affinity``: its group's route."""
         rid = rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = created or int(time.time())
-        params, stops = gw.node_params(req), req.stop_list()
+        params, stops = gw.node_params(req) | (extra or {}), req.stop_list()
         timing: dict = {}
         t0 = time.monotonic()
-        gen = gw.generate(text, prompt, max_tokens, params, stops, timing)
+        gen = gw.generate(text, prompt, max_tokens, params, stops, timing, affinity)
         try:  # the hold and admission happen before the first delta: surface 429/503 as plain HTTP errors
             first = await gen.__anext__()
         except Overloaded as e:
@@ -315,39 +331,6 @@ def create_app(gw: Gateway) -> FastAPI:
     add_admin_routes(app, gw)  # /admin/*: nodes, status, the autoscaler's report (admin key)
     add_internal_routes(app, gw)  # /internal/*: the autoscaler's view and its reports (internal token)
     return app
-
-
-async def _merged(parts: list, req, rid: str, created: int, n_prompt: int, counts: dict):
-    """Several choices' SSE events as one stream, in arrival order; then usage (if asked) and [DONE]."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(events) -> None:
-        try:
-            async for e in events:
-                await queue.put(e)
-        finally:
-            await queue.put(None)
-
-    tasks = [asyncio.create_task(pump(p)) for p in parts]
-    try:
-        left = len(tasks)
-        while left:
-            e = await queue.get()
-            if e is None:
-                left -= 1
-            else:
-                yield e
-        if req.include_usage:
-            n = sum(counts.values())
-            usage = {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
-            body = {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": [],
-                    "usage": usage}  # fmt: skip
-            yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        for t in tasks:  # a client gone: each part's generator closes, aborting its nodes
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _scored_only(gen, first):

@@ -18,6 +18,7 @@ from pydantic import (
     Field,
     StringConstraints,
     field_validator,
+    model_validator,
 )
 
 from .formats import NonEmpty, ResponseFormat
@@ -36,6 +37,7 @@ def Int(**bounds) -> type:
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # accepted; change nothing
 MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_CHOICES = 64  # choices generated for one request: prompts x (best_of or n)
 
 
 class StreamOptions(BaseModel):
@@ -57,7 +59,7 @@ class _Sampling(BaseModel):
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Int(json_schema_extra={"minimum": 1, "maximum": 1}) = 1  # only 1 (the validator's message)
+    n: Int(ge=1, le=MAX_CHOICES) = 1  # choices (gateway/choices.py): one prefill, forked on the node
     ignore_eos: bool = False  # extension (vLLM)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -75,13 +77,6 @@ class _Sampling(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -144,15 +139,19 @@ class CompletionRequest(_Sampling):
                          Field(min_length=1, max_length=MAX_PROMPTS)])  # fmt: skip
     echo: bool = False
     logprobs: Int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
-    best_of: Int(json_schema_extra={"minimum": 1, "maximum": 1}) | None = None  # only 1
+    best_of: Int(ge=1, le=MAX_CHOICES) | None = None  # >= n; the n of best_of with the best mean logprob
     suffix: None = None  # not supported: only null
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_one(cls, v):
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return v
+    @model_validator(mode="after")
+    def _choices(self):
+        best_of, count = self.best_of or self.n, len(self.prompts())
+        if best_of < self.n:
+            raise ValueError(f"best_of ({best_of}) must be >= n ({self.n})")
+        if best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed (the best are known only at the end)")
+        if best_of * count > MAX_CHOICES:
+            raise ValueError(f"{count} prompts x {best_of} choices = {best_of * count}: at most {MAX_CHOICES}")
+        return self
 
     def num_logprobs(self) -> int | None:
         return self.logprobs

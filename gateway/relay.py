@@ -3,7 +3,9 @@
  1. admitted (``Admission.slot``), tokenized by the API layer;
  2. routed: ``router.pick`` over the nodes holding the request's model ready, minus those this
     request failed on; with none, the request is held by the ``Activator`` until its deadline
-    (then ``NotPlaced``: 503 with Retry-After);
+    (then ``NotPlaced``: 503 with Retry-After). The choices of one ``n > 1`` request share an
+    ``Affinity``: their first attempts take one route, so the node computes their prompt once
+    (``fork_group``, compute/scheduler.py); a retry routes on its own;
  3. split route: POST /internal/prefill -> first token + KV handle; POST /internal/decode
     with the handle streams the rest. ``both`` route: POST /internal/generate. Every body
     names the model (``"model"``): a node of several models serves that one;
@@ -51,6 +53,14 @@ class GenRequest:
     produced: list[int] = field(default_factory=list)
     attempts: int = 0
     route: Route | None = None  # the route of the last attempt
+    affinity: Affinity | None = None  # shared by the choices of one n > 1 request
+
+
+class Affinity:
+    """One route for several requests' first attempts: the first to route decides, the others wait for it."""
+
+    def __init__(self) -> None:
+        self.route: asyncio.Future | None = None
 
 
 class Chunk(NamedTuple):
@@ -71,7 +81,13 @@ class Relay:
         self.activator = activator or Activator(registry)  # holds a request whose model no node holds
 
     async def _route(self, req: GenRequest, exclude: set[str]) -> Route:
-        return await self.activator.hold(req.model or None, req.deadline, exclude)
+        aff = req.affinity
+        if aff is None or req.attempts or exclude:
+            return await self.activator.hold(req.model or None, req.deadline, exclude)
+        if aff.route is None:
+            aff.route = asyncio.ensure_future(self.activator.hold(req.model or None, req.deadline, exclude))
+            aff.route.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even if no one waits
+        return await asyncio.shield(aff.route)  # one member gone does not cancel the others' route
 
     def _body(self, req: GenRequest, node_rid: str) -> dict:
         n = len(req.produced)  # earlier output, now part of the prompt: replayed, and counted as output

@@ -28,7 +28,7 @@ from .formats import grammar_spec
 from .models import ModelCatalogue, Text
 from .nodes import NodeClient
 from .registry import NodeRegistry
-from .relay import GenRequest, Relay
+from .relay import Affinity, GenRequest, Relay
 from .stops import StopMatcher
 from .traffic import Traffic
 
@@ -175,7 +175,7 @@ class Gateway:
 
     # --- generation ------------------------------------------------------------------
     async def generate(self, text: Text, prompt: list[int], max_tokens: int, params: dict, stops: list[str],
-                       timing: dict) -> AsyncIterator[Delta]:  # fmt: skip
+                       timing: dict, affinity: Affinity | None = None) -> AsyncIterator[Delta]:  # fmt: skip
         """Held (no node holds the model yet), admitted, relayed, detokenized deltas; the last one
         carries finish_reason. One bound on the whole wait before the start (queue_timeout_s):
         the hold, admission, then a node to exist — past it NotPlaced / Overloaded / Unavailable."""
@@ -192,7 +192,8 @@ class Gateway:
                 traffic.admitting(model, -1)
                 admitted = True
                 traffic.admitted(model, waited)
-                req = GenRequest(uuid.uuid4().hex, list(prompt), max_tokens, params, model=model, deadline=deadline)
+                req = GenRequest(uuid.uuid4().hex, list(prompt), max_tokens, params, model=model, deadline=deadline,
+                                 affinity=affinity)  # fmt: skip
                 marks: dict = {"first": None, "n": 0}
                 try:
                     async with aclosing(self._relayed(text, req, stops, t0, timing, marks)) as deltas:

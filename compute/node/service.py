@@ -64,6 +64,7 @@ def sampling_params(params: dict, max_tokens: int | None = None) -> SamplingPara
             logit_bias={int(t): float(b) for t, b in (params.get("logit_bias") or {}).items()},
             min_tokens=int(params.get("min_tokens", 0)), logprobs=None if lp is None else int(lp),
             prompt_logprobs=None if plp is None else int(plp), grammar=params.get("grammar"),
+            fork_group=None if params.get("fork_group") is None else str(params["fork_group"]),
         )  # fmt: skip
     except (TypeError, ValueError, AttributeError) as e:
         raise BadNodeRequest(f"invalid sampling params: {e}") from None

@@ -26,6 +26,8 @@ log = logging.getLogger("pdserve.node")
 STEP_SECONDS = Histogram("pdserve_node_step_seconds", "One engine step",
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))  # fmt: skip
 GENERATED = Counter("pdserve_node_generated_tokens_total", "Tokens sampled by this node")
+PROMPT_COMPUTED = Counter("pdserve_node_prompt_tokens_computed_total",
+                          "Prompt positions this node ran through the model (an n > 1 request's choices share theirs)")  # fmt: skip
 
 
 class EngineWorker:
@@ -81,9 +83,10 @@ class EngineWorker:
             if self._stop.is_set():
                 break
             if self.engine.has_unfinished():
-                t0 = time.perf_counter()
+                t0, before = time.perf_counter(), self.engine.prompt_tokens_computed
                 outs = self.engine.step()
                 dt = time.perf_counter() - t0
+                PROMPT_COMPUTED.inc(self.engine.prompt_tokens_computed - before)
                 STEP_SECONDS.observe(dt)
                 if self.meter is not None:
                     self.meter.record(*self.engine.last_step, dt)

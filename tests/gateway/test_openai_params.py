@@ -114,7 +114,7 @@ def test_penalties_and_logit_bias_change_the_answer_the_same_way_split(both, spl
     ({"frobnicate": 1}, "unknown field 'frobnicate'"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool calling is not supported"),
     ({"response_format": {"type": "json_schema"}}, "json_schema"),
-    ({"n": 2}, "only n=1"),
+    ({"n": 0}, "n: Input should be greater than or equal to 1"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])  # fmt: skip
 def test_what_is_not_implemented_is_refused_by_name(both, body, needle):
@@ -198,3 +198,54 @@ def test_continuous_usage_stats_in_every_chunk(both):
         stream_options={"include_usage": True, "continuous_usage_stats": True}))  # fmt: skip
     counts = [ch.usage.completion_tokens for ch in chunks if ch.choices]
     assert all(ch.usage is not None for ch in chunks) and counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens
+
+
+def _prompt_computed(svc) -> float:
+    """Prompt positions the service's nodes ran through the model so far (their /metrics, summed)."""
+    total = 0.0
+    for node in svc["nodes"]:
+        for line in httpx.get(node.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("pdserve_node_prompt_tokens_computed_total "):
+                total += float(line.split()[1])
+    return total
+
+
+def test_n_choices_share_one_prefill_are_seeded_and_reproducible(both, split, bundle):
+    """n = 4 with a seed: 4 choices (indexed, different), the same 4 again, the prompt computed once on a
+    colocated node and on a split (then each fork's last prompt token: +3); chat and streamed alike."""
+    ids = bundle.encode(TEXT)
+    kw = {"prompt": ids, "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 4}
+    for svc in (both, split):
+        c = client(svc)
+        before = _prompt_computed(svc)
+        r = c.completions.create(model=svc["name"], **kw)
+        assert _prompt_computed(svc) - before == len(ids) + 3, svc["nodes"]
+        texts = [ch.text for ch in r.choices]
+        assert [ch.index for ch in r.choices] == [0, 1, 2, 3] and len(set(texts)) > 1, texts
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 32  # the prompt counted once
+        assert [ch.text for ch in c.completions.create(model=svc["name"], **kw).choices] == texts
+        got = {k: "" for k in range(4)}
+        for ch in c.completions.create(model=svc["name"], **kw, stream=True):
+            for choice in ch.choices:
+                got[choice.index] += choice.text
+        assert [got[k] for k in range(4)] == texts
+    chat = client(both).chat.completions.create(model=both["name"], messages=Q, max_tokens=8, temperature=1.0, seed=3,
+                                                n=3)  # fmt: skip
+    assert [ch.index for ch in chat.choices] == [0, 1, 2] and all(ch.message.content for ch in chat.choices)
+    assert len({ch.message.content for ch in chat.choices}) > 1
+
+
+def test_best_of_returns_the_choice_with_the_best_mean_logprob(both, bundle):
+    """best_of 3, n 1 = the best of the 3 choices n = 3 gives with the same seed (by mean token logprob)."""
+    c = client(both)
+    kw = {"model": both["name"], "prompt": bundle.encode(TEXT), "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    three = c.completions.create(**kw, n=3, logprobs=0).choices
+    means = [sum(ch.logprobs.token_logprobs) / len(ch.logprobs.token_logprobs) for ch in three]
+    r = c.completions.create(**kw, best_of=3)
+    assert len(r.choices) == 1 and r.choices[0].index == 0 and r.choices[0].logprobs is None
+    assert r.choices[0].text == three[means.index(max(means))].text
+    assert r.usage.completion_tokens == sum(len(ch.logprobs.token_logprobs) for ch in three)
+    for bad, needle in (({"best_of": 2, "n": 3}, "best_of (2) must be >= n (3)"),
+                        ({"best_of": 2, "stream": True}, "cannot be streamed")):  # fmt: skip
+        e = httpx.post(both["gw"].url + "/v1/completions", json=kw | bad, timeout=60)
+        assert e.status_code == 400 and needle in e.json()["error"]["message"], e.text
