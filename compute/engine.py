@@ -38,7 +38,8 @@ class Engine:
         cache = KVCache(model.config, config.num_blocks, config.block_size, dtype, model.device)
         self.runner = ModelRunner(model, cache, sampler or Sampler(eos_token_ids=tuple(config.eos_token_ids or ())))
         self.last_step = (0, 0)  # (sequences decoding, prompt tokens prefilled) in the last step
-        self.prompt_tokens_computed = 0  # since start: prompt positions run through the model (forks share theirs)
+        self.prompt_tokens_computed = 0  # since start: the requests' own prompt positions run through the model (forks
+        # share theirs; a decode node's first token and a failover's replayed output are output, not prompt)
 
     @classmethod
     def for_model(cls, model: Transformer, num_blocks: int, kv_cache_dtype: str = "auto", **kw) -> Engine:
@@ -67,7 +68,7 @@ class Engine:
         if not batch:
             return []
         seqs = self.scheduler.seqs
-        self.prompt_tokens_computed += sum(max(0, min(s.start_pos + len(s.token_ids), seqs[s.seq_id].num_prompt_tokens)
+        self.prompt_tokens_computed += sum(max(0, min(s.start_pos + len(s.token_ids), seqs[s.seq_id].prompt_len)
                                                - s.start_pos) for s in batch.seqs)  # fmt: skip
         try:
             res = self.runner.run(batch, self.scheduler.seqs)

@@ -180,7 +180,7 @@ def create_app(gw: Gateway) -> FastAPI:
                       for p in prompts]  # 16: the OpenAI default for completions  # fmt: skip
         except BadRequest as e:
             return _err(400, str(e), param=e.param)
-        if len(prompts) == 1 and req.n == 1 and (req.best_of or 1) == 1:
+        if len(prompts) == 1 and req.generated() == 1:
             return await _respond(text, req, prompts[0], limits[0], chat=False)
         return await _respond_many(text, req, prompts, limits, chat=False)
 
@@ -188,7 +188,7 @@ def create_app(gw: Gateway) -> FastAPI:
         """Several choices (gateway/choices.py): a list of prompts, ``n`` per prompt, ``best_of``; each
         its own request, all at once; streamed, the choices' chunks interleave (each carries its index)."""
         rid, created, counts = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), {}
-        best_of = getattr(req, "best_of", None) or req.n
+        best_of = req.generated() if not chat else req.n
         sub = req  # best_of ranks choices by their logprobs: asked of the nodes even if not of us
         if best_of > req.n and req.num_logprobs() is None:
             sub = req.model_copy(update={"logprobs": 0})

@@ -37,7 +37,7 @@ def Int(**bounds) -> type:
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # accepted; change nothing
 MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
-MAX_CHOICES = 64  # choices generated for one request: prompts x (best_of or n)
+MAX_CHOICES = 16  # n and best_of at most (each choice is a request: admission bounds a batch of prompts)
 
 
 class StreamOptions(BaseModel):
@@ -139,19 +139,19 @@ class CompletionRequest(_Sampling):
                          Field(min_length=1, max_length=MAX_PROMPTS)])  # fmt: skip
     echo: bool = False
     logprobs: Int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
-    best_of: Int(ge=1, le=MAX_CHOICES) | None = None  # >= n; the n of best_of with the best mean logprob
+    # choices generated per prompt, of which the n with the best mean logprob are returned; at most n counts as n
+    best_of: Int(ge=1, le=MAX_CHOICES) | None = None
     suffix: None = None  # not supported: only null
 
     @model_validator(mode="after")
     def _choices(self):
-        best_of, count = self.best_of or self.n, len(self.prompts())
-        if best_of < self.n:
-            raise ValueError(f"best_of ({best_of}) must be >= n ({self.n})")
-        if best_of > self.n and self.stream:
-            raise ValueError("best_of > n cannot be streamed (the best are known only at the end)")
-        if best_of * count > MAX_CHOICES:
-            raise ValueError(f"{count} prompts x {best_of} choices = {best_of * count}: at most {MAX_CHOICES}")
+        if self.generated() > self.n and self.stream:  # the schema says it too (``describe``)
+            raise ValueError(f"best_of ({self.best_of}) > n ({self.n}) cannot be streamed: the best are known at the end")
         return self
+
+    def generated(self) -> int:
+        """Choices generated per prompt: best_of, never fewer than n."""
+        return max(self.best_of or 1, self.n)
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -356,6 +356,10 @@ def describe(schema: dict, models: list[str] | str, max_tokens: int, vocab: int,
             for alt in props.get(key, {}).get("anyOf", []):
                 if alt.get("type") == "integer":
                     alt["maximum"] = max_tokens
+        if req == "CompletionRequest":  # best_of > 1 only unstreamed (n's value aside: JSON Schema cannot compare)
+            schema_of = comp[req]
+            schema_of["if"] = {"properties": {"stream": {"const": True}}, "required": ["stream"]}
+            schema_of["then"] = {"properties": {"best_of": {"anyOf": [{"type": "null"}, {"const": 1}]}}}
         for alt in props.get("logit_bias", {}).get("anyOf", []):
             if alt.get("type") == "object":  # keys are token ids: nothing else (pydantic leaves this out)
                 alt["additionalProperties"] = False

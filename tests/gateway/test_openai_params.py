@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.services import running_service
+from tests.services import HEADERS, running_service
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -204,31 +204,37 @@ def _prompt_computed(svc) -> float:
     """Prompt positions the service's nodes ran through the model so far (their /metrics, summed)."""
     total = 0.0
     for node in svc["nodes"]:
-        for line in httpx.get(node.url + "/metrics", timeout=10).text.splitlines():
+        for line in httpx.get(node.url + "/metrics", headers=HEADERS, timeout=10).text.splitlines():
             if line.startswith("pdserve_node_prompt_tokens_computed_total "):
                 total += float(line.split()[1])
     return total
 
 
 def test_n_choices_share_one_prefill_are_seeded_and_reproducible(both, split, bundle):
-    """n = 4 with a seed: 4 choices (indexed, different), the same 4 again, the prompt computed once on a
-    colocated node and on a split (then each fork's last prompt token: +3); chat and streamed alike."""
+    """n = 4 with a seed: 4 choices (indexed, different), the prompt computed once on a colocated node and
+    on a split (then each fork's last prompt token: +3), streamed alike; on the colocated node the same 4
+    again (the split's decode node batches the 4 imports as they land: under the measured kernels a
+    batch's size may move a logit's last bits, so its draws are not compared; tests/compute/test_fork.py
+    checks each choice equals its seed's request alone, bit for bit)."""
     ids = bundle.encode(TEXT)
     kw = {"prompt": ids, "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 4}
     for svc in (both, split):
         c = client(svc)
         before = _prompt_computed(svc)
         r = c.completions.create(model=svc["name"], **kw)
-        assert _prompt_computed(svc) - before == len(ids) + 3, svc["nodes"]
+        computed = _prompt_computed(svc) - before
+        assert computed == len(ids) + 3, (len(svc["nodes"]), computed, len(ids))
         texts = [ch.text for ch in r.choices]
         assert [ch.index for ch in r.choices] == [0, 1, 2, 3] and len(set(texts)) > 1, texts
         assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 32  # the prompt counted once
-        assert [ch.text for ch in c.completions.create(model=svc["name"], **kw).choices] == texts
         got = {k: "" for k in range(4)}
         for ch in c.completions.create(model=svc["name"], **kw, stream=True):
             for choice in ch.choices:
                 got[choice.index] += choice.text
-        assert [got[k] for k in range(4)] == texts
+        assert all(got.values()) and len(set(got.values())) > 1, got
+        if svc is both:
+            assert [got[k] for k in range(4)] == texts
+            assert [ch.text for ch in c.completions.create(model=svc["name"], **kw).choices] == texts
     chat = client(both).chat.completions.create(model=both["name"], messages=Q, max_tokens=8, temperature=1.0, seed=3,
                                                 n=3)  # fmt: skip
     assert [ch.index for ch in chat.choices] == [0, 1, 2] and all(ch.message.content for ch in chat.choices)
@@ -245,7 +251,7 @@ def test_best_of_returns_the_choice_with_the_best_mean_logprob(both, bundle):
     assert len(r.choices) == 1 and r.choices[0].index == 0 and r.choices[0].logprobs is None
     assert r.choices[0].text == three[means.index(max(means))].text
     assert r.usage.completion_tokens == sum(len(ch.logprobs.token_logprobs) for ch in three)
-    for bad, needle in (({"best_of": 2, "n": 3}, "best_of (2) must be >= n (3)"),
-                        ({"best_of": 2, "stream": True}, "cannot be streamed")):  # fmt: skip
-        e = httpx.post(both["gw"].url + "/v1/completions", json=kw | bad, timeout=60)
-        assert e.status_code == 400 and needle in e.json()["error"]["message"], e.text
+    e = httpx.post(both["gw"].url + "/v1/completions", json=kw | {"best_of": 2, "stream": True}, timeout=60)
+    assert e.status_code == 400 and "cannot be streamed" in e.json()["error"]["message"], e.text
+    fewer = c.completions.create(**kw, n=3, best_of=2, logprobs=0).choices  # best_of below n counts as n
+    assert [ch.text for ch in fewer] == [ch.text for ch in three]
