@@ -262,7 +262,7 @@ class Scheduler:
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         elif seq.status is Status.WAITING:  # parked behind a leader
-            for lead, group in self.parked.items():
+            for group in self.parked.values():
                 if seq in group:
                     group.remove(seq)
                     break
