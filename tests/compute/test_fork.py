@@ -119,7 +119,7 @@ def test_forks_under_cache_pressure_finish_without_leaking_a_block(model):
     params = [SamplingParams(max_tokens=20, temperature=1.0, seed=k, ignore_eos=True, fork_group="g") for k in range(4)]
     got = eng.generate([prompt] * 4, params)
     assert [len(t) for t in got] == [20] * 4 and eng.scheduler.num_preemptions > 0
-    assert eng.scheduler.blocks.num_free == 12 and all(r == 0 for r in eng.scheduler.blocks._refs)
+    assert eng.scheduler.blocks.num_free == 12 and all(eng.scheduler.blocks.refs(b) == 0 for b in range(12))
 
 
 def test_a_prefill_nodes_held_blocks_serve_forks_until_released(model):
