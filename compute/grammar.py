@@ -1,4 +1,4 @@
-"""Structured output: a request's grammar (JSON object, JSON schema, regex) enforced token by token.
+"""Structured output: a request's grammar (JSON object, JSON schema, regex, lark) enforced token by token.
 
 Lifecycle, per request that asks for one (``SamplingParams.grammar``: the spec as the API gave it):
 
@@ -35,7 +35,8 @@ class InvalidGrammar(ValueError):
 
 def grammar_text(spec: dict) -> str:
     """llguidance's grammar for an API spec: {"type": "json_object"} | {"type": "json_schema", "schema": {...}}
-    | {"type": "regex", "pattern": "..."}."""
+    | {"type": "regex", "pattern": "..."} | {"type": "lark", "grammar": "..."} (llguidance's lark: the
+    gateway's tool-call grammar, gateway/tools.py)."""
     import llguidance
 
     kind = spec.get("type")
@@ -54,7 +55,12 @@ def grammar_text(spec: dict) -> str:
         if not isinstance(pattern, str) or not pattern:
             raise InvalidGrammar("regex needs a non-empty pattern")
         return llguidance.LLMatcher.grammar_from_regex(pattern)
-    raise InvalidGrammar(f"unknown grammar type {kind!r}: json_object, json_schema or regex")
+    if kind == "lark":
+        text = spec.get("grammar")
+        if not isinstance(text, str) or not text:
+            raise InvalidGrammar("lark needs a non-empty grammar")
+        return llguidance.LLMatcher.grammar_from_lark(text)
+    raise InvalidGrammar(f"unknown grammar type {kind!r}: json_object, json_schema, regex or lark")
 
 
 class Grammars:

@@ -52,23 +52,30 @@ class TextBundle:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Messages -> prompt text through the model's chat template."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:  # fmt: skip
+        """Messages (and the tools offered, HF's form) -> prompt text through the model's chat template."""
         if not self.chat_template:
             raise TemplateError("this model has no chat template; use the completions API")
         import jinja2
 
+        extra = {"tools": tools} if tools is not None else {}
         try:
             return _compiled_template(self.chat_template).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **extra,
             )
         except TemplateError:
             raise
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from None
+
+    def template_uses(self, name: str) -> bool:
+        """Whether the chat template reads the variable ``name`` (e.g. "tools": it renders them)."""
+        return bool(self.chat_template) and name in _template_variables(self.chat_template)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a byte-level BPE token may be part of a UTF-8 character;
@@ -105,11 +112,31 @@ def _raise_exception(msg):
 @functools.lru_cache(maxsize=16)
 def _compiled_template(source: str):
     """The chat template compiled once (compiling costs ~10 ms, rendering ~0.1 ms); a sandbox."""
+    return _environment().from_string(source)
+
+
+@functools.cache
+def _environment():
+    """The sandbox chat templates run in, with transformers' additions: ``raise_exception``,
+    ``strftime_now`` and a ``tojson`` that does not escape HTML (templates write tools with it)."""
+    import datetime
+
     import jinja2.sandbox
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
-    return env.from_string(source)
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)  # fmt: skip
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def _template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from its caller (jinja2's AST)."""
+    import jinja2.meta
+
+    return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
 
 
 def _token_name(v) -> str | None:

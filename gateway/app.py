@@ -28,6 +28,7 @@ from compute.tokenizer import TemplateError
 from . import choices
 from . import logprobs as lg
 from . import protocol as p
+from . import tools
 from .activator import NotPlaced
 from .admin import add_admin_routes
 from .admission import Overloaded
@@ -38,7 +39,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest, error_body, erro
 from .relay import Unavailable
 from .service import REQUEST_SECONDS, REQUESTS, BadRequest, Delta, Gateway
 
-TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call")  # refused with their own message
+LEGACY_FIELDS = ("functions", "function_call")  # refused with their own message
 
 
 def _err(status: int, message: str, type_: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:
@@ -100,9 +101,9 @@ def create_app(gw: Gateway) -> FastAPI:
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             msg, loc = "request body is not valid JSON", None
-        elif first.get("type") == "extra_forbidden" and loc in TOOL_FIELDS:
-            return _err(400, f"{loc}: tool calling is not supported (pdserve parses no tool calls, and SmolLM2's "
-                        "chat template does not render tools)", param=loc)  # fmt: skip
+        elif first.get("type") == "extra_forbidden" and loc in LEGACY_FIELDS:
+            return _err(400, f"{loc}: deprecated by OpenAI and not supported: use tools and tool_choice",
+                        param=loc)  # fmt: skip
         elif first.get("type") == "extra_forbidden":
             return _err(400, f"unknown field {loc!r}: pdserve does not implement it (the README lists the OpenAI "
                         "fields it honours, refuses and ignores)", param=loc)  # fmt: skip
@@ -158,16 +159,16 @@ def create_app(gw: Gateway) -> FastAPI:
         if isinstance(text := await _text(req.model), JSONResponse):
             return text
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            prompt = gw.chat_prompt(text, messages)
+            plan = tools.plan(req, text.bundle, text.name)
+            prompt = gw.chat_prompt(text, tools.template_messages(req.messages), plan and plan.offered)
             if req.max_completion_tokens and req.max_tokens:  # both given: both are checked
                 gw.check_len(text, prompt, req.max_tokens)
             max_tokens = gw.check_len(text, prompt, req.limit())
         except (BadRequest, TemplateError, ValueError) as e:
             return _err(400, str(e), param=getattr(e, "param", None))
         if req.n > 1:
-            return await _respond_many(text, req, [prompt], [max_tokens], chat=True)
-        return await _respond(text, req, prompt, max_tokens, chat=True)
+            return await _respond_many(text, req, [prompt], [max_tokens], chat=True, plan=plan)
+        return await _respond(text, req, prompt, max_tokens, chat=True, plan=plan)
 
     @app.post("/v1/completions", responses={200: {"model": p.Completion, "content": p.SSE}, **generation_errors})
     async def completions(req: CompletionRequest):
@@ -184,7 +185,7 @@ def create_app(gw: Gateway) -> FastAPI:
             return await _respond(text, req, prompts[0], limits[0], chat=False)
         return await _respond_many(text, req, prompts, limits, chat=False)
 
-    async def _respond_many(text, req, prompts: list[list[int]], limits: list[int], chat: bool):
+    async def _respond_many(text, req, prompts: list[list[int]], limits: list[int], chat: bool, plan=None):
         """Several choices (gateway/choices.py): a list of prompts, ``n`` per prompt, ``best_of``; each
         its own request, all at once; streamed, the choices' chunks interleave (each carries its index)."""
         rid, created, counts = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), {}
@@ -194,7 +195,8 @@ def create_app(gw: Gateway) -> FastAPI:
             sub = req.model_copy(update={"logprobs": 0})
         todo = choices.jobs(prompts, limits, best_of, req.seed, rid)
         parts = await asyncio.gather(*(_respond(text, sub, j.prompt, j.limit, chat=chat, index=j.index, rid=rid,
-                                                created=created, counts=counts, extra=j.params, affinity=j.affinity)
+                                                created=created, counts=counts, extra=j.params, affinity=j.affinity,
+                                                plan=plan)
                                        for j in todo))  # fmt: skip
         failed = next((r for r in parts if isinstance(r, JSONResponse)), None)
         if failed is not None:
@@ -217,13 +219,16 @@ def create_app(gw: Gateway) -> FastAPI:
 
     async def _respond(text, req, prompt: list[int], max_tokens: int, chat: bool, index: int = 0,
                        rid: str | None = None, created: int | None = None, counts: dict | None = None,
-                       extra: dict | None = None, affinity=None):  # fmt: skip
+                       extra: dict | None = None, affinity=None, plan: tools.ToolPlan | None = None):  # fmt: skip
         """One choice. ``counts`` given: part of several (``_respond_many``): a stream comes back as its
         generator of SSE events (no usage, no [DONE]; its token count lands in ``counts[index]``);
-        ``extra``: node params of this choice (seed, fork group); ``affinity``: its group's route."""
+        ``extra``: node params of this choice (seed, fork group); ``affinity``: its group's route;
+        ``plan``: the tools offered (gateway/tools.py: their grammar, the calls parsed out of the answer)."""
         rid = rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = created or int(time.time())
         params, stops = gw.node_params(req) | (extra or {}), req.stop_list()
+        if plan is not None and plan.grammar is not None:
+            params["grammar"] = plan.grammar
         timing: dict = {}
         t0 = time.monotonic()
         gen = gw.generate(text, prompt, max_tokens, params, stops, timing, affinity)
@@ -248,8 +253,9 @@ def create_app(gw: Gateway) -> FastAPI:
         lp = _Logprobs(text.bundle, req, chat, 0)
         if req.limit() == 0:  # nothing to generate: the node ran only for the prompt's logprobs
             first = await _scored_only(gen, first)
+        calls = plan.parser() if plan is not None else None
         if req.stream:
-            events = _sse(gen, first, rid, created, req, prompt, chat, t0, echo, lp, index, counts)
+            events = _sse(gen, first, rid, created, req, prompt, chat, t0, echo, lp, index, counts, calls)
             if counts is not None:
                 return events
             return StreamingResponse(events,
@@ -268,8 +274,8 @@ def create_app(gw: Gateway) -> FastAPI:
         REQUEST_SECONDS.observe(time.monotonic() - t0)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
         if chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": out}, "logprobs": logprobs,
-                      "finish_reason": reason}  # fmt: skip
+            message, reason = tools.message(calls, out, reason)
+            choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
             return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                     "choices": [choice], "usage": usage}  # fmt: skip
         choice = {"index": index, "text": out, "logprobs": logprobs, "finish_reason": reason}
@@ -277,13 +283,15 @@ def create_app(gw: Gateway) -> FastAPI:
                 "choices": [choice], "usage": usage}  # fmt: skip
 
     async def _sse(gen, first, rid, created, req, prompt: list[int], chat, t0, echo: str, lp: _Logprobs,
-                   index: int = 0, counts: dict | None = None):  # fmt: skip
+                   index: int = 0, counts: dict | None = None, calls: tools.CallParser | None = None):  # fmt: skip
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_prompt = len(prompt)
 
-        def chunk(text=None, reason=None, role=False, usage=None, choices=True, logprobs=None):
+        def chunk(text=None, reason=None, role=False, usage=None, choices=True, logprobs=None, tool_calls=None):
             if chat:
                 delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
                 ch = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
                 ch = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
@@ -306,8 +314,11 @@ def create_app(gw: Gateway) -> FastAPI:
             while True:
                 n += len(d.token_ids)
                 logprobs = lp.add(d)
-                if d.text or d.finish_reason or logprobs:
-                    yield chunk(d.text, d.finish_reason, logprobs=logprobs)
+                content, entries, reason = d.text, None, d.finish_reason
+                if calls is not None:
+                    content, entries, reason = tools.stream_delta(calls, d.text, d.finish_reason)
+                if content or entries or reason or logprobs:
+                    yield chunk(content, reason, logprobs=logprobs, tool_calls=entries)
                 if d.finish_reason:
                     break
                 d = await gen.__anext__()

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from .formats import NonEmpty, ResponseFormat
+from .tools import MessageToolCall, Tool, ToolChoice
 
 # strict models (JSON types as the schema says: no 0 for false, no "1" for 1), except that 1.0 is an
 # integer in JSON Schema: a whole float is taken as an int
@@ -34,7 +35,7 @@ def Int(**bounds) -> type:
 
 
 
-IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # accepted; change nothing
+IGNORED = ("user", "metadata", "store", "service_tier")  # accepted; change nothing
 MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_CHOICES = 16  # n and best_of at most (each choice is a request: admission bounds a batch of prompts)
@@ -76,7 +77,6 @@ class _Sampling(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -108,6 +108,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -122,6 +124,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Int(ge=1) | None = None
     logprobs: bool = False
     top_logprobs: Int(ge=0, le=MAX_TOP_LOGPROBS) | None = None  # read only with logprobs: true
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None  # gateway/tools.py
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -209,16 +214,28 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None: the answer is tool calls only
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None  # stop | length
+    finish_reason: str | None  # stop | length | tool_calls
 
 
 class ChatCompletion(BaseModel):

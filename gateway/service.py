@@ -126,8 +126,8 @@ class Gateway:
         """The model's text side (UnknownModel: not served)."""
         return await self.models.text(model)
 
-    def chat_prompt(self, text: Text, messages: list[dict]) -> list[int]:
-        return text.bundle.encode(text.bundle.render_chat(messages))
+    def chat_prompt(self, text: Text, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return text.bundle.encode(text.bundle.render_chat(messages, tools=tools))
 
     def check_len(self, text: Text, prompt: list[int], max_tokens: int | None, default: int | None = None) -> int:
         """-> max_tokens to use (unset: `default`, else up to the context; never beyond max_tokens_limit);

@@ -46,6 +46,8 @@ def cmd_import(store, args) -> int:
     from .sources import open_source
 
     source = open_source(args.src)  # validate before anything is written
+    if args.chat_template:
+        source.set_chat_template(args.chat_template)
     bar = _bar(len(source.tensor_names), f"import {args.name}", args.quiet)
     res = store.import_model(source, args.name, args.dtype, progress=lambda d, t: bar.update(d - bar.n))
     bar.close()
@@ -201,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--k", type=int, default=None, help="data fragments per shard (default 8)")
     sp.add_argument("--m", type=int, default=None, help="parity fragments per shard (default 3)")
     sp.add_argument("--shard-mb", type=float, default=None, help="target shard size in MiB (default 128)")
+    sp.add_argument("--chat-template", metavar="FILE", default=None, help="a jinja chat template to serve the "
+                    "model with instead of its own (e.g. deploy/chat-templates/chatml-tools.jinja: tool calls)")
     add("ls", cmd_ls, "list models and versions")
     for name, fn, help_ in (("show", cmd_show, "config, shards, placement and health of a model"),
                             ("repair", cmd_repair, "rebuild lost or corrupt fragments"),

@@ -66,6 +66,20 @@ class ModelSource:
         for name in self.tensor_names:
             yield name, self.load_tensor(name)
 
+    def set_chat_template(self, path: str | os.PathLike) -> None:
+        """Import with the jinja chat template at ``path`` instead of the checkpoint's (kept as
+        chat_template.jinja, which readers prefer); InvalidRequest if unreadable or not a template."""
+        import jinja2
+
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+            jinja2.Environment().parse(text)
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequest(f"chat template {path}: cannot be read: {e}") from None
+        except jinja2.TemplateSyntaxError as e:
+            raise InvalidRequest(f"chat template {path}: not a jinja template: line {e.lineno}: {e.message}") from None
+        self.files["chat_template.jinja"] = text.encode("utf-8")
+
 
 def open_source(path: str | os.PathLike) -> ModelSource:
     """Open an HF checkpoint folder or a GGUF file; raises InvalidRequest with one clear line."""

@@ -112,7 +112,9 @@ def test_penalties_and_logit_bias_change_the_answer_the_same_way_split(both, spl
 
 @pytest.mark.parametrize("body,needle", [
     ({"frobnicate": 1}, "unknown field 'frobnicate'"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool calling is not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "chat template does not render tools"),
+    ({"functions": [{"name": "f"}]}, "functions: deprecated by OpenAI"),
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
     ({"response_format": {"type": "json_schema"}}, "json_schema"),
     ({"n": 0}, "n: Input should be greater than or equal to 1"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

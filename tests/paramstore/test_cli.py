@@ -104,3 +104,23 @@ def test_two_processes_importing_one_name(store_args, tiny_hf):
     assert sorted(json.loads(o)["model"] for o, _ in outs) == ["tiny@v1", "tiny@v2"]
     ls = subprocess.run([exe] + store_args + ["verify", "tiny@v1", "--deep"], capture_output=True, text=True, timeout=60)
     assert ls.returncode == 0, ls.stderr
+
+
+def test_import_with_a_chat_template(store_args, tiny_hf, capsys, tmp_path):
+    """--chat-template replaces the checkpoint's template in the stored bundle; a bad one is one line, nothing written."""
+    from paramstore import ParamStore, StoreConfig
+
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m }")
+    for path, msg in ((bad, "not a jinja template"), (tmp_path / "none.jinja", "cannot be read")):
+        rc, _, err = run(store_args + ["import", tiny_hf[0], "--name", "tiny", "--chat-template", str(path)], capsys)
+        assert rc == 2 and msg in err and err.count("\n") == 1 and "Traceback" not in err
+    rc, out, _ = run(store_args + ["ls", "--json"], capsys)
+    assert json.loads(out) == []
+    good = tmp_path / "tools.jinja"
+    good.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{{ tools | tojson }}")
+    rc, _, _ = run(store_args + ["import", tiny_hf[0], "--name", "tiny", "--k", "4", "--m", "2",
+                                 "--chat-template", str(good)], capsys)  # fmt: skip
+    assert rc == 0
+    with ParamStore(StoreConfig(locations=store_args[2::2], k=4, m=2)) as store, store.reader("tiny") as r:
+        assert r.bundle()["chat_template.jinja"] == good.read_bytes()
