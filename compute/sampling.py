@@ -6,7 +6,8 @@ One step's rows are processed together, in this order (vLLM's and the OpenAI API
 2. penalties: ``repetition_penalty`` r over every token of prompt and output (a positive logit
    divided by r, a negative one multiplied), then ``frequency_penalty`` * count and
    ``presence_penalty`` * [count > 0] subtracted for tokens of the *output* so far;
-3. ``min_tokens``: EOS and the stop tokens are impossible until that many tokens were generated;
+3. ``min_tokens``: EOS and the stop tokens are impossible until that many tokens were generated
+   (a grammar that allows nothing but EOS, at its end, wins: the answer ends);
 4. temperature 0 is greedy (argmax of the processed logits); otherwise logits / temperature,
    then top-k, softmax, top-p (nucleus) and ``min_p`` (drop tokens below min_p * the top
    probability), and one token is drawn per row.
@@ -144,8 +145,13 @@ class Sampler:
             from compute.grammar import mask_logits
 
             x = x.clone() if x is raw else x
-            sub = x[constrained]
-            mask_logits(sub, [matchers[i] for i in constrained])
+            sub, ms = x[constrained], [matchers[i] for i in constrained]
+            mask_logits(sub, ms)
+            dead = (~torch.isfinite(sub).any(-1)).nonzero().flatten().tolist()
+            if dead:  # min_tokens banned the only token the grammar allows (EOS at its end): the grammar wins
+                again = raw[[constrained[r] for r in dead]].clone()
+                mask_logits(again, [ms[r] for r in dead])
+                sub[dead] = again
             x[constrained] = sub
         tokens = [0] * len(params)
         greedy = [i for i, p in enumerate(params) if p.greedy]

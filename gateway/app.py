@@ -73,8 +73,8 @@ def create_app(gw: Gateway) -> FastAPI:
             if not (cfg.open and not cfg.admin_key):
                 bearer["admin_key"] = ["/admin/"]
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            max_tokens, vocab = gw.document_limits()
-            app.openapi_schema = p.describe(doc, gw.models.names, max_tokens, vocab, bearer)
+            max_tokens, vocab, takes_tools = gw.document_limits()
+            app.openapi_schema = p.describe(doc, gw.models.names, max_tokens, vocab, bearer, takes_tools)
         return app.openapi_schema
 
     app.openapi = openapi

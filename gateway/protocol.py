@@ -354,12 +354,15 @@ def errors(*codes: int) -> dict:
     return out
 
 
-def describe(schema: dict, models: list[str] | str, max_tokens: int, vocab: int, bearer: dict[str, list[str]]) -> dict:
+def describe(schema: dict, models: list[str] | str, max_tokens: int, vocab: int, bearer: dict[str, list[str]],
+             takes_tools: bool = True) -> dict:  # fmt: skip
     """What only the running gateway knows, written into its OpenAPI document: the models it serves
     (an enum; an open string when none is listed yet: they come from the store), the largest
     max_tokens and token id range over them (each model's own context and vocabulary bound it
-    further: 400 with the message); 400 (not FastAPI's 422) for invalid bodies; and the bearer
-    schemes (`bearer`: scheme name -> path prefixes it guards; empty: open)."""
+    further: 400 with the message); whether tools can be offered (``takes_tools``: some model's
+    template renders them; a tool_choice other than none needs tools either way); 400 (not FastAPI's
+    422) for invalid bodies; and the bearer schemes (`bearer`: scheme name -> path prefixes it guards;
+    empty: open)."""
     models = [models] if isinstance(models, str) else list(models)
     comp = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
@@ -373,6 +376,8 @@ def describe(schema: dict, models: list[str] | str, max_tokens: int, vocab: int,
             for alt in props.get(key, {}).get("anyOf", []):
                 if alt.get("type") == "integer":
                     alt["maximum"] = max_tokens
+        if req == "ChatCompletionRequest":
+            _tool_rules(comp[req], takes_tools)
         if req == "CompletionRequest":  # best_of > 1 only unstreamed (n's value aside: JSON Schema cannot compare)
             schema_of = comp[req]
             schema_of["if"] = {"properties": {"stream": {"const": True}}, "required": ["stream"]}
@@ -395,3 +400,14 @@ def describe(schema: dict, models: list[str] | str, max_tokens: int, vocab: int,
                 if path.startswith(tuple(prefixes)):
                     op["security"] = [{name: []}]
     return schema
+
+
+def _tool_rules(schema_of: dict, takes_tools: bool) -> None:
+    """Chat's tool rules in its schema: a tool_choice other than none needs tools; none served takes them:
+    tools empty or null."""
+    props = schema_of.get("properties", {})
+    if not takes_tools and "tools" in props:
+        props["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}], "title": "Tools",
+                          "description": "no served model's chat template renders tools"}  # fmt: skip
+    schema_of["if"] = {"properties": {"tool_choice": {"not": {"enum": [None, "none"]}}}, "required": ["tool_choice"]}
+    schema_of["then"] = {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
+from . import tools
 from .activator import Activator
 from .admission import Admission
 from .config import GatewayConfig
@@ -150,9 +151,9 @@ class Gateway:
                              "per request", "max_tokens")  # fmt: skip
         return min(max_tokens or default or room, limit or room, room)
 
-    def document_limits(self) -> tuple[int, int]:
-        """(largest max_tokens, vocabulary size) over the served models, for the OpenAPI document
-        (each model's text read now if not yet: once, when the document is first asked for)."""
+    def document_limits(self) -> tuple[int, int, bool]:
+        """(largest max_tokens, vocabulary size, whether any takes tools) over the served models, for the
+        OpenAPI document (each model's text read now if not yet: once, when the document is first asked for)."""
         texts = []
         for name in self.models.names:
             try:
@@ -161,7 +162,8 @@ class Gateway:
                 log.warning("model %s: text bundle not readable for the OpenAPI document: %s", name, e)
         ctx = max((t.max_model_len for t in texts), default=self.config.max_model_len or 2048)
         vocab = max((t.vocab_size for t in texts), default=1)
-        return min(self.config.max_tokens_limit or ctx, ctx), vocab
+        takes_tools = any(tools.supported(t.bundle) for t in texts) or not texts  # none read: left open
+        return min(self.config.max_tokens_limit or ctx, ctx), vocab, takes_tools
 
     def node_params(self, req) -> dict:
         seed = None if req.seed is None else req.seed % 2**63

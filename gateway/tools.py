@@ -87,6 +87,11 @@ TEMPLATE_HINT = ("import the model with a template that does: paramstore import 
                  "deploy/chat-templates/chatml-tools.jinja")  # fmt: skip
 
 
+def supported(bundle) -> bool:
+    """Whether the model's chat template renders tools and writes calls as pdserve parses them."""
+    return bundle.template_uses("tools") and OPEN in (bundle.chat_template or "")
+
+
 def plan(req, bundle, model: str) -> ToolPlan | None:
     """What ``req`` asks of tools, checked against the model's chat template; None: no tools."""
     choice = req.tool_choice

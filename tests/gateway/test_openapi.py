@@ -31,7 +31,8 @@ def chat_tiny_store(tmp_path_factory, real_model_store):
     locations, name = real_model_store
     with ParamStore(StoreConfig(locations=locations)) as ps, ps.reader(ps.manifest(name)) as r:
         files = r.bundle()
-    cfg = tiny_llama_config(vocab=49152, tied=True)
+    # a context of 4096: the fuzzer's longest conversations fit (too long a prompt is a 400 no schema can state)
+    cfg = tiny_llama_config(vocab=49152, tied=True) | {"max_position_embeddings": 4096}
     folder = write_hf_folder(tmp_path_factory.mktemp("tiny-chat"), cfg, tiny_llama_tensors(cfg), files=1)
     for fname, data in files.items():
         with open(os.path.join(folder, fname), "wb") as f:
