@@ -144,15 +144,17 @@ class Sampler:
         if constrained:
             from compute.grammar import mask_logits
 
-            x = x.clone() if x is raw else x
-            sub, ms = x[constrained], [matchers[i] for i in constrained]
+            x = x.clone() if x is raw else x  # raw is kept: logprobs read it
+            whole = len(constrained) == len(params)  # every row: masked in place, no gather and scatter
+            sub, ms = (x if whole else x[constrained]), [matchers[i] for i in constrained]
             mask_logits(sub, ms)
-            dead = (~torch.isfinite(sub).any(-1)).nonzero().flatten().tolist()
+            dead = torch.isneginf(sub.amax(-1)).nonzero().flatten().tolist()
             if dead:  # min_tokens banned the only token the grammar allows (EOS at its end): the grammar wins
                 again = raw[[constrained[r] for r in dead]].clone()
                 mask_logits(again, [ms[r] for r in dead])
                 sub[dead] = again
-            x[constrained] = sub
+            if not whole:
+                x[constrained] = sub
         tokens = [0] * len(params)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:
