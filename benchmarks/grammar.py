@@ -9,10 +9,11 @@ For 1 and 32 streams, interleaved (each repeat runs every case in turn), medians
   and of the same streams each under a grammar: ``json_schema`` (response_format), ``regex`` (the
   extension) and ``tool call`` (gateway/tools.py's grammar for tool_choice required); each grammar is
   sized so that no stream reaches its end within ``--tokens``: every step masks every row;
-- the mask alone: llguidance's bitmask fill and apply for that many matchers (``compute.grammar.mask_logits``,
-  the sampler's own call), in us per step.
+- the mask alone: ``compute.grammar.mask_logits`` (the sampler's own call: llguidance's bitmask of
+  every row, unpacked and applied), timed inside those steps, in us per step.
 
-Ratio: grammar step / free step. If the store lacks ``--model`` it is imported first.
+Ratios: grammar step / free step, and the mask's share of a free step (steadier on a shared box than
+the step ratio). If the store lacks ``--model`` it is imported first.
 """
 
 from __future__ import annotations
@@ -79,10 +80,12 @@ def main(args: argparse.Namespace) -> int:
     for r in range(args.repeat):
         for n in STREAMS:
             prompts = [chats[i % len(chats)] for i in range(n)]
-            for name, spec in {"free": None, **specs}.items():
-                samples.setdefault(f"{name}/{n}", []).append(_step_ms(model, grammars, prompts, spec, args.tokens))
-                if spec is not None:
-                    samples.setdefault(f"mask {name}/{n}", []).append(_mask_us(grammars, bundle, spec, n))
+            cases = list({"free": None, **specs}.items())
+            for name, spec in cases[r % len(cases):] + cases[: r % len(cases)]:  # each repeat starts elsewhere
+                step_ms, mask_us = _run(model, grammars, prompts, spec, args.tokens)
+                samples.setdefault(f"{name}/{n}", []).append(step_ms)
+                if mask_us is not None:
+                    samples.setdefault(f"mask {name}/{n}", []).append(mask_us)
         print(f"repeat {r + 1}/{args.repeat}: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in samples.items()),
               file=sys.stderr, flush=True)  # fmt: skip
     med = {k: statistics.median(v) for k, v in samples.items()}
@@ -96,8 +99,10 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _step_ms(model, grammars, prompts: list[list[int]], spec: dict | None, tokens: int) -> float:
-    """Median ms of the engine's steps in which every stream decodes (each under ``spec``, or free)."""
+def _run(model, grammars, prompts: list[list[int]], spec: dict | None, tokens: int) -> tuple[float, float | None]:
+    """(median ms of the engine's steps in which every stream decodes, each under ``spec`` or free;
+    median us of the sampler's mask call for all rows in those steps, timed where it runs)."""
+    import compute.grammar as cg
     from compute.engine import Engine
     from compute.sampling import SamplingParams
     from compute.sequence import Sequence
@@ -107,43 +112,37 @@ def _step_ms(model, grammars, prompts: list[list[int]], spec: dict | None, token
         seq = Sequence(p, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=spec is None, grammar=spec))
         seq.matcher = grammars.matcher(spec) if spec is not None else None
         eng.scheduler.add(seq)
-    steps = []
-    while eng.has_unfinished():
-        t0 = time.perf_counter()
-        eng.step()
-        if eng.last_step == (len(prompts), 0):
-            steps.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(steps)
+    steps, masks, calls = [], [], []
+    mask_logits = cg.mask_logits
 
-
-def _mask_us(grammars, bundle, spec: dict, n: int, calls: int = 50) -> float:
-    """us of one mask of ``n`` rows (``compute.grammar.mask_logits``), matchers a few tokens into their grammar."""
-    import torch
-
-    from compute.grammar import mask_logits
-
-    start = {"json_schema": '{"answer":"', "regex": "Hello", "lark": '<tool_call>\n{"name":"search","arguments":{"query":"'}
-    matchers = []
-    for _ in range(n):
-        m = grammars.matcher(spec)
-        m.consume_tokens(bundle.encode(start[spec["type"]]))
-        matchers.append(m)
-    x = torch.zeros(n, grammars.vocab_size)
-    times = []
-    for _ in range(calls):
+    def timed(x, matchers):  # the sampler imports it at each call: this stands in for the run
         t0 = time.perf_counter()
         mask_logits(x, matchers)
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+        calls.append((len(matchers), time.perf_counter() - t0))
+
+    cg.mask_logits = timed
+    try:
+        while eng.has_unfinished():
+            calls.clear()
+            t0 = time.perf_counter()
+            eng.step()
+            if eng.last_step == (len(prompts), 0):
+                steps.append(time.perf_counter() - t0)
+                masks += [t for n, t in calls if n == len(prompts)]
+    finally:
+        cg.mask_logits = mask_logits
+    return 1e3 * statistics.median(steps), (1e6 * statistics.median(masks) if masks else None)
 
 
 def _print_table(med: dict, names: list[str], cpu: str) -> None:
     print(f"CPU: {cpu}")
     print("| streams | free (ms/step) | " + " | ".join(f"{g} (ms/step)" for g in names) + " | "
-          + " | ".join(f"{g} / free" for g in names) + " | " + " | ".join(f"mask {g} (us)" for g in names) + " |")  # fmt: skip
-    print("|" + "---|" * (2 + 3 * len(names)))
+          + " | ".join(f"{g} / free" for g in names) + " | " + " | ".join(f"mask {g} (us)" for g in names)
+          + " | " + " | ".join(f"mask {g} / free step" for g in names) + " |")  # fmt: skip
+    print("|" + "---|" * (2 + 4 * len(names)))
     for n in STREAMS:
         free = med[f"free/{n}"]
         cells = [f"{med[f'{g}/{n}']:.1f}" for g in names] + [f"{med[f'{g}/{n}'] / free:.2f}x" for g in names]
         cells += [f"{med[f'mask {g}/{n}']:.0f}" for g in names]
+        cells += [f"{med[f'mask {g}/{n}'] / 1e3 / free:.1%}" for g in names]
         print(f"| {n} | {free:.1f} | " + " | ".join(cells) + " |")
