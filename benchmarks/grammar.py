@@ -35,9 +35,9 @@ def grammars_to_run() -> dict[str, dict]:
     query = {"type": "object", "properties": {"query": {"type": "string", "minLength": LONG}}, "required": ["query"],
              "additionalProperties": False}  # fmt: skip
     tool = Tool.model_validate({"type": "function", "function": {"name": "search", "parameters": query}})
+    answer = {"type": "object", "properties": {"answer": {"type": "string", "minLength": LONG}}, "required": ["answer"]}
     return {
-        "json_schema": {"type": "json_schema", "schema": {"type": "object", "properties": {
-            "answer": {"type": "string", "minLength": LONG}}, "required": ["answer"]}},  # fmt: skip
+        "json_schema": {"type": "json_schema", "schema": answer},
         "regex": {"type": "regex", "pattern": f"[A-Za-z ,.]{{{LONG}}}"},
         "tool call": calls_grammar([tool], several=False),
     }

@@ -180,7 +180,7 @@ class CallParser:
     marker is held back; a block that is not such JSON stays content, verbatim. Whitespace between
     calls is not content. ``feed`` and ``finish`` return (content to emit, calls completed)."""
 
-    __slots__ = ("parallel", "buf", "inside", "held", "calls")
+    __slots__ = ("buf", "calls", "held", "inside", "parallel")
 
     def __init__(self, parallel: bool = True) -> None:
         self.parallel = parallel

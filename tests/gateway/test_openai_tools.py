@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pydantic = pytest.importorskip("pydantic")
 
 NAME = "smollm2-tools"
-TEMPLATE = "deploy/chat-templates/chatml-tools.jinja"
+TEMPLATE = str(Path(__file__).parents[2] / "deploy/chat-templates/chatml-tools.jinja")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -42,7 +43,7 @@ def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("tools-store")
     locations = [str(root / f"loc{i}") for i in range(3)]
     exe = os.path.join(os.path.dirname(sys.executable), "paramstore")
-    cmd = [exe, "-q", *sum((["--store", loc] for loc in locations), []), "import", str(gguf_path()), "--name", NAME,
+    cmd = [exe, "-q", *(a for loc in locations for a in ("--store", loc)), "import", str(gguf_path()), "--name", NAME,
            "--k", "2", "--m", "1", "--chat-template", TEMPLATE]  # fmt: skip
     subprocess.run(cmd, check=True, timeout=180, capture_output=True)
     return locations

