@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from . import protocol as p
 from .internal import model_status
-from .protocol import errors
+from .openapi import errors
 
 
 def add_admin_routes(app: FastAPI, gw) -> None:

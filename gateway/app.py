@@ -25,17 +25,17 @@ from starlette.routing import Match
 
 from compute.tokenizer import TemplateError
 
-from . import choices
+from . import choices, tools
 from . import logprobs as lg
 from . import protocol as p
-from . import tools
 from .activator import NotPlaced
 from .admin import add_admin_routes
 from .admission import Overloaded
 from .internal import add_internal_routes
 from .models import UnknownModel
 from .nodes import RequestRejected
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body, errors
+from .openapi import SSE, describe, errors
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 from .relay import Unavailable
 from .service import REQUEST_SECONDS, REQUESTS, BadRequest, Delta, Gateway
 
@@ -67,14 +67,14 @@ def create_app(gw: Gateway) -> FastAPI:
     cfg = gw.config
 
     def openapi() -> dict:
-        """FastAPI's document, completed by ``protocol.describe`` with what this gateway serves."""
+        """FastAPI's document, completed by ``openapi.describe`` with what this gateway serves."""
         if app.openapi_schema is None:
             bearer = {"api_key": ["/v1/"]} if cfg.api_keys else {}
             if not (cfg.open and not cfg.admin_key):
                 bearer["admin_key"] = ["/admin/"]
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
             max_tokens, vocab, takes_tools = gw.document_limits()
-            app.openapi_schema = p.describe(doc, gw.models.names, max_tokens, vocab, bearer, takes_tools)
+            app.openapi_schema = describe(doc, gw.models.names, max_tokens, vocab, bearer, takes_tools)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -154,7 +154,7 @@ def create_app(gw: Gateway) -> FastAPI:
 
     generation_errors = errors(400, 401, 404, 429, 503)
 
-    @app.post("/v1/chat/completions", responses={200: {"model": p.ChatCompletion, "content": p.SSE}, **generation_errors})
+    @app.post("/v1/chat/completions", responses={200: {"model": p.ChatCompletion, "content": SSE}, **generation_errors})
     async def chat(req: ChatCompletionRequest):
         if isinstance(text := await _text(req.model), JSONResponse):
             return text
@@ -170,7 +170,7 @@ def create_app(gw: Gateway) -> FastAPI:
             return await _respond_many(text, req, [prompt], [max_tokens], chat=True, plan=plan)
         return await _respond(text, req, prompt, max_tokens, chat=True, plan=plan)
 
-    @app.post("/v1/completions", responses={200: {"model": p.Completion, "content": p.SSE}, **generation_errors})
+    @app.post("/v1/completions", responses={200: {"model": p.Completion, "content": SSE}, **generation_errors})
     async def completions(req: CompletionRequest):
         if isinstance(text := await _text(req.model), JSONResponse):
             return text
