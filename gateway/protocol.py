@@ -214,21 +214,10 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CalledFunction(BaseModel):
-    name: str
-    arguments: str  # JSON text
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"]
-    function: CalledFunction
-
-
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None  # None: the answer is tool calls only
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # the same shape a later request sends back
 
 
 class ChatChoice(BaseModel):
