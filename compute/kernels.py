@@ -62,6 +62,7 @@ BUCKETS = (1, 8, 64, None)  # upper bounds of M per bucket: 1 | 2-8 | 9-64 | 65+
 PROBE_M = (1, 8, 32, 256)  # the M each bucket is timed at
 KERNELS = ("int8mm", "dequant", "bf16", "w8a8")
 ERROR_GATE = 0.01  # relative RMS error vs fp32 on outlier activations: ~3x bf16 rounding (int8mm, bf16: 0.3%; w8a8: 1.8-4.4%)
+INT8MM_RULE_MAX_M = 64  # the safe rule (``fixed``, and before a plan is known): int8mm up to this M, dequant beyond
 INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: compute/linear.py)
 TABLE_VERSION = 7
 # measured: the fastest per M bucket; invariant: one batch-invariant kernel per shape;
@@ -69,7 +70,9 @@ TABLE_VERSION = 7
 MODES = ("measured", "invariant", "fixed")
 INVARIANCE_M = (*range(2, 66), 96, 128, 200, 256, 300, 384, 420, 512)  # every row at these M as in the largest, whose rows are as alone
 INVARIANCE_ROWS = 8  # rows of the largest M compared with each computed alone
-DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels.json")  # one per machine
+# one per machine (per user): $XDG_CACHE_HOME/pdserve/kernels.json, else ~/.cache/pdserve/kernels.json
+DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                             "pdserve", "kernels.json")  # fmt: skip
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
              "amx_bf16", "amx_int8", "amx_tile")  # fmt: skip
 
@@ -206,11 +209,30 @@ def row_invariant(name: str, q: torch.Tensor, scale: torch.Tensor, sb: torch.Ten
     """Every row of ``name``'s output is bitwise the same at every M in ``INVARIANCE_M`` as in the largest
     batch, and there as computed alone (first ``INVARIANCE_ROWS`` rows): neither the batch size nor where
     a row sits in it may matter (a GEMM may change its blocking with M, or run tail rows otherwise)."""
+    return _drain(_row_invariant_steps(name, q, scale, sb, wb, gen))
+
+
+def _row_invariant_steps(name, q, scale, sb, wb, gen):
+    """``row_invariant`` one M at a time (a generator: yields between probes, returns the answer)."""
     x = torch.randn(max(INVARIANCE_M), q.shape[1], generator=gen)
     big = run(name, x, q, scale, sb, wb)
+    yield
     if not all(torch.equal(run(name, x[i : i + 1], q, scale, sb, wb)[0], big[i]) for i in range(INVARIANCE_ROWS)):
         return False
-    return all(torch.equal(run(name, x[:m], q, scale, sb, wb), big[:m]) for m in INVARIANCE_M)
+    for m in INVARIANCE_M:
+        yield
+        if not torch.equal(run(name, x[:m], q, scale, sb, wb), big[:m]):
+            return False
+    return True
+
+
+def _drain(steps):
+    """Run a generator of work slices to its end; -> its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def cached_table(threads: int, cache_path: str | None = DEFAULT_CACHE) -> dict | None:
@@ -228,8 +250,22 @@ def _outlier_input(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
 def measure(shapes: Iterable[tuple[int, int]], threads: int, repeats: int = 7,
             kernels: Iterable[str] = KERNELS) -> dict:  # fmt: skip
     """Time and check every usable kernel on each [N, K] at ``PROBE_M``; -> the table (see the module doc)."""
+    return _drain(measure_steps(shapes, threads, repeats, kernels))
+
+
+def measure_steps(shapes: Iterable[tuple[int, int]], threads: int, repeats: int = 7, kernels: Iterable[str] = KERNELS,
+                  on_shape=None):  # fmt: skip
+    """``measure`` in slices: a generator that yields between small pieces of work (one candidate's timing
+    round at one M, one invariance probe: milliseconds to ~0.1 s) so that a caller can pace it off the request
+    path (``compute.kernel_plans``), and returns the table. ``on_shape(table)`` gets the table so far after each
+    shape (progress that survives the process)."""
     gen = torch.Generator().manual_seed(0)
     out: dict[str, dict] = {}
+
+    def table() -> dict:
+        return {"version": TABLE_VERSION, "key": machine_key(threads), "probe_m": list(PROBE_M),
+                "buckets": [b or "inf" for b in BUCKETS], "error_gate": ERROR_GATE, "shapes": dict(out)}  # fmt: skip
+
     for n, k in sorted(set(shapes)):
         w = torch.randn(n, k, generator=gen) * 0.05
         scale = w.abs().amax(1).clamp_min(1e-8) / 127.0
@@ -246,6 +282,7 @@ def measure(shapes: Iterable[tuple[int, int]], threads: int, repeats: int = 7,
             except RuntimeError as e:  # a kernel this build or CPU lacks: out of the table, with why
                 err[c] = f"{type(e).__name__}: {str(e)[:80]}"
         ok = [c for c in names if isinstance(err[c], float) and err[c] <= ERROR_GATE]
+        yield
         for m in PROBE_M:
             x = torch.randn(m, k, generator=gen)
             t = {}
@@ -256,53 +293,106 @@ def measure(shapes: Iterable[tuple[int, int]], threads: int, repeats: int = 7,
                 t[c] = time.perf_counter() - t0
             close = [c for c in ok if t[c] <= 4 * min(t.values())]
             for _ in range(repeats):  # interleaved: a noisy neighbour hits every candidate alike
+                yield
                 for c in close:
                     t0 = time.perf_counter()
                     run(c, x, q, scale, sb, wb)
                     t[c] = min(t[c], time.perf_counter() - t0)
             us[str(m)] = {c: round(v * 1e6, 1) for c, v in t.items()}
         choice = [min(us[str(m)], key=us[str(m)].get) if ok else "dequant" for m in PROBE_M]
-        inv = {c: row_invariant(c, q, scale, sb, wb, gen) for c in ok}
+        inv = {}
+        for c in ok:
+            inv[c] = yield from _row_invariant_steps(c, q, scale, sb, wb, gen)
         total = {c: sum(us[str(m)].get(c, float("inf")) for m in PROBE_M) for c in ok if inv[c]}
         out[f"{n}x{k}"] = {"choice": choice, "us": us, "error": err, "row_invariant": inv,
                            "invariant": min(total, key=total.get) if total else None}  # fmt: skip
+        if on_shape is not None:
+            on_shape(table())
+    return table()
+
+
+def rule_table(shapes: Iterable[tuple[int, int]], threads: int) -> dict:
+    """The safe rule as a table, usable at once on any CPU without measuring: int8mm up to M = 64 and dequant
+    beyond (the ``fixed`` rule; correct on every dispatch level, ``compute/linear.py``), and int8mm at every M
+    as the ``invariant`` kernel (its output tile's K loop does not depend on M); dequant where int8mm is unusable."""
+    out = {}
+    for n, k in sorted(set(shapes)):
+        i8 = usable("int8mm", n, k)
+        choice = [("int8mm" if i8 and (hi is not None and hi <= INT8MM_RULE_MAX_M) else "dequant") for hi in BUCKETS]
+        out[f"{n}x{k}"] = {"choice": choice, "us": {}, "error": {}, "row_invariant": {}, "invariant": "int8mm" if i8 else None}
     return {"version": TABLE_VERSION, "key": machine_key(threads), "probe_m": list(PROBE_M),
-            "buckets": [b or "inf" for b in BUCKETS], "error_gate": ERROR_GATE, "shapes": out}  # fmt: skip
+            "buckets": [b or "inf" for b in BUCKETS], "error_gate": ERROR_GATE, "shapes": out, "rule": True}  # fmt: skip
+
+
+def complete(table: dict | None, shapes: Iterable[tuple[int, int]]) -> bool:
+    """Whether ``table`` holds a measured entry for every shape."""
+    have = (table or {}).get("shapes", {})
+    return bool(table) and not table.get("rule") and all(f"{n}x{k}" in have for n, k in shapes)
+
+
+def valid_table(table, threads: int) -> str | None:
+    """Why ``table`` cannot plan this machine at ``threads`` (None: it can): another version, machine key
+    (CPU, ISA flags, dispatch level, torch version, threads), or a malformed entry."""
+    if not isinstance(table, dict) or table.get("version") != TABLE_VERSION:
+        return f"table version {table.get('version') if isinstance(table, dict) else '?'}, this torch's is {TABLE_VERSION}"
+    if table.get("key") != machine_key(threads):
+        return f"it is for {str(table.get('key')).split(' ', 1)[-1]!r}"
+    shapes = table.get("shapes")
+    if not isinstance(shapes, dict):
+        return "no shapes"
+    for name, e in shapes.items():
+        ok = isinstance(e, dict) and isinstance(e.get("choice"), list) and len(e["choice"]) == len(BUCKETS)
+        if not ok or any(c not in KERNELS for c in e["choice"]) or e.get("invariant") not in (None, *KERNELS):
+            return f"malformed entry {name!r}"
+    return None
 
 
 def plan_for(shapes: Iterable[tuple[int, int]], threads: int, cache_path: str | None = DEFAULT_CACHE) -> dict:
-    """The kernel table for ``shapes`` on this machine: read from ``cache_path`` if it has them, else measured.
+    """The kernel table for ``shapes`` on this machine: read from ``cache_path`` if it has them, else measured
+    here and now (blocking: benchmarks and tools; a node measures off its request path, ``compute.kernel_plans``).
 
     Processes of one machine that find no table measure one at a time (a lock beside the file): the
     second reads the first's table, so every node of a machine runs the same kernels (and numerics).
     """
     shapes, key = sorted(set(shapes)), machine_key(threads)
-    lock = contextlib.nullcontext()
-    if cache_path:
-        os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
-        lock = _flock(cache_path + ".lock")
-    with lock:
-        tables = _read(cache_path)  # {machine key: table}: nodes of one machine may differ in threads
-        cached = tables.get(key, {})
+    with cache_lock(cache_path, block=True):
+        cached = _read(cache_path).get(key, {})  # {machine key: table}: nodes of one machine may differ in threads
         missing = [s for s in shapes if f"{s[0]}x{s[1]}" not in cached.get("shapes", {})]
         if cached and not missing:
             return {**cached, "cached": True}
-        table = measure(missing, threads)
-        table["shapes"] = {**cached.get("shapes", {}), **table["shapes"]}
-        if cache_path:
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(cache_path)), suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"version": TABLE_VERSION, "tables": {**tables, key: table}}, f, indent=1)
-            os.replace(tmp, cache_path)  # never a half-written file
+        table = save_table(cache_path, measure(missing, threads))
     return {**table, "cached": False}
 
 
+def save_table(cache_path: str | None, table: dict) -> dict:
+    """Merge ``table``'s shapes into the cached table of its machine key (atomically: never a half-written
+    file; the caller holds ``cache_lock``); -> the merged table."""
+    tables = _read(cache_path)
+    merged = {**table, "shapes": {**tables.get(table["key"], {}).get("shapes", {}), **table["shapes"]}}
+    if cache_path:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(cache_path)), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": TABLE_VERSION, "tables": {**tables, table["key"]: merged}}, f, indent=1)
+        os.replace(tmp, cache_path)
+    return merged
+
+
 @contextlib.contextmanager
-def _flock(path: str):
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+def cache_lock(cache_path: str | None, block: bool):
+    """The machine's measuring lock (a file beside the cache): yields True if held, False if another process
+    holds it and ``block`` is False. No cache path: nothing to share, always True."""
+    if not cache_path:
+        yield True
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+    with open(cache_path + ".lock", "a") as f:
         try:
-            yield
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 

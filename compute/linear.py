@@ -139,6 +139,12 @@ class _KernelPlan:
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         raise NotImplementedError
 
+    def prepare_plan(self, plan: Sequence[str]) -> None:
+        """The bf16 copy ``plan`` needs, made now (any thread); the current plan is unchanged."""
+        qs = self.int8_weight()
+        if qs is not None and "bf16" in plan and self.w_bf16 is None:
+            self.w_bf16 = aligned(kernels.bf16_weight(*qs))
+
     def use_kernels(self, plan: Sequence[str] | None) -> None:
         qs = self.int8_weight()
         if qs is None or plan is None:

@@ -8,7 +8,11 @@ Lifecycle of a node's weights:
     with injection); each shard's tensors are ``torch.frombuffer`` views of its decoded buffer and
     are assigned to the model as they are (INT8 stays INT8: no second copy);
  4. ``progress`` is observable at any time (layers, shards, bytes, seconds); ``ready`` flips once
-    every tensor is present; the time to ready is recorded as a metric.
+    every tensor is present; the time to ready is recorded as a metric;
+ 5. the int8 kernels: the plan the store or this machine's cache holds, else the safe rule — never a
+    measurement before ready (``measure="background"``, ``compute.kernel_plans``): a measurement, if
+    one is needed, starts after ready and its plan is swapped in through the node's engine thread
+    (``attach``); ``measure="blocking"`` measures before ready (benchmarks, tools).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from prometheus_client import Gauge, Histogram
 from compute.config import ModelConfig
 from compute.kernels import DEFAULT_CACHE as DEFAULT_KERNEL_CACHE
 from compute.kernels import MODES as KERNEL_MODES
-from compute.kernels import plan_for
+from compute.kernel_plans import PLANS, BackgroundMeasure, lookup
+from compute.kernels import plan_for, rule_table
 from compute.model import Transformer
 from compute.tokenizer import TextBundle, _token_name
 from paramstore.quant import dequantize_int8
@@ -123,7 +128,7 @@ class WeightInjector:
 
     def __init__(self, store, ref: str, weights: str = "int8", reader_config=None, cache=None, manifest=None,
                  text: bool = True, kernels: str = "measured", kernel_cache: str | None = DEFAULT_KERNEL_CACHE,
-                 device: str = "cpu"):  # fmt: skip
+                 device: str = "cpu", measure: str = "background", measure_share: float = 0.25):  # fmt: skip
         """``text=False`` (a node: the gateway tokenizes) skips building the tokenizer (~0.3 s for SmolLM2's);
         ``eos_token_ids`` is read from the bundle either way. ``kernels``: ``measured`` (int8 weights run the
         kernels this machine's table chose, ``compute.kernels``; the table cached at ``kernel_cache``) or
@@ -133,7 +138,13 @@ class WeightInjector:
             raise ValueError(f"invalid runtime weights {weights!r}: int8, bf16 or fp32")
         if kernels not in KERNEL_MODES:
             raise ValueError(f"invalid kernels {kernels!r}: one of {', '.join(KERNEL_MODES)}")
+        if measure not in ("background", "blocking"):
+            raise ValueError(f"invalid measure {measure!r}: background or blocking")
         self.kernels, self.kernel_cache, self.kernel_table = kernels, kernel_cache, None
+        self.measure, self.measure_share, self.kernel_source = measure, measure_share, ""
+        self.planner: BackgroundMeasure | None = None  # measures a missing plan after ready
+        self._engine_hooks: dict | None = None  # attach(): how a measured plan reaches a serving model
+        self._plan_lock = threading.Lock()
         self.t0 = time.perf_counter()
         self.store, self.reader_config, self.cache = store, reader_config, cache
         self.manifest = manifest if manifest is not None else store.manifest(ref)
@@ -172,8 +183,11 @@ class WeightInjector:
         return self.progress.ready
 
     def cancel(self, timeout: float = 10.0) -> bool:
-        """Stop a load in progress after its current shard; True once the load thread has ended."""
+        """Stop a load in progress after its current shard (and a kernel measurement); True once the load
+        thread has ended."""
         self._cancel.set()
+        if self.planner is not None:
+            self.planner.stop()
         return self._done.wait(timeout) if self._thread is not None else True
 
     def _run(self) -> None:
@@ -195,26 +209,89 @@ class WeightInjector:
             if not self.model.ready:
                 raise RuntimeError(f"weights missing after every shard: {self.model.missing_weights()[:5]}")
             injected_s = time.perf_counter() - self.t0
-            measured = self.kernels != "fixed" and self.model.device.type == "cpu"
-            shapes = self.model.int8_shapes() if measured else []
-            if shapes:
-                # once per machine (cached by CPU, torch version and threads); a warm table costs ~1 ms
-                try:
-                    self.kernel_table = plan_for(shapes, torch.get_num_threads(), self.kernel_cache)
-                except OSError as e:  # an unwritable cache costs a measurement per load, never the load
-                    log.warning("kernel table cache %s unusable (%s): measuring without it", self.kernel_cache, e)
-                    self.kernel_table = plan_for(shapes, torch.get_num_threads(), None)
-                self.model.use_kernels(self.kernel_table, self.kernels)
+            self._plan_kernels()
             p.ready = True
             p.seconds = time.perf_counter() - self.t0
             TIME_TO_READY.observe(p.seconds)
-            log.info("model %s ready in %.2f s (%d shards, %.1f MiB, %s weights; injected at %.2f s, then kernels)",
-                     p.model, p.seconds, p.shards_loaded, p.bytes_loaded / 2**20, self.weights, injected_s)  # fmt: skip
+            log.info("model %s ready in %.2f s (%d shards, %.1f MiB, %s weights; injected at %.2f s, then kernels: %s)",
+                     p.model, p.seconds, p.shards_loaded, p.bytes_loaded / 2**20, self.weights, injected_s,
+                     self.kernel_source or "none")  # fmt: skip
+            if self.planner is not None:
+                self.planner.start()
         except Exception as e:  # noqa: BLE001 - reported through progress and /ready
             p.error = f"{type(e).__name__}: {e}"
             log.error("model %s failed to load: %s", p.model, p.error)
         finally:
             self._done.set()
+
+    # --- kernels (step 5) ------------------------------------------------------------------
+    def _plan_kernels(self) -> None:
+        """The plan to serve with now: store, this machine's cache, or the rule (measured later, off the path)."""
+        if self.kernels == "fixed" or self.model.device.type != "cpu" or not self.model.int8_shapes():
+            return
+        shapes, threads = self.model.int8_shapes(), torch.get_num_threads()
+        if self.measure == "blocking":
+            try:  # once per machine (cached by CPU, torch version and threads); a warm table costs ~1 ms
+                table = plan_for(shapes, threads, self.kernel_cache)
+            except OSError as e:  # an unwritable cache costs a measurement per load, never the load
+                log.warning("kernel table cache %s unusable (%s): measuring without it", self.kernel_cache, e)
+                table = plan_for(shapes, threads, None)
+            source = "local" if table.pop("cached") else "measured"
+        else:
+            table, source = lookup(shapes, threads, self.kernel_cache, self.store)
+            if table is None:
+                table, source = rule_table(shapes, threads), "rule"
+            if source != "store":  # measure what is missing, or publish the machine's plan to the store
+                self.planner = BackgroundMeasure(shapes, threads, self.kernel_cache, self.store, self._measured,
+                                                 busy=self._busy, share=self.measure_share, name=self.manifest.ref)  # fmt: skip
+        self.model.use_kernels(table, self.kernels)
+        self.kernel_table, self.kernel_source = table, source
+        PLANS.labels(source).inc()
+
+    def attach(self, post, served, busy, on_swap=None) -> None:
+        """A serving engine around the model: ``post(fn)`` runs fn on its thread between two steps, ``served()``
+        says whether it has run a request, ``busy()`` whether it has work now; ``on_swap()`` after a swap."""
+        with self._plan_lock:
+            self._engine_hooks = {"post": post, "served": served, "busy": busy, "on_swap": on_swap}
+
+    def kernel_state(self) -> dict:
+        pl = self.planner
+        return {"mode": self.kernels, "source": self.kernel_source,
+                "measure": pl.state if pl is not None else ("off" if self.kernels == "fixed" else "none")}  # fmt: skip
+
+    def _busy(self) -> bool:
+        hooks = self._engine_hooks
+        return bool(hooks and hooks["busy"]())
+
+    def _measured(self, table: dict, source: str) -> None:
+        """The planner's result (its thread): swap it in between steps; under ``invariant`` only before the
+        first request; without an engine (in-process use) at once under ``measured``, never under ``invariant``."""
+        if source == "local" and self.kernel_source == "local":
+            return  # the plan served already; it was only published
+        model, mode = self.model, self.kernels
+        with self._plan_lock:
+            hooks = self._engine_hooks
+        if model is None:
+            return
+
+        def swap() -> None:
+            if mode == "invariant" and (hooks is None or hooks["served"]()):
+                log.info("kernel plan (%s) kept for the next start: under kernels = invariant a node that has "
+                         "served keeps its plan", source)  # fmt: skip
+                return
+            model.use_kernels(table, mode)
+            self.kernel_table, self.kernel_source = table, source
+            PLANS.labels(source).inc()
+            log.info("kernel plan swapped in: %s (%d shapes)", source, len(table["shapes"]))
+            if hooks is not None and hooks["on_swap"] is not None:
+                hooks["on_swap"]()
+
+        if mode != "invariant":
+            model.prepare_kernels(table, mode)  # bf16 copies made here, not on the engine thread
+        if hooks is None:
+            swap()
+        else:
+            hooks["post"](swap)
 
     def _convert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Stored tensors -> runtime tensors: keep INT8 as is, or dequantize for a float runtime."""

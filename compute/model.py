@@ -232,6 +232,13 @@ class Transformer(nn.Module):
             n, k = m.int8_weight()[0].shape
             m.use_kernels(None if table is None else plan_of(table["shapes"][f"{n}x{k}"], mode))
 
+    def prepare_kernels(self, table: dict, mode: str = "measured") -> None:
+        """Make the copies ``table``'s plan needs (bf16 weights) without switching to it: ``use_kernels`` then
+        only assigns plans (cheap, between two steps)."""
+        for m in self.kernel_modules():
+            n, k = m.int8_weight()[0].shape
+            m.prepare_plan(plan_of(table["shapes"][f"{n}x{k}"], mode))
+
     # -- compute ---------------------------------------------------------------------------
 
     @torch.inference_mode()

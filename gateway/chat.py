@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+
+MAX_ATTEMPTS = 64  # 503/429 retries, each after the gateway's Retry-After, all within --wait
 
 
 def add_arguments(p) -> None:
@@ -14,12 +17,18 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the service to be ready")
+    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the service to be ready and "
+                   "to answer (a 503/429 with Retry-After is retried within them)")
+
+
+def _retry_after(r) -> float | None:
+    try:
+        return min(max(float(r.headers["Retry-After"]), 0.1), 30.0)
+    except (KeyError, ValueError):
+        return None
 
 
 def wait_ready(url: str, timeout: float) -> None:
-    import time
-
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -34,8 +43,6 @@ def wait_ready(url: str, timeout: float) -> None:
 
 
 def main(args) -> int:
-    import httpx
-
     from paramstore.config import config_path, env_secret, read_config
 
     from .main import gateway_url
@@ -48,13 +55,33 @@ def main(args) -> int:
         headers["Authorization"] = f"Bearer {key}"
     body = {"model": args.model, "messages": [{"role": "user", "content": args.question}],
             "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True}  # fmt: skip
-    with httpx.stream("POST", args.url + "/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
+    deadline = time.monotonic() + args.wait
+    for attempt in range(MAX_ATTEMPTS):
+        rc = _ask(args.url, body, headers, deadline, attempt)
+        if rc is not None:
+            return rc
+    print(f"pdserve chat: no answer after {MAX_ATTEMPTS} tries", file=sys.stderr)
+    return 2
+
+
+def _ask(url: str, body: dict, headers: dict, deadline: float, attempt: int) -> int | None:
+    """One try: the exit code, or None to retry (a 503/429 with Retry-After that fits before the deadline)."""
+    import httpx
+
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
         if r.status_code != 200:
             r.read()
             try:
                 msg = r.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 msg = r.text
+            wait = _retry_after(r)
+            if r.status_code in (429, 503) and wait is not None and time.monotonic() + wait < deadline:
+                if attempt == 0:  # one progress line, then quiet retries (as the openai client's)
+                    left = deadline - time.monotonic()
+                    print(f"pdserve chat: {r.status_code} ({msg}); retrying for up to {left:.0f} s", file=sys.stderr)
+                time.sleep(wait)
+                return None
             print(f"pdserve chat: error {r.status_code}: {msg}", file=sys.stderr)
             return 2
         for line in r.iter_lines():

@@ -102,7 +102,7 @@ class Catalog:
                 raise LocationUnavailable(f"cannot publish on {arbiter.url}: {e}") from None
             if claimed:
                 rel = manifest_path(manifest.name, version)
-                list(self.pool.map(lambda loc: _try_put(loc, rel, raw), self.locations[1:]))
+                list(self.pool.map(lambda loc: try_put(loc, rel, raw), self.locations[1:]))
                 return manifest
             version += 1
         raise ConflictRetry(f"could not claim a version of {manifest.name} after {MAX_CLAIMS} tries")
@@ -112,7 +112,7 @@ class Catalog:
         rel = manifest_path(manifest.name, manifest.version)
         raw = manifest.to_json(self.key)
         missing = [loc for loc in self.locations if loc.size(rel) is None]
-        return sum(self.pool.map(lambda loc: _try_put(loc, rel, raw), missing))
+        return sum(self.pool.map(lambda loc: try_put(loc, rel, raw), missing))
 
     def delete(self, name: str, version: int) -> None:
         rel = manifest_path(name, version)
@@ -131,7 +131,7 @@ class Catalog:
         return out
 
 
-def _try_put(loc: Location, rel: str, raw: bytes) -> bool:
+def try_put(loc: Location, rel: str, raw: bytes) -> bool:
     try:
         loc.put(rel, raw)
         return True

@@ -4,6 +4,7 @@
     (the [store] table of the config file: --config, $PDSERVE_CONFIG or $PARAMSTORE_CONFIG)
     import SRC --name NAME [--dtype int8|bf16|fp32] [--k 8 --m 3] [--shard-mb 128]
     ls | show REF | verify REF [--deep] | repair REF | rm REF | gc [--grace S] | warm REF | stats
+    plans [show ID | rm ID]     kernel plans per machine class (nodes publish them; see plans.py)
 
 Every listing takes --json. Exit 0 on success; on error one line on stderr and
 exit 2 (bad input, not found, integrity) or 1 (anything unexpected); never a
@@ -183,6 +184,33 @@ def cmd_stats(store, args) -> int:
     return 0
 
 
+def cmd_plans(store, args) -> int:
+    if args.action == "ls":
+        if args.id:
+            return _fail("plans ls takes no ID (plans show ID: one plan)")
+        rows = store.plans.list()
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        elif not rows:
+            print("(no kernel plans: a node publishes its machine's after it measures)")
+        else:
+            print(f"{'ID':16} {'REV':>3} {'SHAPES':>6}  MACHINE")
+            for r in rows:
+                if not r["valid"]:
+                    print(f"{r['id']:16} {'-':>3} {'-':>6}  INVALID: {r['error']}")
+                else:
+                    print(f"{r['id']:16} {r['revision']:>3} {r['shapes']:>6}  {str(r['key']).split(' ', 1)[-1]}")
+        return 0
+    if not args.id:
+        return _fail(f"plans {args.action} needs a plan ID (paramstore plans: the list)")
+    if args.action == "rm":
+        pid = store.plans.delete(args.id)
+        print(json.dumps({"removed": pid}) if args.json else f"removed kernel plan {pid}")
+        return 0
+    print(json.dumps(store.plans.get(args.id), indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paramstore", description="Admin CLI of the pdserve parameter store")
     add_store_arguments(p)
@@ -220,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cache-dir", default="./.pdserve/cache")
     sp.add_argument("--disk-gb", type=float, default=16.0)
     add("stats", cmd_stats, "fragments and bytes per location")
+    sp = add("plans", cmd_plans, "kernel plans per machine class: list, show ID, rm ID")
+    sp.add_argument("action", nargs="?", default="ls", choices=["ls", "show", "rm"])
+    sp.add_argument("id", nargs="?", metavar="ID", help="a plan id (16 hex digits) or a full machine key")
     return p
 
 

@@ -1,8 +1,11 @@
-"""Hashes: xxh3-128 per fragment (fast, checked on every read) and a cryptographic shard digest."""
+"""Hashes: xxh3-128 per fragment (fast, checked on every read), a cryptographic shard digest, and the seal
+(sha256, HMAC-SHA256 with the store's key) of the JSON objects the store keeps (manifests, kernel plans)."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import json
 
 import xxhash
 
@@ -21,3 +24,30 @@ def shard_digest(algo: str, buf) -> str:
     if algo == "sha256":
         return hashlib.sha256(buf).hexdigest()
     raise ValueError(f"unknown digest {algo!r}")
+
+
+def seal(body: dict, key: bytes | None) -> dict:
+    """The integrity block of a stored JSON object: sha256 of its canonical body, and an HMAC-SHA256 of it
+    when the store has a key (manifests, kernel plans)."""
+    canon = canonical(body)
+    out = {"sha256": hashlib.sha256(canon).hexdigest()}
+    if key:
+        out["hmac_sha256"] = hmac.new(key, canon, hashlib.sha256).hexdigest()
+    return out
+
+
+def check_seal(body: dict, integrity: dict, key: bytes | None, what: str) -> None:
+    """Raise ``IntegrityError`` unless ``integrity`` is ``seal(body, key)``'s (a keyed store refuses unsigned)."""
+    from .errors import IntegrityError
+
+    canon = canonical(body)
+    if not isinstance(integrity, dict) or integrity.get("sha256") != hashlib.sha256(canon).hexdigest():
+        raise IntegrityError(f"{what} does not match its hash (corrupt or edited)")
+    if key:
+        sig = integrity.get("hmac_sha256", "")
+        if not isinstance(sig, str) or not hmac.compare_digest(sig, hmac.new(key, canon, hashlib.sha256).hexdigest()):
+            raise IntegrityError(f"{what} has a missing or wrong HMAC signature (tampered?)")
+
+
+def canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()

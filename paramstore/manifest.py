@@ -10,12 +10,11 @@ refuses a manifest whose hash or signature does not match.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 from dataclasses import asdict, dataclass, field
 
 from .errors import IntegrityError
+from .integrity import check_seal, seal
 
 FORMAT = "pdserve-manifest/1"
 
@@ -87,11 +86,7 @@ class Manifest:
 
     def to_json(self, key: bytes | None = None) -> bytes:
         body = asdict(self)
-        canon = _canonical(body)
-        integrity = {"sha256": hashlib.sha256(canon).hexdigest()}
-        if key:
-            integrity["hmac_sha256"] = hmac.new(key, canon, hashlib.sha256).hexdigest()
-        return json.dumps({"manifest": body, "integrity": integrity}, indent=1, sort_keys=True).encode()
+        return json.dumps({"manifest": body, "integrity": seal(body, key)}, indent=1, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, key: bytes | None = None, where: str = "") -> "Manifest":
@@ -100,23 +95,13 @@ class Manifest:
             body, integrity = doc["manifest"], doc["integrity"]
         except (ValueError, KeyError, TypeError) as e:
             raise IntegrityError(f"unreadable manifest {where}: {e}") from None
-        canon = _canonical(body)
-        if integrity.get("sha256") != hashlib.sha256(canon).hexdigest():
-            raise IntegrityError(f"manifest {where} does not match its hash (corrupt or edited)")
-        if key:
-            sig = integrity.get("hmac_sha256", "")
-            if not hmac.compare_digest(sig, hmac.new(key, canon, hashlib.sha256).hexdigest()):
-                raise IntegrityError(f"manifest {where} has a missing or wrong HMAC signature (tampered?)")
+        check_seal(body, integrity, key, f"manifest {where}")
         if body.get("format") != FORMAT:
             raise IntegrityError(f"manifest {where} has unknown format {body.get('format')!r}")
         shards = [
             ShardInfo(**{**s, "fragments": [FragmentRef(**f) for f in s["fragments"]]}) for s in body["shards"]
         ]
         return cls(**{**body, "shards": shards})
-
-
-def _canonical(body: dict) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def manifest_path(name: str, version: int) -> str:

@@ -1,7 +1,8 @@
 """ParamStore: the facade that the admin CLI and compute nodes use.
 
 Verbs: ``import_model``, ``models``, ``manifest``, ``reader``, ``verify``,
-``repair``, ``remove``, ``gc``, ``warm``, ``stats``. See ``locations`` for the
+``repair``, ``remove``, ``gc``, ``warm``, ``stats``; kernel plans per machine class
+through ``store.plans`` (``plans``). See ``locations`` for the
 on-disk layout, ``writer`` for the import lifecycle, ``reader`` for reads.
 """
 
@@ -18,6 +19,7 @@ from .config import StoreConfig, parse_ref
 from .errors import IntegrityError, InvalidRequest
 from .locations import Location, open_location
 from .manifest import Manifest
+from .plans import Plans
 from .reader import ModelReader, ReaderConfig
 from .scrub import ShardHealth, repair, verify
 from .sources import ModelSource, open_source
@@ -37,6 +39,7 @@ class ParamStore:
         self.locations = [self.location(u) for u in config.locations]
         self.pool = ThreadPoolExecutor(max(8, config.n), thread_name_prefix="paramstore")
         self.catalog = Catalog(self.locations, config.hmac_key, self.pool)
+        self.plans = Plans(self.locations, config.hmac_key, self.pool)  # kernel plans per machine class
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

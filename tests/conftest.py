@@ -1,11 +1,23 @@
 """Shared fixtures: tiny random Llama checkpoints (HF layout) and store configs; the hooks that make a
-skipped required component a failure under PDSERVE_REQUIRE_ALL=1 (tests/required.py)."""
+skipped required component a failure under PDSERVE_REQUIRE_ALL=1 (tests/required.py).
+
+Every test session starts from nothing, as a user's first start, a fresh pod or CI does: its own empty
+HOME and XDG_CACHE_HOME (so no kernel table, no shard cache, no config of the developer's), set here,
+before anything imports pdserve, and inherited by every process a test starts. A test that needs a
+warm cache makes it itself."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import uuid
+
+_HOME = tempfile.mkdtemp(prefix="pdserve-test-home-")
+os.environ.update(HOME=_HOME, XDG_CACHE_HOME=os.path.join(_HOME, ".cache"))
+for _var in ("PDSERVE_CACHE_DIR", "PDSERVE_CONFIG", "PARAMSTORE_CONFIG"):
+    os.environ.pop(_var, None)
 
 import pytest
 import torch
@@ -19,6 +31,10 @@ from tests.required import (  # noqa: F401 - hooks, found by name
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_HOME, ignore_errors=True)
 
 
 def tiny_llama_config(layers: int = 4, hidden: int = 64, ffn: int = 128, heads: int = 4, kv_heads: int = 2,

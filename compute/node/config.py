@@ -37,8 +37,10 @@ class NodeConfig:
     memory_gb: float = 0.0  # budget for weights + KV cache of every held model; 0 = half of MemAvailable at start
     tpot_target_s: float = 0.1  # the step time at which the capacity report's max_streams is taken
     device: str = "cpu"  # torch device of weights, KV cache and sampling (cpu | cuda | cuda:N ...)
-    kernels: str = "measured"  # int8 kernels, measured per machine (cached in cache_dir or ~/.cache/pdserve):
-    # measured (the fastest per M bucket) | invariant (one batch-invariant kernel per shape) | fixed (the old rule)
+    kernels: str = "measured"  # int8 kernels, per machine class: from the store's plan, the machine's cache
+    # (cache_dir or ~/.cache/pdserve), else the safe rule until measured off the request path: measured (the fastest per M bucket) | invariant (one batch-invariant kernel per shape) | fixed (the old rule)
+    measure_share: float = 0.25  # a kernel measurement after ready (no plan in the store or the machine's cache)
+    # takes at most this share of the time while the engine has work (all of it while idle); niced either way
     import_nice: int = 0  # heavy imports in a thread niced by this much (pool refill); serving threads are not
 
     def __post_init__(self) -> None:
@@ -62,5 +64,7 @@ class NodeConfig:
             raise ValueError(f"invalid kernels {self.kernels!r}: measured, invariant or fixed")
         if self.memory_gb < 0 or self.tpot_target_s <= 0:
             raise ValueError("need memory_gb >= 0 (0: half of MemAvailable) and tpot_target_s > 0")
+        if not 0 < self.measure_share <= 1:
+            raise ValueError("measure_share must be in (0, 1]")
         if not 0 <= self.import_nice <= 19:
             raise ValueError("import_nice must be in [0, 19]")

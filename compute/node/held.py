@@ -102,7 +102,8 @@ class Held:
 
         inj = WeightInjector(store, self.name, self.weights, reader_config=ReaderConfig(prefetch=self.prefetch),
                              cache=cache, manifest=self.manifest, text=False, kernels=cfg.kernels,
-                             kernel_cache=kernel_cache(cfg), device=cfg.device)  # fmt: skip
+                             kernel_cache=kernel_cache(cfg), device=cfg.device,
+                             measure_share=cfg.measure_share)  # fmt: skip
         self.injector, self.progress = inj, inj.progress
         if self._cancel.is_set():
             return
@@ -117,6 +118,10 @@ class Held:
                 return
             self.svc, self.meter = parts
             self.weights_bytes = tensor_bytes(inj.model)
+            worker = self.svc.worker
+            inj.attach(post=lambda fn: worker.post(lambda engine: fn()), served=lambda: worker.steps > 0,
+                       busy=lambda: worker.engine is not None and worker.engine.has_unfinished(),
+                       on_swap=lambda: setattr(self, "weights_bytes", tensor_bytes(inj.model)))  # fmt: skip
             self.kv_bytes = self.svc.worker.engine.runner.cache.kv.nbytes
             self.ready_s = time.perf_counter() - t0
             self.state = "ready"
@@ -127,7 +132,7 @@ class Held:
         with self._lock:
             self._cancel.set()
         if self.injector is not None:
-            self.injector._cancel.set()
+            self.injector.cancel(timeout=0)  # a load after its shard, a kernel measurement after its slice
 
     def end_streams(self, reason: str) -> None:
         """Event loop: requests still open after the drain bound end now (``abort``) instead of hanging."""
@@ -145,7 +150,8 @@ class Held:
                "bytes": self.bytes, "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes,
                "last_used": self.last_used, "progress": self.progress.as_dict(), "error": self.error,
                "ready_s": self.ready_s, "transient_bytes": self.transient_bytes if self.state == "loading" else 0,
-               "prefetch": self.prefetch}  # fmt: skip
+               "prefetch": self.prefetch,
+               "kernels": self.injector.kernel_state() if self.injector is not None else None}  # fmt: skip
         out.update(dict.fromkeys(PER_MODEL, 0))
         svc = self.svc
         if svc is not None:
@@ -169,7 +175,7 @@ def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeSe
                               max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                               eos_token_ids=eos, kv_cache_dtype=cfg.kv_dtype)  # fmt: skip
     meter = CapacityMeter(cfg.tpot_target_s, cfg.max_num_seqs)
-    worker = EngineWorker(engine, loop, meter=meter, name=f"engine-{name}")
+    worker = EngineWorker(engine, loop, meter=meter, name=f"engine-{name}", model=name)
     svc = NodeService(dataclasses.replace(cfg, model=name, weights=inj.weights), worker, model.config.vocab_size)
     svc.tokenizer_json, svc.eos_token_ids = inj.tokenizer_json, tuple(eos or ())
     cache_t = engine.runner.cache

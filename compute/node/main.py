@@ -51,8 +51,11 @@ def add_arguments(p) -> None:
     p.add_argument("--import-nice", type=int, help="do the heavy imports in a thread niced by N (default 0)")
     p.add_argument("--device", help="torch device of weights, KV cache and sampling (default cpu)")
     p.add_argument("--kernels", choices=("measured", "invariant", "fixed"),
-                   help="int8 kernels measured on this machine (cached): the fastest per batch size (measured, "
+                   help="int8 kernels planned per machine class (the store's plan, else this machine's cache, else the "
+                        "safe rule until measured in the background): the fastest per batch size (measured, "
                         "default), one batch-invariant kernel per shape (invariant), or the fixed rule")  # fmt: skip
+    p.add_argument("--measure-share", type=float,
+                   help="a kernel measurement after ready takes at most this share of the time while serving (0.25)")
     p.add_argument("--token-file", default=None, help="file with the internal token (else $PDSERVE_INTERNAL_TOKEN)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as JSON and exit")
@@ -85,7 +88,8 @@ def node_config(args):
              "kv_compression": args.kv_compression, "kv_hold_s": args.kv_hold_s, "kv_timeout_s": args.kv_timeout_s,
              "cache_dir": args.cache_dir, "cache_gb": args.cache_gb, "threads": args.threads,
              "memory_gb": args.memory_gb, "tpot_target_s": args.tpot_target_s,
-             "import_nice": args.import_nice, "kernels": args.kernels, "device": args.device}  # fmt: skip
+             "import_nice": args.import_nice, "kernels": args.kernels, "device": args.device,
+             "measure_share": args.measure_share}  # fmt: skip
     token = env_secret("PDSERVE_INTERNAL_TOKEN", args.token_file)  # --token-file, else $PDSERVE_INTERNAL_TOKEN[_FILE]
     env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None, "internal_token": token or None}
     kw = resolve(NodeConfig, "node", tables, path, flags, env, hints=_SECRETS)

@@ -148,6 +148,7 @@ def test_a_plan_naming_an_unknown_kernel_is_refused():
 
 
 def test_an_unwritable_cache_costs_a_measurement_never_the_load(tmp_path, tiny_hf):
+    """Ready at once on the rule; the background measurement runs without a cache and is swapped in."""
     from compute.loader import WeightInjector
     from paramstore import ParamStore, StoreConfig
 
@@ -157,7 +158,11 @@ def test_an_unwritable_cache_costs_a_measurement_never_the_load(tmp_path, tiny_h
     try:
         store.import_model(tiny_hf[0], "tiny", dtype="int8")
         inj = WeightInjector(store, "tiny", "int8", kernel_cache=str(blocked / "kernels.json")).start()
-        assert inj.wait(60) and inj.kernel_table is not None and inj.kernel_table["cached"] is False
+        assert inj.wait(60) and inj.kernel_source == "rule" and inj.kernel_table.get("rule")
+        assert inj.planner.wait(120) and inj.planner.state == "done"
+        assert inj.kernel_source == "measured" and not inj.kernel_table.get("rule")
+        blocking = WeightInjector(store, "tiny", "int8", kernel_cache=str(blocked / "kernels.json"), measure="blocking")
+        assert blocking.start().wait(120) and blocking.kernel_source == "measured" and blocking.planner is None
         fixed = WeightInjector(store, "tiny", "int8", kernels="fixed").start()
         assert fixed.wait(60) and fixed.kernel_table is None
         assert all(m.plan is None for m in fixed.model.kernel_modules())
