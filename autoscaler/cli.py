@@ -46,6 +46,7 @@ BENCHES = {
     "swap": ("benchmarks.swap", "many models on one pool: cold-model first token vs a fresh process, from zero"),
     "lm-eval": ("benchmarks.lm_eval", "lm-evaluation-harness scoring through the gateway vs in-process engine and HF"),
     "guidellm": ("benchmarks.guidellm", "guidellm (a load client for OpenAI-compatible servers) against the gateway"),
+    "first-start": ("benchmarks.first_start", "launch -> answer on a machine that never ran pdserve vs a warm start"),
     "grammar": ("benchmarks.grammar", "structured output's cost per decode step (JSON schema, regex, tool call) vs free"),
 }
 

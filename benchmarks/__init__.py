@@ -9,6 +9,7 @@ Layout: one module per thing measured, each a `pdserve bench NAME` command with
     pd.py            pdserve bench pd        KV transfer and colocated vs disaggregated serving
     gateway.py       pdserve bench gateway   gateway overhead vs a node served directly
     burst.py         pdserve bench burst     a burst sized from measured capacity: warm pool vs cold process
+    first_start.py   pdserve bench first-start  launch -> answer with empty HOME and caches vs a warm start
     swap.py          pdserve bench swap      many models on one pool: cold-model first token, from zero
   and what they share:
     service.py       `pdserve up` in a process of its own, observed from outside (used by burst.py, swap.py)
