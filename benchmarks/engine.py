@@ -148,7 +148,7 @@ class Ours:
     def __init__(self, store, ref: str, weights: str, kernels: str = "measured") -> None:
         from compute.loader import WeightInjector
 
-        self.injector = WeightInjector(store, ref, weights=weights, kernels=kernels).start()
+        self.injector = WeightInjector(store, ref, weights=weights, kernels=kernels, measure="blocking").start()
         self.injector.wait()
         self.model, self.bundle = self.injector.model, self.injector.bundle
 

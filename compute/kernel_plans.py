@@ -122,6 +122,7 @@ class BackgroundMeasure:
         self.shapes, self.threads, self.cache_path, self.store = sorted(set(shapes)), threads, cache_path, store
         self.apply, self.busy, self.share, self.poll_s, self.nice = apply, busy, share, poll_s, nice
         self.state, self.source, self.error = "waiting", "", None
+        self.table: dict | None = None  # the result, once done
         self.measured_s = 0.0  # seconds of measuring work (excluding pauses)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-measure", daemon=True)
@@ -155,7 +156,7 @@ class BackgroundMeasure:
                 return
             if self.store is not None and source in ("measured", "local"):  # "peer": its measurer publishes
                 publish(self.store, table, self.threads)
-            self.state, self.source = "done", source
+            self.state, self.source, self.table = "done", source, table
             self.apply(table, source)
         except Exception as e:  # noqa: BLE001 - the node keeps serving with the plan it has
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"

@@ -264,18 +264,19 @@ class WeightInjector:
         return bool(hooks and hooks["busy"]())
 
     def _measured(self, table: dict, source: str) -> None:
-        """The planner's result (its thread): swap it in between steps; under ``invariant`` only before the
-        first request; without an engine (in-process use) at once under ``measured``, never under ``invariant``."""
+        """The planner's result (its thread): swapped in between two steps of the attached engine; under
+        ``invariant`` only before its first request. Without an engine (in-process use: tools, tests) the model
+        keeps the plan it started with (its numbers do not change under its caller); the next start takes it."""
         if source == "local" and self.kernel_source == "local":
             return  # the plan served already; it was only published
         model, mode = self.model, self.kernels
         with self._plan_lock:
             hooks = self._engine_hooks
-        if model is None:
+        if model is None or hooks is None:
             return
 
         def swap() -> None:
-            if mode == "invariant" and (hooks is None or hooks["served"]()):
+            if mode == "invariant" and hooks["served"]():
                 log.info("kernel plan (%s) kept for the next start: under kernels = invariant a node that has "
                          "served keeps its plan", source)  # fmt: skip
                 return
@@ -283,15 +284,12 @@ class WeightInjector:
             self.kernel_table, self.kernel_source = table, source
             PLANS.labels(source).inc()
             log.info("kernel plan swapped in: %s (%d shapes)", source, len(table["shapes"]))
-            if hooks is not None and hooks["on_swap"] is not None:
+            if hooks["on_swap"] is not None:
                 hooks["on_swap"]()
 
         if mode != "invariant":
             model.prepare_kernels(table, mode)  # bf16 copies made here, not on the engine thread
-        if hooks is None:
-            swap()
-        else:
-            hooks["post"](swap)
+        hooks["post"](swap)
 
     def _convert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Stored tensors -> runtime tensors: keep INT8 as is, or dequantize for a float runtime."""

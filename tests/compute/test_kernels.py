@@ -148,7 +148,8 @@ def test_a_plan_naming_an_unknown_kernel_is_refused():
 
 
 def test_an_unwritable_cache_costs_a_measurement_never_the_load(tmp_path, tiny_hf):
-    """Ready at once on the rule; the background measurement runs without a cache and is swapped in."""
+    """Ready at once on the rule; the background measurement runs without a cache; its plan is swapped in only
+    through an attached engine's thread."""
     from compute.loader import WeightInjector
     from paramstore import ParamStore, StoreConfig
 
@@ -159,7 +160,13 @@ def test_an_unwritable_cache_costs_a_measurement_never_the_load(tmp_path, tiny_h
         store.import_model(tiny_hf[0], "tiny", dtype="int8")
         inj = WeightInjector(store, "tiny", "int8", kernel_cache=str(blocked / "kernels.json")).start()
         assert inj.wait(60) and inj.kernel_source == "rule" and inj.kernel_table.get("rule")
-        assert inj.planner.wait(120) and inj.planner.state == "done"
+        assert inj.planner.wait(120) and inj.planner.state == "done"  # measured without a cache
+        assert inj.kernel_source == "rule"  # no engine attached: an in-process model keeps the plan it started with
+        posted = []
+        inj.attach(post=posted.append, served=lambda: False, busy=lambda: False)
+        inj._measured(inj.planner.table, "measured")  # what the planner hands a node: posted to its engine thread
+        assert len(posted) == 1 and inj.kernel_source == "rule"
+        posted[0]()
         assert inj.kernel_source == "measured" and not inj.kernel_table.get("rule")
         blocking = WeightInjector(store, "tiny", "int8", kernel_cache=str(blocked / "kernels.json"), measure="blocking")
         assert blocking.start().wait(120) and blocking.kernel_source == "measured" and blocking.planner is None
