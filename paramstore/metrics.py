@@ -13,6 +13,8 @@ SHARD_LOAD_SECONDS = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 CACHE_HITS = Counter("paramstore_cache_hits_total", "Node-local cache hits", ["tier"])  # tier: memory|disk
+for _tier in ("memory", "disk"):  # at zero from the start: a cache that never hits still has a hit ratio (alerted on)
+    CACHE_HITS.labels(tier=_tier)
 CACHE_MISSES = Counter("paramstore_cache_misses_total", "Node-local cache misses")
 CACHE_EVICTIONS = Counter("paramstore_cache_evictions_total", "Node-local cache evictions", ["tier"])
 BYTES_READ = Counter("paramstore_bytes_read_total", "Fragment bytes read per location", ["location"])

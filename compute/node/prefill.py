@@ -17,7 +17,9 @@ Lifecycle of a request on a prefill node:
 from __future__ import annotations
 
 import logging
+import time
 
+from .metrics import TTFT
 from .service import (
     BadNodeRequest,
     NodeBusy,
@@ -55,11 +57,14 @@ async def prefill(svc: NodeService, body: dict) -> dict:
     # the context check must cover the whole request, not just this first token
     if len(prompt) + want.max_tokens > svc.scheduler.max_len:
         raise BadNodeRequest(f"prompt {len(prompt)} + max_tokens {want.max_tokens} exceeds {svc.scheduler.max_len}")
+    started = time.monotonic()
     q = await svc.add(rid, seq, "prefill")
     try:
         out = await q.get()
     finally:
         svc.finish(rid)
+    if out.new_token_ids:  # the request's first token: its TTFT is measured here (the decode node's is its own)
+        TTFT.labels(svc.config.model).observe(time.monotonic() - started)
     if out.finish_reason in ("error", "abort"):
         return {"token_ids": [], "finish_reason": out.finish_reason, "error": out.error, "kv": None}
     line = output_json(out)  # the first token, its logprobs and the prompt's, if asked

@@ -19,11 +19,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import decode as decode_role
 from . import prefill as prefill_role
+from .metrics import host_registry
 from .models import ModelHost, ModelNotHeld, ModelUnknown
 from .service import BadNodeRequest, NodeBusy, new_sequence, parse, sampling_params
 
 log = logging.getLogger("pdserve.node")
-OPEN_PATHS = ("/health", "/ready")  # what a kubelet probes, without credentials (no state beyond ready/draining)
+# without credentials: what a kubelet probes (no state beyond ready/draining) and what Prometheus scrapes, open as
+# vLLM's /metrics is (counts and timings per model; no secret, prompt or token: compute/node/metrics.py)
+OPEN_PATHS = ("/health", "/ready", "/metrics")
 
 
 def create_app(host: ModelHost) -> FastAPI:
@@ -132,10 +135,11 @@ def create_app(host: ModelHost) -> FastAPI:
     async def load():
         return host.view()
 
+    held_gauges = host_registry(host.view)
+
     @app.get("/metrics")
     async def metrics():
-        host.view()  # refresh gauges
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest() + generate_latest(held_gauges), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -18,21 +18,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from prometheus_client import Gauge, Histogram
-
 from compute.errors import RequestTooLarge
 from compute.sampling import SamplingParams
 from compute.sequence import Sequence, Status
 
 from .config import NodeConfig
+from .metrics import FINISHED, REQUEST_SECONDS, TPOT, TTFT, start_series
 from .worker import EngineWorker
-
-TTFT = Histogram("pdserve_node_ttft_seconds", "Request arrival to first token on this node",
-                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))  # fmt: skip
-TPOT = Histogram("pdserve_node_tpot_seconds", "Time per output token after the first",
-                 buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))  # fmt: skip
-KV_USED = Gauge("pdserve_node_kv_blocks_used", "KV blocks in use (held for transfer included)")
-KV_TOTAL = Gauge("pdserve_node_kv_blocks_total", "KV blocks in the cache")
 
 
 class BadNodeRequest(ValueError):
@@ -147,6 +139,7 @@ class NodeService:
         self.tokenizer_json: bytes | None = None  # the model's, for structured output (set by the loader)
         self.eos_token_ids: tuple[int, ...] = ()
         self._grammars = None
+        start_series(config.model)
 
     @property
     def grammars(self):
@@ -200,6 +193,7 @@ class NodeService:
     async def relay(self, rid: str, q: asyncio.Queue) -> AsyncIterator[bytes]:
         """NDJSON lines of one sequence's outputs until it finishes; aborts it if the client leaves."""
         a = self.active[rid]
+        model = self.config.model
         last = None
         n = 0
         done = False
@@ -208,16 +202,19 @@ class NodeService:
                 o = await q.get()
                 now = time.monotonic()
                 if n == 0 and o.new_token_ids:
-                    TTFT.observe(now - a.started)
+                    TTFT.labels(model).observe(now - a.started)
                 elif last is not None and o.new_token_ids:
-                    TPOT.observe(now - last)
+                    TPOT.labels(model).observe(now - last)
                 last, n = now, n + len(o.new_token_ids)
                 yield (json.dumps(output_json(o)) + "\n").encode()
                 if o.finished:
                     done = True
+                    REQUEST_SECONDS.labels(model).observe(now - a.started)
+                    FINISHED.labels(model, o.finish_reason or "stop").inc()
                     return
         finally:
             if not done:
+                FINISHED.labels(model, "abort").inc()  # the client went away (or the node stops)
                 self.abort(rid)
             self.finish(rid)
 
@@ -228,8 +225,6 @@ class NodeService:
         queued_tokens = sum(q.num_uncomputed for q in waiting)
         queued_tokens += sum(q.num_uncomputed for q in list(s.running) if q.num_uncomputed > 1)
         used = bm.num_blocks - bm.num_free
-        KV_USED.set(used)
-        KV_TOTAL.set(bm.num_blocks)
         return {
             "role": self.config.role, "model": self.config.model, "ready": ready, "draining": self.draining,
             "queued": len(waiting), "running": len([q for q in list(s.running) if q.status is Status.RUNNING]),

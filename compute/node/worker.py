@@ -18,22 +18,22 @@ import threading
 import time
 from collections.abc import Callable
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Histogram
 
 from compute.engine import Engine, StepOutput
+
+from .metrics import GENERATED, PROMPT_COMPUTED
 
 log = logging.getLogger("pdserve.node")
 STEP_SECONDS = Histogram("pdserve_node_step_seconds", "One engine step",
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))  # fmt: skip
-GENERATED = Counter("pdserve_node_generated_tokens_total", "Tokens sampled by this node")
-PROMPT_COMPUTED = Counter("pdserve_node_prompt_tokens_computed_total",
-                          "Prompt positions this node ran through the model (an n > 1 request's choices share theirs)")  # fmt: skip
 
 
 class EngineWorker:
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, idle_wait_s: float = 0.05,
-                 meter=None, name: str = "engine"):  # fmt: skip
+                 meter=None, name: str = "engine", model: str = ""):  # fmt: skip
         self.engine, self.loop, self.idle_wait_s = engine, loop, idle_wait_s
+        self._generated, self._prompt_computed = GENERATED.labels(model), PROMPT_COMPUTED.labels(model)
         self.meter = meter  # a CapacityMeter fed with every step (or None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, asyncio.Queue] = {}
@@ -86,7 +86,7 @@ class EngineWorker:
                 t0, before = time.perf_counter(), self.engine.prompt_tokens_computed
                 outs = self.engine.step()
                 dt = time.perf_counter() - t0
-                PROMPT_COMPUTED.inc(self.engine.prompt_tokens_computed - before)
+                self._prompt_computed.inc(self.engine.prompt_tokens_computed - before)
                 STEP_SECONDS.observe(dt)
                 if self.meter is not None:
                     self.meter.record(*self.engine.last_step, dt)
@@ -125,4 +125,4 @@ class EngineWorker:
             if q is not None:
                 self.loop.call_soon_threadsafe(q.put_nowait, o)
         if n:
-            GENERATED.inc(n)
+            self._generated.inc(n)

@@ -207,7 +207,7 @@ def _prompt_computed(svc) -> float:
     total = 0.0
     for node in svc["nodes"]:
         for line in httpx.get(node.url + "/metrics", headers=HEADERS, timeout=10).text.splitlines():
-            if line.startswith("pdserve_node_prompt_tokens_computed_total "):
+            if line.startswith(("pdserve_node_prompt_tokens_computed_total ", "pdserve_node_prompt_tokens_computed_total{")):
                 total += float(line.split()[1])
     return total
 
