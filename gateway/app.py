@@ -42,9 +42,18 @@ from .service import REQUEST_SECONDS, REQUESTS, BadRequest, Delta, Gateway
 LEGACY_FIELDS = ("functions", "function_call")  # refused with their own message
 
 
+class _JSON(JSONResponse):
+    """JSON whose strings may hold a lone surrogate (JSON lets a client send "\\ud800"; an admin body or a
+    message may echo it): written as the escape it came in as, never a 500 from the UTF-8 encoder."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(
+            "utf-8", "backslashreplace")  # only a surrogate cannot be encoded, and only inside a string: "\\udXXX"
+
+
 def _err(status: int, message: str, type_: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:
     REQUESTS.labels(str(status)).inc()
-    return JSONResponse(error_body(message, type_, param, status), status_code=status, headers=headers)
+    return _JSON(error_body(message, type_, param, status), status_code=status, headers=headers)
 
 
 def _authorized(request: Request, keys) -> bool:
@@ -63,7 +72,7 @@ def create_app(gw: Gateway) -> FastAPI:
         yield
         await gw.stop()
 
-    app = FastAPI(title="pdserve gateway", lifespan=lifespan)
+    app = FastAPI(title="pdserve gateway", lifespan=lifespan, default_response_class=_JSON)
     cfg = gw.config
 
     def openapi() -> dict:
@@ -98,7 +107,7 @@ def create_app(gw: Gateway) -> FastAPI:
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        msg = first.get("msg", "invalid request")
+        msg = first.get("msg", "invalid request").removeprefix("Value error, ")  # a validator's own message
         if first.get("type") == "json_invalid":
             msg, loc = "request body is not valid JSON", None
         elif first.get("type") == "extra_forbidden" and loc in LEGACY_FIELDS:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -22,6 +23,7 @@ from pydantic import (
 )
 
 from .formats import NonEmpty, ResponseFormat
+from .registry import NODE_URL, NODE_URL_MAX, node_url
 from .tools import MessageToolCall, Tool, ToolChoice
 
 # strict models (JSON types as the schema says: no 0 for false, no "1" for 1), except that 1.0 is an
@@ -280,9 +282,10 @@ class Load(BaseModel):
 
 
 class NodeSpec(BaseModel):
-    url: Annotated[str, StringConstraints(pattern=r"^https?://[^\s/]+")]
+    # checked by node_url (a 400 saying what is wrong), documented by its exact pattern
+    url: Annotated[str, AfterValidator(node_url), Field(json_schema_extra={"pattern": NODE_URL, "maxLength": NODE_URL_MAX})]
     role: Literal["prefill", "decode", "both"]
-    source: str = "admin"
+    source: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")] = "admin"  # who registered it
 
 
 class InternalNodeSpec(NodeSpec):  # POST /internal/nodes (gateway.internal)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,31 @@ import httpx
 from .router import NodeView
 
 log = logging.getLogger("pdserve.gateway")
+
+# A node's URL, exactly (the admin API's schema states this pattern; nothing it admits is refused):
+# http or https; a DNS name whose last label starts with a letter (labels of 1-63 letters, digits, hyphens),
+# an IPv4 address or a bracketed IPv6 one; a port 1-65535; a path of unreserved characters; no user, query
+# or fragment. ASCII only: an internationalised host name goes in its IDNA (xn--) form.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_NAME = rf"(?:{_LABEL}\.)*[A-Za-z](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?"
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_H = r"[0-9A-Fa-f]{1,4}"
+_IPV6 = "|".join((rf"(?:{_H}:){{7}}{_H}", rf"(?:{_H}:){{1,7}}:", rf"(?:{_H}:){{1,6}}:{_H}",
+                  *(rf"(?:{_H}:){{1,{6 - i}}}(?::{_H}){{1,{i + 1}}}" for i in range(1, 6)),
+                  rf":(?:(?::{_H}){{1,7}}|:)"))  # fmt: skip
+_PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+NODE_URL = rf"^https?://(?:{_NAME}|{_OCTET}(?:\.{_OCTET}){{3}}|\[(?:{_IPV6})\])(?::{_PORT})?(?:/[A-Za-z0-9._~-]*)*$"
+NODE_URL_MAX = 2048  # characters
+_NODE_URL = re.compile(NODE_URL.replace("$", r"\Z"))  # Python's $ also matches before a final newline
+
+
+def node_url(url: str) -> str:
+    """`url` as the registry keys it (no trailing slash); ValueError saying what is wrong with it."""
+    if not isinstance(url, str) or len(url) > NODE_URL_MAX or not _NODE_URL.match(url):
+        shown = url[:80] + "..." if isinstance(url, str) and len(url) > 80 else url
+        raise ValueError(f"invalid node URL {shown!r}: want http(s)://HOST[:PORT][/PATH] with an ASCII host name "
+                         "(IDNA form), an IPv4 or a bracketed IPv6 address, a port 1-65535, no user, query or fragment")
+    return url.rstrip("/")
 
 
 @dataclass(slots=True)
@@ -187,8 +213,8 @@ class NodeRegistry:
             if (n.view().routable and not was_routable) or new:
                 log.info("node ready: %s (%s)%s", n.url, n.role, f": {', '.join(sorted(new))}" if new else "")
                 self.changed.set()
-        except (httpx.HTTPError, ValueError) as e:
-            n.failures += 1
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:  # InvalidURL is no HTTPError: a URL httpx
+            n.failures += 1  # refuses (a static or discovered one: the admin API checks its own) fails the check
             if n.failures >= self.max_failures and n.healthy:
                 log.warning("node evicted after %d failed health checks: %s (%s)", n.failures, n.url, e)
                 n.healthy = False
