@@ -145,6 +145,7 @@ class WeightInjector:
         self.planner: BackgroundMeasure | None = None  # measures a missing plan after ready
         self._engine_hooks: dict | None = None  # attach(): how a measured plan reaches a serving model
         self._plan_lock = threading.Lock()
+        self._pending: tuple[dict, str] | None = None  # a planner result that came before ``attach``
         self.t0 = time.perf_counter()
         self.store, self.reader_config, self.cache = store, reader_config, cache
         self.manifest = manifest if manifest is not None else store.manifest(ref)
@@ -253,6 +254,9 @@ class WeightInjector:
         says whether it has run a request, ``busy()`` whether it has work now; ``on_swap()`` after a swap."""
         with self._plan_lock:
             self._engine_hooks = {"post": post, "served": served, "busy": busy, "on_swap": on_swap}
+            pending, self._pending = self._pending, None
+        if pending is not None:  # the planner finished before the engine existed
+            self._measured(*pending)
 
     def kernel_state(self) -> dict:
         pl = self.planner
@@ -272,6 +276,8 @@ class WeightInjector:
         model, mode = self.model, self.kernels
         with self._plan_lock:
             hooks = self._engine_hooks
+            if hooks is None:
+                self._pending = (table, source)  # for an engine attached later (a node builds it after ready)
         if model is None or hooks is None:
             return
 

@@ -163,9 +163,8 @@ def test_an_unwritable_cache_costs_a_measurement_never_the_load(tmp_path, tiny_h
         assert inj.planner.wait(120) and inj.planner.state == "done"  # measured without a cache
         assert inj.kernel_source == "rule"  # no engine attached: an in-process model keeps the plan it started with
         posted = []
-        inj.attach(post=posted.append, served=lambda: False, busy=lambda: False)
-        inj._measured(inj.planner.table, "measured")  # what the planner hands a node: posted to its engine thread
-        assert len(posted) == 1 and inj.kernel_source == "rule"
+        inj.attach(post=posted.append, served=lambda: False, busy=lambda: False)  # a node's engine, built later
+        assert len(posted) == 1 and inj.kernel_source == "rule"  # the pending plan, posted to its engine thread
         posted[0]()
         assert inj.kernel_source == "measured" and not inj.kernel_table.get("rule")
         blocking = WeightInjector(store, "tiny", "int8", kernel_cache=str(blocked / "kernels.json"), measure="blocking")
@@ -176,3 +175,23 @@ def test_an_unwritable_cache_costs_a_measurement_never_the_load(tmp_path, tiny_h
         assert all(m.plan is not None for m in inj.model.kernel_modules())
     finally:
         store.close()
+
+
+def test_invariant_keeps_its_plan_once_it_has_served(tmp_path, tiny_hf):
+    """kernels = invariant: a measured plan is swapped in before the first request, never after one."""
+    from compute.loader import WeightInjector
+    from paramstore import ParamStore, StoreConfig
+
+    with ParamStore(StoreConfig.local_default(str(tmp_path / "store"), k=2, m=1)) as store:
+        store.import_model(tiny_hf[0], "tiny", dtype="int8")
+        for served in (True, False):
+            for row in store.plans.list():  # the first round published its plan: measure again
+                store.plans.delete(row["id"])
+            inj = WeightInjector(store, "tiny", "int8", kernels="invariant", kernel_cache=None).start()
+            assert inj.wait(60) and inj.kernel_source == "rule"
+            assert all(m.plan == ("int8mm",) * 4 for m in inj.model.kernel_modules())  # the rule's invariant kernel
+            posted = []
+            inj.attach(post=posted.append, served=lambda s=served: s, busy=lambda: False)
+            assert inj.planner.wait(120) and inj.planner.state == "done" and len(posted) == 1
+            posted[0]()
+            assert inj.kernel_source == ("rule" if served else "measured"), served
