@@ -2,6 +2,14 @@
 
 A thin layer over ``compute.node.launcher`` with the tests' fixed internal token, and the one bounded
 poll the tests wait with (``wait_for``; ``until`` in a coroutine).
+
+Tests that compare numbers (greedy text, token ids, logprobs) between two requests, two nodes, a request
+alone and in a batch, colocated and split, before and after a failover, start their nodes with
+``kernels="invariant"``: under the default ``measured`` plan a request's numbers may depend on its batch
+(the fastest kernel differs per batch size on some CPUs, by design) and on when the node swapped in its
+measured plan (``compute/kernel_plans.py``). The helpers then wait until every node runs its final plan
+(``wait_kernels_settled``) before the first request: a node under ``invariant`` keeps the plan it served
+its first request with, and two nodes compared must run the same one.
 """
 
 from __future__ import annotations
@@ -18,9 +26,41 @@ HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 Proc = ServiceProc
 
 
+INVARIANT = ("--kernels", "invariant")  # `pdserve node` flags: one row-invariant int8 kernel per shape at every M
+PLAN_PENDING = ("waiting", "measuring")  # compute.kernel_plans.BackgroundMeasure.state while a plan may still come
+
+
 def start_node(tmp, store: list[str], model: str, role: str, transport: str = "tcp", threads: int = 1,
                extra: tuple[str, ...] = ()) -> ServiceProc:  # fmt: skip
     return Services(store, model, str(tmp), TOKEN).node(role, threads, transport, kv_blocks=512, extra=extra)
+
+
+def kernels_settled(node: ServiceProc) -> bool:
+    """Whether every model on ``node`` runs its final int8 kernel plan: loaded, no measurement pending (its own
+    or another process's), and a measured plan swapped in (the swap runs between two engine steps, just after
+    the measurement is done). A plan from the store or the machine's cache is final at once."""
+    for m in node.load()["models"].values():
+        k = m.get("kernels")
+        if m["state"] != "ready" or k is None or k["measure"] in PLAN_PENDING:
+            return False
+        if k["measure"] == "done" and k["source"] == "rule":
+            return False
+    return True
+
+
+def wait_kernels_settled(nodes: list[ServiceProc], timeout: float = 600.0) -> list[dict]:
+    """Until every node runs its final kernel plan (``kernels_settled``), then that they all run the same one:
+    this machine's measured table (from the store, the cache, another process or their own measurement), or
+    all the safe rule; -> each node's kernel state per model.
+
+    Call it before a node serves its first request: under ``kernels = invariant`` a node that has served keeps
+    its plan. ``timeout`` bounds a first measurement on a slow CPU (~72 s on an AVX2 box, the nodes idle)."""
+    for n in nodes:
+        wait_for(lambda n=n: kernels_settled(n), timeout, f"{n.name}'s final kernel plan", every=0.25)
+    states = [{name: m["kernels"] for name, m in n.load()["models"].items()} for n in nodes]
+    sources = {k["source"] == "rule" for s in states for k in s.values() if k["source"]}  # "": no int8 weights
+    assert len(sources) <= 1, f"the nodes compared run different kernel plans: {states}"
+    return states
 
 
 def start_gateway(tmp, store: list[str], model: str, nodes: list[tuple[str, ServiceProc]],
@@ -29,14 +69,20 @@ def start_gateway(tmp, store: list[str], model: str, nodes: list[tuple[str, Serv
 
 
 @contextmanager
-def nodes_up(tmp, store: list[str], model: str, specs: dict) -> Iterator[dict]:
-    """{key: (role, transport, *extra args)} -> {key: ready node}; every node started is stopped on exit."""
+def nodes_up(tmp, store: list[str], model: str, specs: dict, invariant: bool = False) -> Iterator[dict]:
+    """{key: (role, transport, *extra args)} -> {key: ready node}; every node started is stopped on exit.
+
+    ``invariant``: every node runs ``--kernels invariant`` and is yielded once its plan is final (for tests that
+    compare numbers: the module docstring)."""
     nodes = {}
     try:
         for key, (role, transport, *extra) in specs.items():
-            nodes[key] = start_node(tmp, store, model, role, transport, extra=tuple(extra))
+            flags = (*extra, *(INVARIANT if invariant else ()))
+            nodes[key] = start_node(tmp, store, model, role, transport, extra=flags)
         for n in nodes.values():
             n.wait_ready()
+        if invariant:
+            wait_kernels_settled(list(nodes.values()))
         yield nodes
     finally:
         for n in nodes.values():
@@ -45,11 +91,12 @@ def nodes_up(tmp, store: list[str], model: str, specs: dict) -> Iterator[dict]:
 
 @contextmanager
 def running_service(tmp, store: list[str], model: str, roles: list[str], env: dict | None = None,
-                    extra: tuple[str, ...] = ()) -> Iterator[dict]:  # fmt: skip
+                    extra: tuple[str, ...] = (), invariant: bool = False) -> Iterator[dict]:  # fmt: skip
     """One node per entry of ``roles`` and a gateway over them, all ready; every one stopped on exit.
+    ``invariant``: as ``nodes_up``'s.
 
     Yields ``{"gw": gateway, "nodes": [nodes in the order of roles], "name": model}``."""
-    with nodes_up(tmp, store, model, {i: (role, "tcp") for i, role in enumerate(roles)}) as nodes:
+    with nodes_up(tmp, store, model, {i: (role, "tcp") for i, role in enumerate(roles)}, invariant) as nodes:
         gw = start_gateway(tmp, store, model, [(roles[i], n) for i, n in nodes.items()], extra, env)
         try:
             yield {"gw": gw.wait_ready(), "nodes": list(nodes.values()), "name": model}

@@ -37,19 +37,23 @@ def prompts(real_model_store):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, real_model_store):
-    """One `both` node, a tcp pair and an int8-compressing tcp prefill node (no NIXL needed)."""
+    """One `both` node, a tcp pair and an int8-compressing tcp prefill node (no NIXL needed). Their outputs are
+    compared token for token: each runs one row-invariant kernel per shape, all the same plan
+    (tests/services.py), else a split's tokens could differ from colocated ones where the measured plan
+    changes kernel with the batch size."""
     specs = {"both": ("both", "tcp"), "tcp_p": ("prefill", "tcp"), "tcp_d": ("decode", "tcp"),
              "int8_p": ("prefill", "tcp", "--kv-compression", "int8")}  # fmt: skip
-    with nodes_up(tmp_path_factory.mktemp("pd"), *real_model_store, specs) as nodes:
+    with nodes_up(tmp_path_factory.mktemp("pd"), *real_model_store, specs, invariant=True) as nodes:
         yield nodes
 
 
 @pytest.fixture(scope="module")
-def nixl_pair(tmp_path_factory, real_model_store):
-    """A nixl prefill + decode pair: the only nodes that need nixl-cu12."""
+def nixl_pair(cluster, tmp_path_factory, real_model_store):
+    """A nixl prefill + decode pair: the only nodes that need nixl-cu12 (the cluster's plan: compared with its
+    `both` node)."""
     pytest.importorskip("nixl_cu12", reason="nixl-cu12 (extra 'rdma') is not installed")
     specs = {"nixl_p": ("prefill", "nixl"), "nixl_d": ("decode", "nixl")}
-    with nodes_up(tmp_path_factory.mktemp("pd-nixl"), *real_model_store, specs) as nodes:
+    with nodes_up(tmp_path_factory.mktemp("pd-nixl"), *real_model_store, specs, invariant=True) as nodes:
         yield nodes
 
 
