@@ -57,6 +57,7 @@ class KubeApiTwin:
         self.replicas = dict(replicas or {})  # Deployment -> spec.replicas
         self.slices = list(slices or [])
         self.annotations: dict[str, dict[str, str]] = {}  # pod -> metadata.annotations, as patched
+        self.open_watches = 0  # WATCH responses still streaming (ended by their timeoutSeconds, or by close())
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -126,19 +127,23 @@ class KubeApiTwin:
 
     def _watch(self, h, selector: tuple[str, str], since: int, timeout_s: float) -> None:
         """A WATCH: newline-delimited JSON events after `since` for matching slices, until timeoutSeconds,
-        one HTTP/1.1 chunk per event (as the API server streams them; the client reads chunk by chunk)."""
+        one HTTP/1.1 chunk per event (as the API server streams them; the client reads chunk by chunk), on a
+        connection kept alive as the API server keeps it (a client stopping a watch shuts that socket down)."""
         h.protocol_version = "HTTP/1.1"
-        h.close_connection = True
         h.send_response(200)
         h.send_header("Content-Type", "application/json")
         h.send_header("Transfer-Encoding", "chunked")
-        h.send_header("Connection", "close")
         h.end_headers()
+        with self.cond:
+            self.open_watches += 1
         try:
             self._stream_events(h, selector, since, timeout_s)
             h.wfile.write(b"0\r\n\r\n")
         except OSError:
             pass
+        finally:
+            with self.cond:
+                self.open_watches -= 1
 
     def _stream_events(self, h, selector: tuple[str, str], since: int, timeout_s: float) -> None:
         deadline = time.monotonic() + min(timeout_s, 30.0)

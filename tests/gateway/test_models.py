@@ -13,8 +13,8 @@ holds is held by the activator (the test places it through the gateway's interna
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -28,7 +28,14 @@ from gateway.activator import Activator, NotPlaced
 from gateway.registry import NodeRegistry
 from gateway.traffic import Traffic
 from tests.conftest import tiny_llama_config, tiny_llama_tensors, write_hf_folder
-from tests.services import HEADERS, TOKEN, wait_for
+from tests.services import (
+    HEADERS,
+    INVARIANT,
+    TOKEN,
+    until,
+    wait_for,
+    wait_kernels_settled,
+)
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -67,27 +74,55 @@ def test_views_see_each_node_as_it_serves_one_model():
 
 
 def test_activator_holds_until_a_node_holds_the_model_then_routes_there():
+    """Stepped on a fake clock (the activator's; its loop re-reads the registry every poll_s of real time, and
+    the test lets it run a few turns between two steps): activate is called when a hold starts, then once per
+    interval_s of the clock, never more often; a node that holds the model ends the hold; NotPlaced comes at
+    the deadline, not a turn before."""
+
     async def scenario():
+        now = [100.0]
         reg = _registry({"http://a": ("both", {"ready": True, "model": "a"})})
-        act = Activator(reg, interval_s=0.2, poll_s=0.02)
+        act = Activator(reg, interval_s=0.25, poll_s=0.01, clock=lambda: now[0])
         calls: list[tuple[str, float]] = []
-        act.activate = lambda m: calls.append((m, time.monotonic()))
-        assert (await act.hold("a", time.monotonic() + 1)).both == "http://a"  # routable: no hold, no call
+        act.activate = lambda m: calls.append((m, now[0]))
+        turns, wait_changed = [0], reg.wait_changed
+
+        async def counted(timeout: float) -> None:
+            turns[0] += 1
+            await wait_changed(timeout)
+
+        reg.wait_changed = counted
+
+        async def step(dt: float) -> None:  # the clock moves on, then the hold loop runs 3 more turns
+            now[0] += dt
+            target = turns[0] + 3
+            await until(lambda: turns[0] >= target, 30, "three turns of the hold's loop")
+
+        assert (await act.hold("a", now[0] + 1)).both == "http://a"  # routable: no hold, no call
         assert calls == [] and act.held == {}
-        task = asyncio.create_task(act.hold("b", time.monotonic() + 5))
-        await asyncio.sleep(0.5)
-        assert act.held == {"b": 1} and not task.done()
+        task = asyncio.create_task(act.hold("b", now[0] + 5))
+        await step(0)
+        assert act.held == {"b": 1} and not task.done() and calls == [("b", 100.0)]  # at once
+        await step(0.125)
+        assert calls == [("b", 100.0)]  # within interval_s: not again
+        await step(0.125)
+        assert calls == [("b", 100.0), ("b", 100.25)]
+        await step(0.125)
+        assert len(calls) == 2 and not task.done()
         n = reg.add("http://b", "both")  # the placer registers a node that now holds b
         n.load, n.healthy = {"state": "ready", "ready": True, "models": {"b": _model("ready")}}, True
-        route = await asyncio.wait_for(task, 1)
-        assert route.both == "http://b" and act.held == {}
-        gaps = [t2 - t1 for (_, t1), (_, t2) in itertools.pairwise(calls)]
-        assert {m for m, _ in calls} == {"b"} and 2 <= len(calls) <= 4 and all(g >= 0.19 for g in gaps), calls
-        t0 = time.monotonic()
+        route = await asyncio.wait_for(task, 30)  # seen at the next turn, the clock standing still
+        assert route.both == "http://b" and act.held == {} and len(calls) == 2
+        t0 = now[0]
+        task = asyncio.create_task(act.hold("c", t0 + 0.5))
+        await step(0)
+        await step(0.375)
+        assert not task.done() and act.held == {"c": 1}
+        now[0] += 0.125  # the deadline: the next turn refuses
         with pytest.raises(NotPlaced) as e:
-            await act.hold("c", time.monotonic() + 0.3)
-        assert 0.3 <= time.monotonic() - t0 < 1.0 and e.value.retry_after >= 1 and "'c'" in str(e.value)
-        assert act.held == {}
+            await asyncio.wait_for(task, 30)
+        assert e.value.retry_after == 1 and "'c'" in str(e.value) and "held 0.5 s" in str(e.value), e.value
+        assert act.held == {} and calls[2:] == [("c", t0), ("c", t0 + 0.375)]
 
     asyncio.run(scenario())
 
@@ -215,17 +250,19 @@ def three_models(tmp_path_factory, real_model_store):
 def svc(tmp_path_factory, three_models):
     """Nodes: A (tiny-a at start), B (tiny-b at start), S (standby: no model). Gateways serving every
     model of the store (no --model): `multi` over A, B and S (a 60 s hold); `short` over A alone
-    (a 2 s hold)."""
+    (a 2 s hold). A model's answers are compared across nodes (random weights: a near-tie at every token), so
+    the nodes run kernels = invariant, all on one plan (tests/services.py)."""
     tmp = tmp_path_factory.mktemp("models")
     services = Services(three_models, None, str(tmp), TOKEN)
     try:
-        a = services.node("both", kv_blocks=256, model="tiny-a")
-        b = services.node("both", kv_blocks=256, model="tiny-b")
-        standby = services.node("both", kv_blocks=256, model=None)
+        a = services.node("both", kv_blocks=256, model="tiny-a", extra=INVARIANT)
+        b = services.node("both", kv_blocks=256, model="tiny-b", extra=INVARIANT)
+        standby = services.node("both", kv_blocks=256, model=None, extra=INVARIANT)
         multi = services.gateway([("both", n) for n in (a, b, standby)], ("--queue-timeout", "60"))
         short = services.gateway([("both", a)], ("--queue-timeout", "2"))
         for p in (a, b, standby, multi, short):
             p.wait_ready()
+        wait_kernels_settled([a, b])
         yield {"a": a, "b": b, "s": standby, "multi": multi, "short": short}
     finally:
         services.stop_all()
@@ -265,6 +302,7 @@ def test_two_models_on_one_node_answer_as_nodes_holding_only_that_model(svc):
     assert want_a != want_b  # two different models answered (different random weights)
     _load_model(svc["a"], "tiny-b")  # node A now holds both
     wait_for(lambda: svc["a"].load()["models"].get("tiny-b", {}).get("state") == "ready", 60, "tiny-b ready on A")
+    wait_kernels_settled([svc["a"]])  # A's tiny-b on its final plan (B's) before its first request
     short = svc["short"]  # its only node, A, holds both models now
     wait_for(lambda: httpx.get(short.url + "/admin/status", timeout=5).json()["nodes"][0]["models"].get("tiny-b")
              == "ready", 10, "the gateway to see tiny-b on A")  # fmt: skip
@@ -298,12 +336,18 @@ def test_unknown_model_is_404_naming_the_served_ones(svc):
 
 @pytest.mark.slow
 def test_a_model_no_node_holds_is_503_with_retry_after_past_the_deadline(svc):
+    """Refused at the gateway's 2 s deadline: not before it (the client's clock) and not held on past it (the
+    gateway's own account of the hold, its clock, free of this machine's HTTP and tokenizer time: under a
+    second deadline's length, where a hold that missed its deadline would run to the client's timeout)."""
     body = {"model": "tiny-c", "messages": Q, "max_tokens": 4}
+    deadline = 2.0  # the `short` gateway's --queue-timeout
     t0 = time.monotonic()
     r = httpx.post(svc["short"].url + "/v1/chat/completions", json=body, timeout=30)
     took = time.monotonic() - t0
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
-    assert "tiny-c" in r.json()["error"]["message"] and 2.0 <= took < 15, (took, r.text)
+    message = r.json()["error"]["message"]
+    held = float(re.search(r"(?:held|waited) (\d+(?:\.\d+)?) s", message).group(1))
+    assert "tiny-c" in message and deadline <= held < 2 * deadline and took >= deadline, (took, message)
     assert _status(svc["short"])["models"]["tiny-c"]["held"] == 0
     assert httpx.get(svc["short"].url + "/ready", timeout=5).status_code == 200  # tiny-a is routable
 
