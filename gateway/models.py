@@ -11,8 +11,12 @@ Lifecycle of one model here:
     listing is no longer served, its bundle dropped.
 A model whose bundle cannot serve text (no tokenizer: a token-ids-only import) is left out of the
 served names from its first read on (the gateway reads every served bundle in the background at
-start). A name not served is ``UnknownModel`` (HTTP 404). ``Text`` is what the API layer needs of a model:
-the bundle, its context length (``max_model_len``: the config's, else the model's) and vocabulary.
+start). So is one whose manifest or bundle fails its integrity check (a manifest edited or not signed
+with the store's key; a bundle whose bytes are not its signed digest: the chat template is never
+rendered from bytes the manifest does not vouch for): *refused*, read again at each listing (a store
+repaired or a model re-imported is served again). A name not served is ``UnknownModel`` (HTTP 404,
+saying why). ``Text`` is what the API layer needs of a model: the bundle, its context length
+(``max_model_len``: the config's, else the model's) and vocabulary.
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ class Text:
 
 def text_from_store(ps, name: str, max_model_len: int | None = None) -> Text:
     """Read `name`'s bundle from an open ParamStore (blocking) -> Text."""
-    m = ps.manifest(name)
-    with ps.reader(m) as r:
+    from paramstore import ReaderConfig
+
+    m = ps.manifest(name)  # its hash, and its HMAC signature where the store has a key: IntegrityError
+    with ps.reader(m, ReaderConfig(verify_digest="always")) as r:  # a few MB: the digest costs a millisecond
         bundle = TextBundle.from_files(r.bundle())
     ctx = max_model_len or int(m.config.get("max_position_embeddings", 2048))
     return Text(name, bundle, ctx, bundle.tokenizer.get_vocab_size(with_added_tokens=True))
@@ -63,6 +69,7 @@ class ModelCatalogue:
         self.refresh_s, self.max_model_len = refresh_s, max_model_len
         self._texts: dict[str, Text] = dict(preloaded or {})
         self._unservable: dict[str, str] = {}  # name -> why its bundle cannot serve text
+        self._refused: set[str] = set()  # of those, the ones that failed an integrity check (checked again)
         self._loading: dict[str, asyncio.Future] = {}
         self._listed: list[str] = list(self._texts)
         self._listed_at = 0.0
@@ -76,8 +83,12 @@ class ModelCatalogue:
         return [n for n in names if n not in self._unservable]
 
     def relist(self) -> list[str]:
-        """List the store now (blocking; a no-op with fixed names or without a store)."""
-        if self.fixed or self.store is None:
+        """List the store now, and read the refused models again (blocking; no store: a no-op)."""
+        if self.store is None:
+            return self.names
+        self._recheck()
+        if self.fixed:
+            self._listed_at = time.monotonic()
             return self.names
         try:
             listed = sorted(self.store.models())
@@ -88,14 +99,31 @@ class ModelCatalogue:
             self._listed, self._listed_at = listed, time.monotonic()
             for gone in set(self._texts) - set(listed):
                 self._texts.pop(gone, None)
+            for gone in self._refused - set(listed):  # removed from the store: nothing left to refuse
+                self._refused.discard(gone)
+                self._unservable.pop(gone, None)
         return self.names
 
     async def refresh(self, force: bool = False) -> None:
         """List the store again if the last listing is older than refresh_s (or `force`: a miss)."""
         age = time.monotonic() - self._listed_at
-        if self.fixed or self.store is None or age < (MISS_RELIST_S if force else self.refresh_s):
+        if (self.fixed and not self._refused) or self.store is None or age < (MISS_RELIST_S if force else self.refresh_s):
             return
         await asyncio.to_thread(self.relist)
+
+    def _recheck(self) -> None:
+        """(worker thread) Read each refused model again: served again once it verifies."""
+        for name in sorted(self._refused):
+            try:
+                t = text_from_store(self.store, name, self.max_model_len)
+            except Exception as e:  # noqa: BLE001 - still refused (or the store not answering): the next listing tries
+                log.debug("model %s: still not served: %s", name, e)
+                continue
+            with self._lock:
+                self._texts[name] = t
+                self._refused.discard(name)
+                self._unservable.pop(name, None)
+            log.warning("model %s: its manifest and bundle verify again: served", name)
 
     async def check(self, name: str) -> None:
         """UnknownModel unless `name` is served (a name not seen yet lists the store again first)."""
@@ -134,13 +162,19 @@ class ModelCatalogue:
     def _load(self, name: str) -> Text:
         if self.store is None:
             raise UnknownModel(self.unknown_message(name))
-        from paramstore.errors import NotFound
+        from paramstore.errors import IntegrityError, NotFound
 
         t0 = time.monotonic()
         try:
             t = text_from_store(self.store, name, self.max_model_len)
         except NotFound as e:
             raise UnknownModel(f"model {name!r} is served but not readable from the store: {e}") from None
+        except IntegrityError as e:  # tampered or corrupt beyond repair: refused, never served as it reads
+            with self._lock:
+                self._unservable[name] = f"the store's copy fails its integrity check ({e}); repair or re-import it"
+                self._refused.add(name)
+            log.error("model %s is not served: %s", name, e)
+            raise UnknownModel(self.unknown_message(name)) from None
         except ValueError as e:  # the bundle has no tokenizer: token ids only, no text to serve
             self._unservable[name] = str(e)
             log.warning("model %s is not served: %s", name, e)
