@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -31,7 +30,8 @@ import httpx
 import pytest
 import yaml
 
-from compute.node.launcher import Services, free_port
+from compute.node.launcher import Services
+from tests.deploy.prometheus import Prometheus, binary, discovered, scrape_job
 from tests.deploy.test_manifests import DEPLOY, _metric_names, objects
 from tests.procs import children, kill_left
 from tests.services import TOKEN, wait_for
@@ -39,13 +39,6 @@ from tests.services import TOKEN, wait_for
 NAMESPACE = "pdserve"  # both overlays' namespace
 SCRAPE_S = 1  # the ServiceMonitor's 15 s interval, shortened for the test (nothing else is changed)
 OURS = re.compile(r"^(pdserve|paramstore)_")
-
-
-def binary(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.skip(f"{name} not found: install Debian's prometheus package (apt-get install -y prometheus)")
-    return path
 
 
 def rule_groups() -> list[dict]:
@@ -158,68 +151,6 @@ def test_each_alert_fires_and_stays_silent_under_promtool(tmp_path):
     assert "SUCCESS" in out.stdout, out.stdout
 
 
-# --- a real Prometheus over `pdserve up`, as the ServiceMonitor scrapes it --------------------------------
-def _sanitize(label: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_]", "_", label)
-
-
-def discovered(service: dict, address: str, pod: str) -> list[dict]:
-    """One target per port of `service`, with the meta labels Kubernetes SD (role endpoints) gives it."""
-    meta = {"__meta_kubernetes_namespace": service["metadata"]["namespace"],
-            "__meta_kubernetes_service_name": service["metadata"]["name"], "__meta_kubernetes_pod_name": pod}  # fmt: skip
-    for k, v in service["metadata"].get("labels", {}).items():
-        meta[f"__meta_kubernetes_service_label_{_sanitize(k)}"] = v
-        meta[f"__meta_kubernetes_service_labelpresent_{_sanitize(k)}"] = "true"
-    return [{"targets": [address], "labels": meta | {"__meta_kubernetes_endpoint_port_name": p["name"]}}
-            for p in service["spec"]["ports"]]  # fmt: skip
-
-
-def _relabel(r: dict) -> dict:
-    keys = {"sourceLabels": "source_labels", "targetLabel": "target_label", "regex": "regex", "action": "action",
-            "replacement": "replacement", "separator": "separator", "modulus": "modulus"}  # fmt: skip
-    unknown = set(r) - set(keys)
-    assert not unknown, f"relabeling keys this test does not translate yet: {unknown}"
-    out = {keys[k]: v for k, v in r.items()}
-    if "action" in out:
-        out["action"] = out["action"].lower()
-    return out
-
-
-def scrape_job(sm: dict, targets: list[dict], secrets_dir: Path) -> dict:
-    """The scrape job the Prometheus Operator generates for the ServiceMonitor's (only) endpoint, over
-    `targets` given statically: its selector and port kept, namespace/service/pod/job/endpoint labels, the
-    endpoint's path, scheme, credentials and relabelings; the interval shortened to SCRAPE_S."""
-    (ep,) = sm["spec"]["endpoints"]
-    known = {"port", "path", "scheme", "interval", "scrapeTimeout", "relabelings", "metricRelabelings",
-             "authorization", "bearerTokenSecret", "honorLabels"}  # fmt: skip
-    assert not set(ep) - known, f"ServiceMonitor endpoint keys this test does not translate yet: {set(ep) - known}"
-    relabel = [{"source_labels": [f"__meta_kubernetes_service_label_{_sanitize(k)}",
-                                  f"__meta_kubernetes_service_labelpresent_{_sanitize(k)}"],
-                "regex": f"({re.escape(v)});true", "action": "keep"}
-               for k, v in sm["spec"]["selector"]["matchLabels"].items()]  # fmt: skip
-    relabel += [
-        {"source_labels": ["__meta_kubernetes_endpoint_port_name"], "regex": ep["port"], "action": "keep"},
-        {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-        {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "service"},
-        {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-        {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "job"},
-        {"target_label": "endpoint", "replacement": ep["port"]},
-    ]
-    relabel += [_relabel(r) for r in ep.get("relabelings", [])]
-    job = {"job_name": f"serviceMonitor/{NAMESPACE}/{sm['metadata']['name']}/0", "scrape_interval": f"{SCRAPE_S}s",
-           "scrape_timeout": f"{SCRAPE_S}s", "metrics_path": ep.get("path", "/metrics"),
-           "scheme": ep.get("scheme", "http"), "honor_labels": ep.get("honorLabels", False),
-           "static_configs": targets, "relabel_configs": relabel,
-           "metric_relabel_configs": [_relabel(r) for r in ep.get("metricRelabelings", [])]}  # fmt: skip
-    ref = (ep.get("authorization") or {}).get("credentials") or ep.get("bearerTokenSecret")
-    if ref:  # a Secret key: the value the pods get from the same key (the internal token)
-        assert (ref["name"], ref["key"]) == ("pdserve-secrets", "internal-token"), ref
-        (secrets_dir / "token").write_text(TOKEN)
-        kind = (ep.get("authorization") or {}).get("type", "Bearer")
-        job["authorization"] = {"type": kind, "credentials_file": str(secrets_dir / "token")}
-    return job
-
-
 class Up:
     """`pdserve up` with the real model: one prefill and one decode runtime, no standby ones (a fixed target set)."""
 
@@ -247,53 +178,9 @@ class Up:
             kill_left(self.seen)
 
 
-class Prometheus:
-    """A Prometheus server on 127.0.0.1 with its own config and TSDB under `tmp`, stopped by `stop`."""
-
-    def __init__(self, tmp: Path, config: dict):
-        tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 - closed by stop()
-        self.p = subprocess.Popen([binary("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
-                                   f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                                  stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp)  # fmt: skip
-        self.log_path = tmp / "prometheus.log"
-
-    def wait_ready(self, timeout: float = 60) -> Prometheus:
-        def ready():
-            assert self.p.poll() is None, self.log_path.read_text()[-3000:]
-            try:
-                return httpx.get(self.url + "/-/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(ready, timeout, "Prometheus ready", every=0.2)
-        return self
-
-    def api(self, path: str, **params) -> dict | list:
-        r = httpx.get(self.url + "/api/v1/" + path, params=params, timeout=10)
-        body = r.json()
-        assert r.status_code == 200 and body["status"] == "success", (path, params, body)
-        return body["data"]
-
-    def query(self, expr: str) -> list[dict]:
-        return self.api("query", query=expr)["result"]
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(15)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def up(tmp_path_factory, real_model_store):
+    binary("prometheus")  # before starting anything to scrape
     locations, name = real_model_store
     u = Up(tmp_path_factory.mktemp("up-observed"), list(locations), name)
     try:
@@ -307,7 +194,6 @@ def up(tmp_path_factory, real_model_store):
 @pytest.fixture(scope="module")
 def prom(up, tmp_path_factory):
     """Prometheus scraping `up` through the ServiceMonitor's job, with the PrometheusRule's groups loaded."""
-    binary("promtool")
     tmp = tmp_path_factory.mktemp("prometheus")
     services = objects("local", "Service")
     (sm,) = objects("local", "ServiceMonitor").values()
@@ -315,8 +201,9 @@ def prom(up, tmp_path_factory):
     for i, rt in enumerate(up.placed()):
         targets += discovered(services[f"pdserve-{rt['role']}"], rt["url"].removeprefix("http://"),
                               f"pdserve-{rt['role']}-{i}")  # fmt: skip
+    job = scrape_job(sm, targets, SCRAPE_S, {("pdserve-secrets", "internal-token"): TOKEN}, tmp)  # the pods' Secret
     config = {"global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
-              "rule_files": [str(rules_file(tmp))], "scrape_configs": [scrape_job(sm, targets, tmp)]}  # fmt: skip
+              "rule_files": [str(rules_file(tmp))], "scrape_configs": [job]}  # fmt: skip
     p = Prometheus(tmp / "server", config)
     try:
         yield p.wait_ready()
