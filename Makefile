@@ -65,8 +65,9 @@ REQUIRE_ALL ?= 1
 test: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" PDSERVE_REQUIRE_ALL=$(REQUIRE_ALL) $(PY) -m pytest -q -x -rs --durations=15 tests
 
-# minutes, not part of `make test`: build deploy/Dockerfile with podman, run the local overlay (podman kube play),
-# ask the gateway container a question (needs: apt-get install -y podman buildah debootstrap runc; see README)
+# minutes, not part of `make test` (.ci/run runs it after): build deploy/Dockerfile with podman, run the local
+# overlay (podman kube play), ask the gateway container a question (needs, as root:
+# apt-get install -y podman buildah debootstrap runc; see deploy/README.md)
 test-deploy: $(STAMP)
 	deploy/podman/test-deploy.sh
 

@@ -15,6 +15,7 @@ driver stands in for those parts of a cluster — nothing else about the manifes
     pointing at the API twin (tests/kubeapi.py) on the bridge's gateway address;
  4. play; then the endpoints controller: poll each pod's readinessProbe (httpGet, at the pod's IP) and
     publish it as an EndpointSlice of its Service — the gateway's registry watches them as in a cluster;
+    a container that keeps exiting (CrashLoopBackOff) fails at once, not at the readiness timeout;
  5. the node pods must be standby runtimes (``GET /load``: no model); a chat request with the ``openai``
     client through the gateway's published port, held by the gateway until the autoscaler container has
     claimed the standby pods (the local overlay places nothing at zero replicas); the node pods then hold the
@@ -145,11 +146,25 @@ def container_of(deployment: str, container: str) -> str:
     return f"{deployment}-pod-0-{container}"
 
 
+def crash_loop(deployment: str, container: str) -> str | None:
+    """Why a pod's container keeps exiting (restarted twice or more: Kubernetes' CrashLoopBackOff), else None."""
+    name = container_of(deployment, container)
+    r = sh("podman", "inspect", name, "--format", "{{.RestartCount}}", check=False)
+    restarts = int(r.stdout.strip() or 0) if r.returncode == 0 else 0
+    if restarts < 2:
+        return None
+    logs = sh("podman", "logs", "--tail", "5", name, check=False)
+    last = (logs.stdout + logs.stderr).strip().splitlines()[-1:] or ["(no output)"]
+    return f"{name} keeps exiting ({restarts} restarts): {last[0]}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="deploy/podman/play.py")
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--image", default="localhost/pdserve:dev")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for every pod to be ready")
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds for every pod to be ready")
+    ap.add_argument("--chat-timeout", type=float, default=180.0,
+                    help="seconds for the answer, the autoscaler's placement from zero replicas included")
     args = ap.parse_args()
     import signal
 
@@ -184,7 +199,8 @@ def main() -> int:
         sh("podman", "kube", "down", str(play), check=False)
         r = sh("podman", "kube", "play", "--network", "podman", str(play), check=False)
         if r.returncode != 0:
-            print(f"test-deploy: podman kube play failed:\n{r.stderr}", file=sys.stderr)
+            why = [x for x in r.stderr.strip().splitlines() if not x.startswith("Error: failed to start")][-1:]
+            print(f"{r.stderr}\ntest-deploy: FAILED: podman kube play: {(why or ['?'])[0][-300:]}", file=sys.stderr)
             return 1
         fwd = _Forward(BRIDGE_IP, int(api.url.rsplit(":", 1)[1]), fwd_port)
         print(f"test-deploy: {len(objs)} pods playing; polling their readiness probes", flush=True)
@@ -196,13 +212,8 @@ def main() -> int:
             print(f"test-deploy: FAILED: the node pods did not start empty (standby): {loads}", file=sys.stderr)
             return 1
         print("test-deploy: the node pods are standby runtimes (no model yet)", flush=True)
-        from openai import OpenAI
-
-        client = OpenAI(base_url=f"http://127.0.0.1:{gw_port}/v1", api_key="sk-podman-test", max_retries=2, timeout=120)
         t_chat = time.monotonic()
-        reply = client.chat.completions.create(model="smollm2", max_tokens=16, temperature=0,
-                                               messages=[{"role": "user", "content": "What is the capital of France?"}])
-        answer = reply.choices[0].message.content
+        answer = ask(f"http://127.0.0.1:{gw_port}/v1", args.chat_timeout)
         print(f"test-deploy: answer through the gateway container in {time.monotonic() - t_chat:.1f} s "
               f"(from zero replicas: the autoscaler claimed the standby pods meanwhile): {answer!r}")
         held = {d: httpx.get(f"http://{pod_ip(d)}:8001/load", headers=auth, timeout=5).json().get("models", {})
@@ -235,6 +246,25 @@ def main() -> int:
         api.close()
 
 
+def ask(base_url: str, timeout_s: float) -> str:
+    """The chat question through the gateway, retried on 5xx (a hold that ran out: Retry-After) and connection
+    errors until `timeout_s` has passed in all."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="sk-podman-test", max_retries=0)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            reply = client.with_options(timeout=max(1.0, deadline - time.monotonic())).chat.completions.create(
+                model="smollm2", max_tokens=16, temperature=0,
+                messages=[{"role": "user", "content": "What is the capital of France?"}])  # fmt: skip
+            return reply.choices[0].message.content
+        except (openai.APIConnectionError, openai.InternalServerError) as e:  # timeouts are connection errors
+            if time.monotonic() + 2.0 >= deadline:
+                raise SystemExit(f"test-deploy: FAILED: no answer through the gateway in {timeout_s:.0f} s: {e!r}")
+            time.sleep(2.0)
+
+
 def wait_ready(rendered: dict, services: dict, api, timeout_s: float) -> float:
     """The kubelet's readiness probes and the endpoints controller, from the host."""
     t0 = time.monotonic()
@@ -243,6 +273,9 @@ def wait_ready(rendered: dict, services: dict, api, timeout_s: float) -> float:
         for name, c in rendered.items():
             if name in ready:
                 continue
+            why = crash_loop(name, c["name"])
+            if why:
+                raise SystemExit(f"test-deploy: FAILED: {why}")
             ip = pod_ip(name)
             if ip is None:
                 continue
@@ -267,7 +300,7 @@ def wait_ready(rendered: dict, services: dict, api, timeout_s: float) -> float:
         if ready == set(rendered):
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout_s:
-            raise SystemExit(f"test-deploy: not ready after {timeout_s:.0f} s: {sorted(set(rendered) - ready)}")
+            raise SystemExit(f"test-deploy: FAILED: not ready after {timeout_s:.0f} s: {sorted(set(rendered) - ready)}")
         time.sleep(1.0)
 
 
