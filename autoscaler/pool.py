@@ -15,7 +15,9 @@ One tick (the loop calls ``current()`` first, then ``prepare`` / ``scale`` per k
                (``rank``, autoscaler/placement.py), with ``keep``: the models there the node must not
                evict to make room (those still wanted that became ready within ``protect_s`` and served
                nothing since: the request held for them is on its way); a 503 (no room) moves on to the
-               next candidate; none left: the deficit waits for a runtime from step 3. A model a claim
+               next candidate, as does a runtime that cannot start the load within half the call's timeout
+               (an unload draining there holds its turn; the node then does nothing, so a claim never
+               lands on two runtimes); none left: the deficit waits for a runtime from step 3. A model a claim
                evicted is at 0 replicas at once (its desired count; the policy or the activator brings it
                back on demand);
                surplus -> unload: ``POST /internal/models/unload`` in a background thread (that model
@@ -205,7 +207,10 @@ class RuntimePool(Actuator):
         for rt, why in candidates:
             t = time.time()
             try:
-                r = self._http.post(rt.url + "/internal/models/load", json={"model": model, "keep": sorted(keep[rt.url])})
+                # wait_s: the node starts the load within half our timeout or refuses it (503) and does nothing;
+                # a load left waiting behind an unload's drain would land after this claim went elsewhere
+                r = self._http.post(rt.url + "/internal/models/load", json={
+                    "model": model, "keep": sorted(keep[rt.url]), "wait_s": self.config.http_timeout_s / 2})
             except httpx.HTTPError as e:
                 log.warning("pool: load %s on %s failed: %s", model, rt.url, e)
                 continue

@@ -7,7 +7,10 @@ Lifecycle of one held model (a ``Held``, keyed by the name it was asked to load)
     at least one shard is reserved, and the reader's prefetch is cut to what the room left allows, so
     the budget holds during the load, not only after). No room in the budget: the least recently used
     *idle* models are evicted (unloaded) until it fits — ``NodeBusy`` (503) and nothing evicted when
-    even evicting every idle one would not make room;
+    even evicting every idle one would not make room. Loads and unloads decide one at a time, and an
+    unload holds that turn while its model drains (up to its bound): a caller that gives up sooner (the
+    warm pool's claim) sends ``wait_s``, and a load that cannot start within it is a 503 that does
+    nothing — never a load performed after its caller went elsewhere;
  2. ``loading``: a background thread injects the weights (``WeightInjector``; progress in /load), then
     builds the model's engine (its KV cache), ``NodeService``, KV sender or receiver and engine thread
     (``held.build``) -> ``ready``, its bytes now measured from the tensors it holds;
@@ -57,11 +60,14 @@ class ModelHost:
         self.start_ready = False
         self.cached: dict[str, float] = {}  # model -> fraction of its shard bytes in the node cache
         self._lock = asyncio.Lock()  # loads / unloads decide one at a time
+        self._retiring: set[str] = set()  # models draining now (unload or eviction): the lock is held meanwhile
 
     # --- load / unload -------------------------------------------------------------------
-    async def load(self, name, weights=None, keep=()) -> tuple[int, dict]:
+    async def load(self, name, weights=None, keep=(), wait_s=None) -> tuple[int, dict]:
         """-> (202 | 200, {"model", "state", "evicted"}); ModelUnknown, BadNodeRequest, NodeBusy.
-        ``keep``: models not to evict for this load (the pool's: a request is on its way to them)."""
+        ``keep``: models not to evict for this load (the pool's: a request is on its way to them);
+        ``wait_s``: the longest wait for the host's turn (an unload draining holds it): past it, NodeBusy
+        and nothing done (None: as long as it takes)."""
         if not isinstance(name, str) or not name.strip():
             raise BadNodeRequest("model must be a non-empty string NAME[@vN]")
         if not isinstance(keep, (list, tuple)) or not all(isinstance(k, str) for k in keep):
@@ -69,28 +75,43 @@ class ModelHost:
         weights = self.cfg.weights if weights is None else weights
         if weights not in ("int8", "bf16", "fp32"):
             raise BadNodeRequest(f"invalid weights {weights!r}: int8, bf16 or fp32")
-        async with self._lock:
-            if self.draining:
-                raise NodeBusy("node is draining")
-            h = self.models.get(name)
-            if h is not None and h.state != "failed":
-                return 200, {"model": name, "state": h.state, "evicted": []}
-            manifest = await asyncio.to_thread(self._manifest, name)
-            self.cached[name] = await asyncio.to_thread(self.cached_fraction, manifest)
-            wb, kb = estimate_bytes(manifest, weights, self.cfg)
-            self.models.pop(name, None)  # a failed earlier load: retry
-            evicted = []
-            for v in self._victims(name, wb + kb + transient_bytes(manifest, 1), set(keep)):
-                await self._retire(v, EVICT_DRAIN_S)
-                evicted.append(v.name)
-            room = self.budget_bytes - self.used_bytes() - wb - kb
-            prefetch = max((p for p in range(1, PREFETCH + 1) if transient_bytes(manifest, p) <= room), default=1)
-            h = Held(name, weights, manifest, wb, kb, transient_bytes(manifest, prefetch), prefetch)
-            self.models[name] = h
-            h.start(self.cfg, self.store, self.cache, self.loop, on_ready=self._on_ready)
-            if evicted:
-                log.info("evicted %s to load %s", ", ".join(evicted), name)
-            return 202, {"model": name, "state": h.state, "evicted": evicted}
+        if wait_s is not None and (isinstance(wait_s, bool) or not isinstance(wait_s, (int, float))
+                                   or not 0 < wait_s <= 3600):  # fmt: skip
+            raise BadNodeRequest("wait_s must be a number of seconds in (0, 3600]")
+        try:
+            await asyncio.wait_for(self._lock.acquire(), wait_s)  # acquired at the timeout: kept, and used
+        except TimeoutError:
+            what = f"unloading {', '.join(sorted(self._retiring))}" if self._retiring else "another load or unload"
+            raise NodeBusy(f"busy for {wait_s:g} s ({what}): {name!r} not loaded; try another runtime, or again "
+                           "later") from None
+        try:
+            return await self._load_locked(name, weights, keep)
+        finally:
+            self._lock.release()
+
+    async def _load_locked(self, name: str, weights: str, keep) -> tuple[int, dict]:
+        """``load`` with the host's turn held."""
+        if self.draining:
+            raise NodeBusy("node is draining")
+        h = self.models.get(name)
+        if h is not None and h.state != "failed":
+            return 200, {"model": name, "state": h.state, "evicted": []}
+        manifest = await asyncio.to_thread(self._manifest, name)
+        self.cached[name] = await asyncio.to_thread(self.cached_fraction, manifest)
+        wb, kb = estimate_bytes(manifest, weights, self.cfg)
+        self.models.pop(name, None)  # a failed earlier load: retry
+        evicted = []
+        for v in self._victims(name, wb + kb + transient_bytes(manifest, 1), set(keep)):
+            await self._retire(v, EVICT_DRAIN_S)
+            evicted.append(v.name)
+        room = self.budget_bytes - self.used_bytes() - wb - kb
+        prefetch = max((p for p in range(1, PREFETCH + 1) if transient_bytes(manifest, p) <= room), default=1)
+        h = Held(name, weights, manifest, wb, kb, transient_bytes(manifest, prefetch), prefetch)
+        self.models[name] = h
+        h.start(self.cfg, self.store, self.cache, self.loop, on_ready=self._on_ready)
+        if evicted:
+            log.info("evicted %s to load %s", ", ".join(evicted), name)
+        return 202, {"model": name, "state": h.state, "evicted": evicted}
 
     async def unload(self, name, timeout_s=30.0) -> dict:
         """Drain ``name`` (bounded), then free it -> {"unloaded": True, "drained": bool}; ModelNotHeld."""
@@ -170,10 +191,14 @@ class ModelHost:
         h.cancel()  # a load still running stops after its current shard (first: it cannot turn ready after this)
         h.state = "draining"
         drained = True
-        if h.svc is not None:
-            drained = await h.svc.drain(timeout_s)
-            h.end_streams("model unloaded")
-        await asyncio.to_thread(free, h)
+        self._retiring.add(h.name)
+        try:
+            if h.svc is not None:
+                drained = await h.svc.drain(timeout_s)
+                h.end_streams("model unloaded")
+            await asyncio.to_thread(free, h)
+        finally:
+            self._retiring.discard(h.name)
         self.models.pop(h.name, None)
         self.cached[h.name] = await asyncio.to_thread(self.cached_fraction, h.manifest)
         log.info("unloaded %s (drained=%s); %.1f MiB used, RSS %.1f MiB", h.name, drained,

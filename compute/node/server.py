@@ -86,7 +86,7 @@ def create_app(host: ModelHost) -> FastAPI:
         return StreamingResponse(svc.relay(rid, q), media_type="application/x-ndjson")
 
     async def load_model(body: dict):
-        code, out = await host.load(body.get("model"), body.get("weights"), body.get("keep", ()))
+        code, out = await host.load(body.get("model"), body.get("weights"), body.get("keep", ()), body.get("wait_s"))
         return JSONResponse(out, status_code=code)
 
     async def unload_model(body: dict):
