@@ -2,7 +2,8 @@
 renders tools (`paramstore import --chat-template deploy/chat-templates/chatml-tools.jinja`, run as a
 command), served colocated and split. tool_choice required / named: the answer is calls that validate
 against the tools' schemas, streamed or not, split or not; the SDK's ``parse`` helper gets its pydantic
-object; a tool's result goes back and the model answers it; auto streamed = auto unstreamed."""
+object; a tool's result goes back and the model answers it; auto streamed = auto unstreamed. Answers are
+compared between requests and nodes: the nodes run ``kernels = invariant``, all on one plan (tests/services.py)."""
 
 from __future__ import annotations
 
@@ -51,13 +52,13 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def both(tmp_path_factory, store):
-    with running_service(tmp_path_factory.mktemp("both"), store, NAME, ["both"]) as svc:
+    with running_service(tmp_path_factory.mktemp("both"), store, NAME, ["both"], invariant=True) as svc:
         yield svc
 
 
 @pytest.fixture(scope="module")
 def split(tmp_path_factory, store):
-    with running_service(tmp_path_factory.mktemp("split"), store, NAME, ["prefill", "decode"]) as svc:
+    with running_service(tmp_path_factory.mktemp("split"), store, NAME, ["prefill", "decode"], invariant=True) as svc:
         yield svc
 
 
