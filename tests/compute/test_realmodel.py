@@ -100,21 +100,66 @@ def test_fp32_greedy_equals_transformers_and_is_batch_invariant(real, fp32, prom
     assert _greedy(fp32, prompts, max_num_batched_tokens=48) == alone
 
 
-def test_int8_runtime_with_invariant_kernels_is_batch_invariant(real, prompts):
-    """``kernels = "invariant"`` (one row-invariant kernel per shape, probed on this machine): a request's
-    greedy output alone equals its output in a batch of 16, and with chunked prefills."""
+def _invariant(real, plan: str):
+    """SmolLM2 int8 in process under ``kernels = invariant`` with ``plan``'s kernels (rule | measured)."""
+    from compute import kernels
     from compute.loader import WeightInjector
 
     inj = WeightInjector(real[0], "smollm2", weights="int8", kernels="invariant").start()
     assert inj.wait()
-    missing = [s for s, e in inj.kernel_table["shapes"].items() if not e["invariant"]]
-    if missing:  # measured, not assumed: a CPU whose kernels all change with M has no invariant mode
-        pytest.skip(f"no row-invariant int8 kernel measured on this CPU for {missing}")
+    shapes, threads = inj.model.int8_shapes(), torch.get_num_threads()
+    # the machine's table: cached in this session's HOME (the injector's own measurement, or another test's),
+    # else measured now (one process at a time: the cache's lock)
+    table = kernels.rule_table(shapes, threads) if plan == "rule" else kernels.plan_for(shapes, threads)
+    lacking = {s: {"row_invariant": e["row_invariant"], "error": e["error"]}
+               for s, e in table["shapes"].items() if not e["invariant"]}  # fmt: skip
+    assert not lacking, f"kernels = invariant has no row-invariant kernel within the error gate for {lacking}"
+    inj.model.use_kernels(table, "invariant")
+    runs = {m.plan for m in inj.model.kernel_modules()}
+    assert all(len(set(p)) == 1 for p in runs), runs  # one kernel at every M bucket
+    print(f"{plan}: {sorted({p[0] for p in runs})}")
+    return inj
+
+
+@pytest.mark.parametrize("plan", ["rule", "measured"])
+def test_int8_runtime_with_invariant_kernels_is_batch_invariant(real, prompts, plan):
+    """``kernels = "invariant"``: one row-invariant kernel per shape at every M, so a request's greedy output
+    alone equals its output in a batch of 16. Under both plans a node serves it with: the safe rule (int8mm at
+    every M, before any measurement) and this machine's measured table (per shape the fastest kernel the probe
+    found row-invariant). A shape the probe found no row-invariant kernel for fails here, named: there the mode
+    would silently run the per-batch-size choice and break its promise. (Prefill chunks: the next test.)"""
+    inj = _invariant(real, plan)
     batch = (prompts * 4)[:16]
     alone = [_greedy(inj, [p])[0] for p in prompts]
-    want = (alone * 4)[:16]
-    assert _greedy(inj, batch, num_blocks=256) == want
-    assert _greedy(inj, batch, num_blocks=256, max_num_batched_tokens=48) == want
+    assert _greedy(inj, batch, num_blocks=256) == (alone * 4)[:16]
+
+
+CHUNKS_MOVE_BITS = ("torch's CPU flash attention (SDPA) computes a query row differently with the number of query rows "
+                    "in its call (its q blocks): a prefill chunk moves the last bits of rows after the cut, so "
+                    "compute/attention.py's chunking promise does not hold yet (found in issue 22's sweep)")
+
+
+@pytest.mark.xfail(strict=False, raises=AssertionError, reason=CHUNKS_MOVE_BITS)
+def test_int8_prefill_chunks_leave_a_rows_logits_bitwise_the_same(real, prompts):
+    """A prompt's logits prefilled at once, and in two chunks (as a batch's token budget cuts it: in a batch of
+    16 at 48 tokens per step, under the rule plan, "List three primary colors." got another greedy answer than
+    alone on the AMD EPYC), are bitwise the same under ``kernels = invariant`` (compute/attention.py promises a
+    row's numbers do not depend on its prefill chunking)."""
+    from compute.batch import ForwardBatch
+    from compute.kv_cache import KVCache
+
+    inj = _invariant(real, "rule")
+    model, ids, bs = inj.model, prompts[2], 16
+    tables = [list(range(-(-len(ids) // bs)))]
+    with torch.inference_mode():
+        fresh = KVCache(model.config, 8, bs, torch.bfloat16)  # the int8 runtime's cache dtype
+        whole = model(ForwardBatch.build([ids], [0], tables, bs, all_logits=True), fresh)
+        cache = KVCache(model.config, 8, bs, torch.bfloat16)
+        cut = 13
+        first = model(ForwardBatch.build([ids[:cut]], [0], tables, bs, all_logits=True), cache)
+        rest = model(ForwardBatch.build([ids[cut:]], [cut], tables, bs, all_logits=True), cache)
+    differ = [i for i in range(len(ids)) if not torch.equal(torch.cat([first, rest])[i], whole[i])]
+    assert not differ, f"rows {differ} of {len(ids)} differ after a cut at {cut}"
 
 
 def test_int8_answer_and_perplexity(fp32, int8):
