@@ -139,16 +139,20 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
         done.set()
         for t in streams:
             t.join(60)
+        scaled_at = time.time()  # the gateway's clock too (one machine): the decisions after this are fresh
         for _ in range(8):  # a few more ticks at full load: still bounded at the maximum
             scaled()
             time.sleep(0.5)
         assert seen == {"decode_nodes": 2, "asked": 2}, seen
+        # the loop goes on publishing: a report received after the scale-up, however long a tick takes here
+        wait_for(lambda: (status(gw.url).get("autoscaler") or {}).get("received", 0) > scaled_at, 120,
+                 "an autoscaler report after the scale-up", every=0.25)  # fmt: skip
 
-        # `pdserve status` shows the autoscaler's decision, fresh
+        # `pdserve status` shows the autoscaler's decision, fresh (received after the scale-up)
         r = subprocess.run(PDSERVE + ["status", "--json"], env=env, capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, r.stderr
         a = json.loads(r.stdout)["autoscaler"]
-        assert a["actuator"] == "local" and time.time() - a["received"] < 10
+        assert a["actuator"] == "local" and a["received"] > scaled_at, (a, scaled_at)
         assert by_role(a["decision"])["decode"]["replicas"] == 2 and a["reason"]
         r = subprocess.run(PDSERVE + ["status"], env=env, capture_output=True, text=True, timeout=30)
         assert r.returncode == 0 and "autoscaler (local" in r.stdout, r.stdout
