@@ -272,17 +272,43 @@ LIBRARY_ENV = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "KUBECONFIG", "PATH
                "PYTHONDONTWRITEBYTECODE", "TOKENIZERS_PARALLELISM"}  # fmt: skip
 
 
-@pytest.mark.parametrize("overlay", ["local", "production"])
-def test_every_environment_variable_set_is_read_by_the_code(overlay):
-    """An env var the manifests (or the image) set must be one the code reads: else it configures nothing."""
-    from tests.deploy.pods import ROOT, image_config
+def _print_config(pod, argv: list[str], env: dict) -> tuple[int, str]:
+    """The container's command with --print-config (its resolved settings, secrets as set or not): (exit, output)."""
+    import subprocess
 
-    source = "\n".join(p.read_text() for pkg in ("paramstore", "compute", "gateway", "autoscaler")
-                       for p in (ROOT / pkg).rglob("*.py"))  # fmt: skip
-    names = set(image_config()[1])
-    for o in render(overlay):
-        if o["kind"] == "Deployment":
-            for c in o["spec"]["template"]["spec"]["containers"]:
-                names |= {e["name"] for e in c.get("env", [])}
-    unread = {n for n in names - LIBRARY_ENV if f'"{n}"' not in source and f"'{n}'" not in source}
-    assert not unread, f"set but read by no pdserve code: {sorted(unread)}"
+    pod.dir.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run([*argv, "--print-config"], env=env, cwd=pod.dir, capture_output=True, text=True, timeout=60,
+                       check=False)  # fmt: skip
+    return r.returncode, r.stdout if r.returncode == 0 else r.stderr
+
+
+@pytest.mark.parametrize("overlay", ["local", "production"])
+def test_every_environment_variable_set_configures_a_container(overlay, signed_store, tmp_path):
+    """An env var the manifests (or the image) set must configure something. Each container's own command line
+    (as the pod runner plans it) runs with --print-config, once as planned and once without the variable: the
+    resolved settings must differ (or the command refuse to start). A variable a container's env sets must
+    configure that container; one the image sets, some container. PDSERVE_CONFIG beside a --config flag naming
+    the same file (what `pdserve status` / `chat` run in the container read): without the flag, the variable
+    alone must give the same settings, and nothing without both."""
+    with runner(render(overlay), tmp_path, signed_store) as run:
+        run.plan()
+        image = set(run.image_env) - LIBRARY_ENV
+        read_by: dict[str, set[str]] = {}  # variable -> the Deployments whose settings it changes
+        own: dict[str, set[str]] = {}  # Deployment -> the variables its container's env sets
+        for dep, pod in run.pods.items():
+            base = _print_config(pod, pod.argv, pod.env)
+            assert base[0] == 0, (dep, base)
+            own[dep] = {e["name"] for e in pod.container.get("env", [])} - LIBRARY_ENV
+            for name in sorted(own[dep] | image):
+                without = {k: v for k, v in pod.env.items() if k != name}
+                argv = pod.argv
+                if name == "PDSERVE_CONFIG" and "--config" in argv:
+                    i = argv.index("--config")
+                    argv = argv[:i] + argv[i + 2 :]
+                    assert _print_config(pod, argv, pod.env) == base, f"{dep}: $PDSERVE_CONFIG is not --config"
+                if _print_config(pod, argv, without) != base:
+                    read_by.setdefault(name, set()).add(dep)
+    unread = sorted((dep, n) for dep, names in own.items() for n in names if dep not in read_by.get(n, ()))
+    assert not unread, f"set on a container whose command does not read it: {unread}"
+    assert image <= set(read_by), f"set by the image, read by no container: {sorted(image - set(read_by))}"
+    print({n: sorted(deps) for n, deps in sorted(read_by.items())})
