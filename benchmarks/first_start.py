@@ -48,6 +48,7 @@ def _warm_home(home: str, locations: list[str], model: str, threads: int, env: d
         "with ParamStore(StoreConfig(sys.argv[1].split(','))) as s: cfg = ModelConfig.from_hf(s.manifest(sys.argv[2]).config)\n"
         "t = time.perf_counter(); kernels.plan_for(linear_shapes(cfg), int(sys.argv[3])); print(time.perf_counter() - t)\n"
     )  # fmt: skip
+    env = {**env, "HOME": home, "XDG_CACHE_HOME": os.path.join(home, ".cache")}
     out = subprocess.run([sys.executable, "-c", code, ",".join(locations), model, str(threads)], env=env,
                          capture_output=True, text=True, timeout=900, check=True)  # fmt: skip
     return float(out.stdout.strip().splitlines()[-1])
