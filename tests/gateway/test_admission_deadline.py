@@ -229,12 +229,16 @@ STREAM = dict(messages=[{"role": "user", "content": "Count from one to fifty."}]
 
 @pytest.fixture(scope="module")
 def overload_nodes(tmp_path_factory, real_model_store):
-    """A prefill and a decode node on the real model, ready: (tmp, locations, name, [(role, node)])."""
-    from tests.services import nodes_up
+    """A prefill and a decode node on the real model, ready, each on its final kernel plan (the default measured
+    one): the test's bounds come from a control stream timed first, which holds only if no background
+    measurement runs and no plan is swapped in between the control and the burst. -> (tmp, locations, name,
+    [(role, node)])."""
+    from tests.services import nodes_up, wait_kernels_settled
 
     locations, name = real_model_store
     tmp = tmp_path_factory.mktemp("overload")
     with nodes_up(tmp, locations, name, {role: (role, "tcp") for role in ("prefill", "decode")}) as nodes:
+        wait_kernels_settled(list(nodes.values()))
         yield tmp, locations, name, list(nodes.items())
 
 

@@ -1,8 +1,8 @@
 """The gateway end to end: the real `openai` client against real nodes (prefill + 2 decode, tcp)
 on loopback with the real model; bad input; client disconnect; kill -9 of a decode mid-stream.
 
-Answers are compared between requests, batches and nodes (concurrent streams, seeds, a stream continued on
-another node after a kill), so the nodes run ``kernels = invariant``, all on one plan (tests/services.py)."""
+Answers are compared between requests, batches and nodes (concurrent streams, seeds, two decode nodes), so
+the nodes run ``kernels = invariant``, all on one plan (tests/services.py)."""
 
 from __future__ import annotations
 
@@ -164,10 +164,13 @@ def _retries(gw, phase: str) -> float:
 
 
 def test_kill_decode_mid_stream_continues_the_same_stream(svc):
-    """A decode node killed while it streams: the gateway continues the stream on the other decode node and the
-    client gets the answer it gets without a kill. The kill must land mid-stream (checked: the gateway
-    retried the decode once): the stream is made long enough for that from two controls measured here,
-    the time between two streamed tokens and one look at the decode nodes' load."""
+    """A decode node killed while it streams: the gateway continues the stream on the other decode node. The kill
+    must land mid-stream (checked: the gateway retried the decode once): the stream is made long enough for
+    that from two controls measured here, the time between two streamed tokens and one look at the decode
+    nodes' load. The client sees one stream: what came before the kill is the answer's start, then the rest,
+    to exactly max_tokens. (Not compared token for token after the kill: the survivors recompute the produced
+    tokens as one prefill, which equals having decoded them one by one only once attention's rows do not
+    depend on their call's query rows, tests/compute/test_realmodel.py's xfail.)"""
     msgs = [{"role": "user", "content": "Explain how a bicycle works, step by step."}]
     kw = {"model": svc["name"], "messages": msgs, "temperature": 0, "extra_body": {"ignore_eos": True}}
     c = client(svc)
@@ -182,21 +185,24 @@ def test_kill_decode_mid_stream_continues_the_same_stream(svc):
     look_s = time.monotonic() - t0
     kill_at = 4  # streamed tokens before the look: the decode node runs the request by then
     max_tokens = max(60, kill_at + math.ceil(20 * look_s / token_s))  # the look is under 1/20 of what is left
-    r = c.chat.completions.create(max_tokens=max_tokens, **kw)
-    want = r.choices[0].message.content
-    assert r.usage.completion_tokens == max_tokens
+    want = c.chat.completions.create(max_tokens=max_tokens, **kw).choices[0].message.content
     retries = _retries(svc["gw"], "decode")
-    text, killed = [], None
-    for ch in c.chat.completions.create(stream=True, max_tokens=max_tokens, **kw):
+    text, killed, before, chunks = [], None, "", []
+    for ch in c.chat.completions.create(stream=True, max_tokens=max_tokens, stream_options={"include_usage": True},
+                                        **kw):  # fmt: skip
+        chunks.append(ch)
         text.append(ch.choices[0].delta.content or "" if ch.choices else "")
         if killed is None and sum(map(bool, text)) >= kill_at:
             decoding = [n for n in svc["nodes"][1:] if n.load()["running"] > 0]
             assert decoding, "no decode node is streaming"
-            killed = decoding[0]
+            killed, before = decoding[0], "".join(text)
             killed.kill9()
     assert killed is not None
     assert _retries(svc["gw"], "decode") == retries + 1, (token_s, look_s, max_tokens)  # killed mid-stream
-    assert "".join(text) == want
+    got = "".join(text)
+    assert want.startswith(before) and got.startswith(before) and len(got) > len(before), (before, got, want)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == max_tokens
     time.sleep(0.1)
 
 
