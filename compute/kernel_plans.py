@@ -8,7 +8,7 @@ Lifecycle of one model's kernels (``compute/loader.py`` runs 1-2 once the weight
     else the table cached on this machine (``kernels.json``), if either holds every shape of the model;
     a plan that is corrupt, unsigned where the store signs, of another table version or machine key is
     ignored with one log line, never trusted. Never a measurement;
- 2. without one, the safe rule (``kernels.rule_table``: int8mm up to M = 64, dequant beyond; int8mm at
+ 2. without one, the safe rule (``rule_table``: int8mm up to M = 64, dequant beyond; int8mm at
     every M under ``invariant``): correct on every CPU. The model is ready and serves at once;
  3. a ``BackgroundMeasure`` thread measures what the plan lacks: one process per machine (the lock beside
     the cache file; the others poll the cache for its result and take over if it dies), niced to 19, in
@@ -42,6 +42,7 @@ SHAPES_MEASURED = Counter("pdserve_node_kernel_shapes_measured_total",
 PLANS = Counter("pdserve_node_kernel_plans_total", "Kernel plans a model was served with, by where they came "
                 "from: store | local | rule (before a measurement) | measured | peer (another process's)", ["source"])  # fmt: skip
 SOURCES = ("store", "local", "rule", "measured", "peer")
+RULE_INT8MM_MAX_M = 64  # the safe rule (``fixed``, and before a plan is known): int8mm up to this M, dequant beyond
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # measurements running in this process
 
 
@@ -53,21 +54,57 @@ def _stop_all() -> None:
         m.stop()
 
 
+def rule_table(shapes: Iterable[tuple[int, int]], threads: int) -> dict:
+    """The safe rule as a table, usable at once on any CPU without measuring: int8mm up to M = 64 and dequant
+    beyond (the ``fixed`` rule; correct on every dispatch level, ``compute/linear.py``), and int8mm at every M
+    as the ``invariant`` kernel (its output tile's K loop does not depend on M); dequant where int8mm is unusable."""
+    out = {}
+    for n, k in sorted(set(shapes)):
+        i8 = kernels.usable("int8mm", n, k)
+        choice = [("int8mm" if i8 and (hi is not None and hi <= RULE_INT8MM_MAX_M) else "dequant") for hi in kernels.BUCKETS]
+        out[f"{n}x{k}"] = {"choice": choice, "us": {}, "error": {}, "row_invariant": {}, "invariant": "int8mm" if i8 else None}
+    return {"version": kernels.TABLE_VERSION, "key": kernels.machine_key(threads), "probe_m": list(kernels.PROBE_M),
+            "buckets": [b or "inf" for b in kernels.BUCKETS], "error_gate": kernels.ERROR_GATE, "shapes": out, "rule": True}  # fmt: skip
+
+
+def complete(table: dict | None, shapes: Iterable[tuple[int, int]]) -> bool:
+    """Whether ``table`` holds a measured entry for every shape."""
+    have = (table or {}).get("shapes", {})
+    return bool(table) and not table.get("rule") and all(f"{n}x{k}" in have for n, k in shapes)
+
+
+def valid_table(table, threads: int) -> str | None:
+    """Why ``table`` cannot plan this machine at ``threads`` (None: it can): another version, machine key
+    (CPU, ISA flags, dispatch level, torch version, threads), or a malformed entry."""
+    if not isinstance(table, dict) or table.get("version") != kernels.TABLE_VERSION:
+        return f"table version {table.get('version') if isinstance(table, dict) else '?'}, this torch's is {kernels.TABLE_VERSION}"
+    if table.get("key") != kernels.machine_key(threads):
+        return f"it is for {str(table.get('key')).split(' ', 1)[-1]!r}"
+    shapes = table.get("shapes")
+    if not isinstance(shapes, dict):
+        return "no shapes"
+    for name, e in shapes.items():
+        ok = isinstance(e, dict) and isinstance(e.get("choice"), list) and len(e["choice"]) == len(kernels.BUCKETS)
+        if not ok or any(c not in kernels.KERNELS for c in e["choice"]) or e.get("invariant") not in (None, *kernels.KERNELS):
+            return f"malformed entry {name!r}"
+    return None
+
+
 def lookup(shapes: Iterable[tuple[int, int]], threads: int, cache_path: str | None, store=None) -> tuple[dict | None, str]:
     """(table, "store" | "local") for ``shapes`` without measuring; (None, "") if no valid plan has them all."""
     shapes, key = sorted(set(shapes)), kernels.machine_key(threads)
     if store is not None:
         table = _from_store(store, key, threads)
-        if kernels.complete(table, shapes):
+        if complete(table, shapes):
             return table, "store"
     try:
         local = kernels.cached_table(threads, cache_path)
     except OSError:
         local = None
-    why = None if local is None else kernels.valid_table(local, threads)
+    why = None if local is None else valid_table(local, threads)
     if why:
         log.warning("kernel table in %s ignored: %s", cache_path, why)
-    elif kernels.complete(local, shapes):
+    elif complete(local, shapes):
         return local, "local"
     return None, ""
 
@@ -83,7 +120,7 @@ def _from_store(store, key: str, threads: int) -> dict | None:
     except (StoreError, OSError) as e:  # corrupt, unsigned, tampered, unreachable: never trusted
         log.warning("kernel plan %s in the store ignored: %s", pid, e)
         return None
-    why = kernels.valid_table(table, threads)
+    why = valid_table(table, threads)
     if why:
         log.warning("kernel plan %s in the store ignored: %s", pid, why)
         return None
@@ -167,7 +204,7 @@ class BackgroundMeasure:
         waited = False
         while not self._stop.is_set():
             table = self._cached()
-            if kernels.complete(table, self.shapes):
+            if complete(table, self.shapes):
                 return table, "peer" if waited else "local"
             try:
                 with kernels.cache_lock(self.cache_path, block=False) as held:
@@ -186,7 +223,7 @@ class BackgroundMeasure:
             t = kernels.cached_table(self.threads, self.cache_path)
         except OSError:
             return None
-        return t if t is not None and kernels.valid_table(t, self.threads) is None else None
+        return t if t is not None and valid_table(t, self.threads) is None else None
 
     def _measure(self) -> dict | None:
         """The missing shapes, slice by slice, paced; each shape saved as it completes (we hold the lock)."""

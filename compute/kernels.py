@@ -62,7 +62,6 @@ BUCKETS = (1, 8, 64, None)  # upper bounds of M per bucket: 1 | 2-8 | 9-64 | 65+
 PROBE_M = (1, 8, 32, 256)  # the M each bucket is timed at
 KERNELS = ("int8mm", "dequant", "bf16", "w8a8")
 ERROR_GATE = 0.01  # relative RMS error vs fp32 on outlier activations: ~3x bf16 rounding (int8mm, bf16: 0.3%; w8a8: 1.8-4.4%)
-INT8MM_RULE_MAX_M = 64  # the safe rule (``fixed``, and before a plan is known): int8mm up to this M, dequant beyond
 INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: compute/linear.py)
 TABLE_VERSION = 7
 # measured: the fastest per M bucket; invariant: one batch-invariant kernel per shape;
@@ -309,42 +308,6 @@ def measure_steps(shapes: Iterable[tuple[int, int]], threads: int, repeats: int 
         if on_shape is not None:
             on_shape(table())
     return table()
-
-
-def rule_table(shapes: Iterable[tuple[int, int]], threads: int) -> dict:
-    """The safe rule as a table, usable at once on any CPU without measuring: int8mm up to M = 64 and dequant
-    beyond (the ``fixed`` rule; correct on every dispatch level, ``compute/linear.py``), and int8mm at every M
-    as the ``invariant`` kernel (its output tile's K loop does not depend on M); dequant where int8mm is unusable."""
-    out = {}
-    for n, k in sorted(set(shapes)):
-        i8 = usable("int8mm", n, k)
-        choice = [("int8mm" if i8 and (hi is not None and hi <= INT8MM_RULE_MAX_M) else "dequant") for hi in BUCKETS]
-        out[f"{n}x{k}"] = {"choice": choice, "us": {}, "error": {}, "row_invariant": {}, "invariant": "int8mm" if i8 else None}
-    return {"version": TABLE_VERSION, "key": machine_key(threads), "probe_m": list(PROBE_M),
-            "buckets": [b or "inf" for b in BUCKETS], "error_gate": ERROR_GATE, "shapes": out, "rule": True}  # fmt: skip
-
-
-def complete(table: dict | None, shapes: Iterable[tuple[int, int]]) -> bool:
-    """Whether ``table`` holds a measured entry for every shape."""
-    have = (table or {}).get("shapes", {})
-    return bool(table) and not table.get("rule") and all(f"{n}x{k}" in have for n, k in shapes)
-
-
-def valid_table(table, threads: int) -> str | None:
-    """Why ``table`` cannot plan this machine at ``threads`` (None: it can): another version, machine key
-    (CPU, ISA flags, dispatch level, torch version, threads), or a malformed entry."""
-    if not isinstance(table, dict) or table.get("version") != TABLE_VERSION:
-        return f"table version {table.get('version') if isinstance(table, dict) else '?'}, this torch's is {TABLE_VERSION}"
-    if table.get("key") != machine_key(threads):
-        return f"it is for {str(table.get('key')).split(' ', 1)[-1]!r}"
-    shapes = table.get("shapes")
-    if not isinstance(shapes, dict):
-        return "no shapes"
-    for name, e in shapes.items():
-        ok = isinstance(e, dict) and isinstance(e.get("choice"), list) and len(e["choice"]) == len(BUCKETS)
-        if not ok or any(c not in KERNELS for c in e["choice"]) or e.get("invariant") not in (None, *KERNELS):
-            return f"malformed entry {name!r}"
-    return None
 
 
 def plan_for(shapes: Iterable[tuple[int, int]], threads: int, cache_path: str | None = DEFAULT_CACHE) -> dict:

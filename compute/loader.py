@@ -29,8 +29,8 @@ from prometheus_client import Gauge, Histogram
 from compute.config import ModelConfig
 from compute.kernels import DEFAULT_CACHE as DEFAULT_KERNEL_CACHE
 from compute.kernels import MODES as KERNEL_MODES
-from compute.kernel_plans import PLANS, BackgroundMeasure, lookup
-from compute.kernels import plan_for, rule_table
+from compute.kernel_plans import PLANS, BackgroundMeasure, lookup, rule_table
+from compute.kernels import plan_for
 from compute.model import Transformer
 from compute.tokenizer import TextBundle, _token_name
 from paramstore.quant import dequantize_int8

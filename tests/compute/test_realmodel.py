@@ -102,7 +102,7 @@ def test_fp32_greedy_equals_transformers_and_is_batch_invariant(real, fp32, prom
 
 def _invariant(real, plan: str):
     """SmolLM2 int8 in process under ``kernels = invariant`` with ``plan``'s kernels (rule | measured)."""
-    from compute import kernels
+    from compute import kernel_plans, kernels
     from compute.loader import WeightInjector
 
     inj = WeightInjector(real[0], "smollm2", weights="int8", kernels="invariant").start()
@@ -110,7 +110,7 @@ def _invariant(real, plan: str):
     shapes, threads = inj.model.int8_shapes(), torch.get_num_threads()
     # the machine's table: cached in this session's HOME (the injector's own measurement, or another test's),
     # else measured now (one process at a time: the cache's lock)
-    table = kernels.rule_table(shapes, threads) if plan == "rule" else kernels.plan_for(shapes, threads)
+    table = kernel_plans.rule_table(shapes, threads) if plan == "rule" else kernels.plan_for(shapes, threads)
     lacking = {s: {"row_invariant": e["row_invariant"], "error": e["error"]}
                for s, e in table["shapes"].items() if not e["invariant"]}  # fmt: skip
     assert not lacking, f"kernels = invariant has no row-invariant kernel within the error gate for {lacking}"

@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from compute import kernels
+from compute import kernel_plans, kernels
 from compute.node.launcher import Services
 from paramstore import ParamStore, StoreConfig
 from tests.services import TOKEN, wait_for
@@ -55,7 +55,7 @@ def test_nodes_of_one_machine_measure_once_and_a_later_node_measures_nothing(tmp
                     return None
 
         body = wait_for(published, 180, "the measured plan in the store", every=0.5)
-        assert kernels.complete(body["table"], [tuple(map(int, s.split("x"))) for s in body["table"]["shapes"]])
+        assert kernel_plans.complete(body["table"], [tuple(map(int, s.split("x"))) for s in body["table"]["shapes"]])
         wait_for(lambda: all(_kernels(n)["measure"] == "done" for n in first), 60, "every node's plan settled")
         counts = [_metric(n, "pdserve_node_kernel_shapes_measured_total") for n in first]
         assert sum(counts) == len(body["table"]["shapes"]) and sorted(counts)[:2] == [0, 0], counts
