@@ -104,6 +104,25 @@ def write_hf_folder(path, cfg: dict, tensors: dict[str, torch.Tensor], files: in
     return str(path)
 
 
+def import_tiny_chat_models(tmp_path_factory, real_locations: list[str], real_name: str, models, store_name: str):
+    """Tiny Llamas (different random weights, one per name in ``models``) that carry the real model's tokenizer
+    bundle (a chat template, a 49152 vocabulary), imported into a store of their own; -> its StoreConfig."""
+    from paramstore import ParamStore, StoreConfig
+
+    with ParamStore(StoreConfig(locations=real_locations)) as ps, ps.reader(ps.manifest(real_name)) as r:
+        files = r.bundle()
+    store = StoreConfig.local_default(str(tmp_path_factory.mktemp(store_name)), k=4, m=2)
+    cfg = tiny_llama_config(vocab=49152, tied=True)
+    with ParamStore(store) as ps:
+        for seed, model in enumerate(models):
+            folder = write_hf_folder(tmp_path_factory.mktemp(model), cfg, tiny_llama_tensors(cfg, seed=seed), files=1)
+            for fname, data in files.items():
+                with open(os.path.join(folder, fname), "wb") as f:
+                    f.write(data)
+            ps.import_model(folder, model)
+    return store
+
+
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     """(folder, config, tensors) of a tiny random Llama in HF layout."""

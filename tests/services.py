@@ -132,3 +132,19 @@ def wait_blocks_free(nodes: list[ServiceProc], timeout: float = 10.0) -> list[di
         if time.monotonic() > deadline:
             return loads
         time.sleep(0.1)
+
+
+def node_generate(node: ServiceProc, rid: str, ids: list[int], max_tokens: int, **sampling) -> list[int]:
+    """A whole request on one node (``/internal/generate``, greedy unless ``sampling`` says otherwise): its tokens."""
+    import json
+
+    import httpx
+
+    body = {"request_id": rid, "prompt_token_ids": ids, "params": {"max_tokens": max_tokens, "temperature": 0} | sampling}
+    toks = []
+    with httpx.stream("POST", node.url + "/internal/generate", json=body, headers=node.headers or HEADERS,
+                      timeout=120) as r:  # fmt: skip
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            toks += json.loads(line)["token_ids"]
+    return toks

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from compute.node.launcher import Services
-from tests.conftest import tiny_llama_config, tiny_llama_tensors, write_hf_folder
+from tests.conftest import import_tiny_chat_models, tiny_llama_config, tiny_llama_tensors, write_hf_folder
 from tests.procs import alive, children, kill_left
 from tests.services import HEADERS, TOKEN, wait_for
 
@@ -43,20 +43,10 @@ def four_models(tmp_path_factory, real_model_store):
     from compute.loader import transient_bytes
     from compute.node.config import NodeConfig
     from compute.node.held import estimate_bytes
-    from paramstore import ParamStore, StoreConfig
+    from paramstore import ParamStore
 
-    locations, name = real_model_store
-    with ParamStore(StoreConfig(locations=locations)) as ps, ps.reader(ps.manifest(name)) as r:
-        files = r.bundle()
-    store = StoreConfig.local_default(str(tmp_path_factory.mktemp("races-store")), k=4, m=2)
-    cfg = tiny_llama_config(vocab=49152, tied=True)
+    store = import_tiny_chat_models(tmp_path_factory, *real_model_store, MODELS, "races-store")
     with ParamStore(store) as ps:
-        for seed, model in enumerate(MODELS):
-            folder = write_hf_folder(tmp_path_factory.mktemp(model), cfg, tiny_llama_tensors(cfg, seed=seed), files=1)
-            for fname, data in files.items():
-                with open(os.path.join(folder, fname), "wb") as f:
-                    f.write(data)
-            ps.import_model(folder, model)
         manifest = ps.manifest("tiny-a")
     node = NodeConfig(role="both", internal_token=TOKEN, kv_blocks=KV_BLOCKS, kernels="fixed")
     held = sum(estimate_bytes(manifest, "int8", node))

@@ -27,7 +27,7 @@ from compute.node.launcher import Services
 from gateway.activator import Activator, NotPlaced
 from gateway.registry import NodeRegistry
 from gateway.traffic import Traffic
-from tests.conftest import tiny_llama_config, tiny_llama_tensors, write_hf_folder
+from tests.conftest import import_tiny_chat_models
 from tests.services import (
     HEADERS,
     INVARIANT,
@@ -229,21 +229,7 @@ MODELS = ("tiny-a", "tiny-b", "tiny-c")
 @pytest.fixture(scope="module")
 def three_models(tmp_path_factory, real_model_store):
     """Three tiny Llamas (different random weights) with SmolLM2's tokenizer bundle, in one store."""
-    from paramstore import ParamStore, StoreConfig
-
-    locations, name = real_model_store
-    with ParamStore(StoreConfig(locations=locations)) as ps, ps.reader(ps.manifest(name)) as r:
-        files = r.bundle()
-    store = StoreConfig.local_default(str(tmp_path_factory.mktemp("models-store")), k=4, m=2)
-    cfg = tiny_llama_config(vocab=49152, tied=True)
-    with ParamStore(store) as ps:
-        for seed, model in enumerate(MODELS):
-            folder = write_hf_folder(tmp_path_factory.mktemp(model), cfg, tiny_llama_tensors(cfg, seed=seed), files=1)
-            for fname, data in files.items():
-                with open(os.path.join(folder, fname), "wb") as f:
-                    f.write(data)
-            ps.import_model(folder, model)
-    return store.locations
+    return import_tiny_chat_models(tmp_path_factory, *real_model_store, MODELS, "models-store").locations
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,12 @@ gone once it is unloaded (compute/node/metrics.py)."""
 
 from __future__ import annotations
 
-import json
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.services import HEADERS, TOKEN, Services, wait_for
+from tests.services import HEADERS, TOKEN, Services, node_generate, wait_for
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 33, 90, 41, 7]
@@ -56,14 +55,7 @@ def node(tmp_path_factory, tiny_model_store):
 
 
 def generate(node, rid: str) -> list[int]:
-    body = {"request_id": rid, "prompt_token_ids": PROMPT,
-            "params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}}  # fmt: skip
-    toks = []
-    with httpx.stream("POST", node.url + "/internal/generate", json=body, headers=HEADERS, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            toks += json.loads(line)["token_ids"]
-    return toks
+    return node_generate(node, rid, PROMPT, MAX_TOKENS, ignore_eos=True)
 
 
 def test_metrics_are_open_and_every_other_route_still_needs_the_token(node):

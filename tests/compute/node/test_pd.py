@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.prompts import QUESTIONS
-from tests.services import HEADERS, nodes_up, start_node, wait_blocks_free
+from tests.services import HEADERS, node_generate, nodes_up, start_node, wait_blocks_free
 
 pytestmark = pytest.mark.slow
 
@@ -58,14 +58,7 @@ def nixl_pair(cluster, tmp_path_factory, real_model_store):
 
 
 def generate(node, rid, ids, max_tokens=MAX_TOKENS, **sampling):
-    params = {"max_tokens": max_tokens, "temperature": 0} | sampling
-    body = {"request_id": rid, "prompt_token_ids": ids, "params": params}
-    toks = []
-    with httpx.stream("POST", node.url + "/internal/generate", json=body, headers=HEADERS, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            toks += json.loads(line)["token_ids"]
-    return toks
+    return node_generate(node, rid, ids, max_tokens, **sampling)
 
 
 def pd(prefill, decode, rid, ids, max_tokens=MAX_TOKENS, **sampling):
