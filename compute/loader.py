@@ -188,7 +188,7 @@ class WeightInjector:
         thread has ended."""
         self._cancel.set()
         if self.planner is not None:
-            self.planner.stop()
+            self.planner.stop(min(timeout, 5.0))  # timeout 0 (a node's event loop): signalled, not awaited
         return self._done.wait(timeout) if self._thread is not None else True
 
     def _run(self) -> None:
