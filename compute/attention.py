@@ -11,8 +11,10 @@ Per layer: write this step's K/V into their slots, then
   A batch of decodes only skips the row gather and scatter.
 
 Every call's keys are a multiple of ``compute.batch.KEY_MULTIPLE`` (16), the extra ones masked,
-and the causal mask is explicit: that keeps a row's numbers independent of its batch and of
-its prefill chunking (the reason is in ``compute/batch.py``).
+and the causal mask is explicit: that keeps a row's numbers independent of its batch (the reason is
+in ``compute/batch.py``). Independent of its prefill chunking too only with ``aligned`` (the model sets
+it under ``kernels = invariant``): SDPA's CPU kernel computes a query row by the block of queries it
+falls in, so queries then go in blocks aligned to absolute positions (``_aligned_prefill``).
 
 GQA/MQA uses SDPA's ``enable_gqa`` (no repeated K/V). Attention runs in the cache's dtype (bf16 by
 default: q is cast once, K/V are read as stored) and returns q's dtype. Every SDPA call gets 4-D
@@ -30,6 +32,8 @@ import torch.nn.functional as F
 from compute.batch import DecodeGroup, ForwardBatch, padded_keys
 from compute.kv_cache import KVCache
 
+Q_BLOCK = 32  # prefill queries per SDPA block, aligned to absolute positions (``_prefill``)
+
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, Dh]
@@ -39,8 +43,11 @@ def paged_attention(
     cache: KVCache,
     batch: ForwardBatch,
     scale: float,
+    aligned: bool = False,
 ) -> torch.Tensor:
-    """Returns ``[T, H, Dh]`` in q's dtype; stores ``k, v`` in ``cache`` as a side effect."""
+    """Returns ``[T, H, Dh]`` in q's dtype; stores ``k, v`` in ``cache`` as a side effect. ``aligned``: prefill
+    queries in position-aligned blocks (``_aligned_prefill``: a row's numbers independent of its chunking, for
+    ``kernels = invariant``; ~1.2x the attention time of a 512-token prefill, so only there)."""
     cache.write(layer, batch.slot_mapping, k, v)
     gqa = q.shape[1] != k.shape[1]
     d, dt = batch.decodes, cache.dtype
@@ -54,8 +61,12 @@ def paged_attention(
         else:
             kc, vc = cache.gather(layer, s.blocks)  # [nb*BS, KVH, Dh]
             kc, vc = _padded(kc, n), _padded(vc, n)  # [L, KVH, Dh]
+        qs = q[s.start : s.end].to(dt)
+        if aligned:
+            out[s.start : s.end] = _aligned_prefill(qs, kc, vc, s.mask, s.context_len, scale, gqa)
+            continue
         o = F.scaled_dot_product_attention(
-            q[None, s.start : s.end].to(dt).transpose(1, 2),  # [1, H, q, Dh]
+            qs[None].transpose(1, 2),  # [1, H, q, Dh]
             kc[None].transpose(1, 2),  # [1, KVH, L, Dh]
             vc[None].transpose(1, 2),
             attn_mask=s.mask,
@@ -66,6 +77,30 @@ def paged_attention(
     if d is not None:
         out[d.rows] = _decode(q[d.rows].to(dt), layer, cache, d, scale, gqa).to(q.dtype)
     return out
+
+
+def _aligned_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor, ctx: int, scale: float,
+             gqa: bool) -> torch.Tensor:  # fmt: skip
+    """q: [T, H, Dh] (positions ctx-T .. ctx-1), kc/vc: [L, KVH, Dh], mask: [T, L] -> [T, H, Dh].
+
+    Queries go in blocks of ``Q_BLOCK`` rows aligned to absolute positions (rows outside the chunk are zero
+    queries on key 0, dropped), one batch entry per block: SDPA's CPU kernel computes a row by the block of
+    queries it falls in (its size and the row's place in it), so a row's numbers would otherwise depend on
+    where a prefill chunk starts and how many rows it has (tests/compute/test_realmodel.py)."""
+    t, first = q.shape[0], ctx - q.shape[0]
+    lead = first % Q_BLOCK
+    nb = -(-(lead + t) // Q_BLOCK)
+    qp = q.new_zeros(nb * Q_BLOCK, *q.shape[1:])  # [nb*QB, H, Dh]
+    qp[lead : lead + t] = q
+    mp = torch.zeros(nb * Q_BLOCK, mask.shape[1], dtype=torch.bool, device=mask.device)
+    mp[:, 0] = True  # a padding row attends to key 0 only (never a fully masked row: NaN)
+    mp[lead : lead + t] = mask
+    qb = qp.view(nb, Q_BLOCK, *q.shape[1:]).transpose(1, 2)  # [nb, H, QB, Dh]
+    kb = kc.transpose(0, 1)[None].expand(nb, -1, -1, -1)  # [nb, KVH, L, Dh]
+    vb = vc.transpose(0, 1)[None].expand(nb, -1, -1, -1)
+    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mp.view(nb, 1, Q_BLOCK, -1), scale=scale,
+                                       enable_gqa=gqa)  # [nb, H, QB, Dh]  # fmt: skip
+    return o.transpose(1, 2).reshape(nb * Q_BLOCK, *q.shape[1:])[lead : lead + t]
 
 
 def _padded(t: torch.Tensor, n: int) -> torch.Tensor:

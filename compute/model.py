@@ -95,6 +95,7 @@ class Attention(nn.Module):
         self.qkv = FusedLinear(c.hidden_size, (c.q_size, c.kv_size, c.kv_size), c.qkv_bias, dtype, int8mm_max_m)
         self.q_proj, self.k_proj, self.v_proj = self.qkv.parts  # HF names; rows of qkv
         self.o_proj = Linear(c.q_size, c.hidden_size, c.o_bias, dtype, int8mm_max_m)
+        self.aligned = False  # prefill queries in position-aligned blocks (kernels = invariant: Transformer.use_kernels)
 
     def forward(self, x, cos, sin, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, D] -> [T, D]
@@ -102,7 +103,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(t, h + 2 * kvh, self.dh)  # [T, H + 2 KVH, Dh]
         qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # [T, H + KVH, Dh]: q and k rotated together
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]  # [T, H | KVH | KVH, Dh]
-        o = paged_attention(q, k, v, self.layer, cache, batch, self.scale)  # [T, H, Dh]
+        o = paged_attention(q, k, v, self.layer, cache, batch, self.scale, self.aligned)  # [T, H, Dh]
         return self.o_proj(o.reshape(t, h * self.dh), cast=False)  # bf16 from int8mm: the residual add promotes
 
 
@@ -231,6 +232,9 @@ class Transformer(nn.Module):
         for m in self.kernel_modules():
             n, k = m.int8_weight()[0].shape
             m.use_kernels(None if table is None else plan_of(table["shapes"][f"{n}x{k}"], mode))
+        for m in self.modules():
+            if isinstance(m, Attention):  # a row's numbers independent of its prefill chunking too
+                m.aligned = mode == "invariant"
 
     def prepare_kernels(self, table: dict, mode: str = "measured") -> None:
         """Make the copies ``table``'s plan needs (bf16 weights) without switching to it: ``use_kernels`` then

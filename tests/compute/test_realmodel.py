@@ -134,32 +134,28 @@ def test_int8_runtime_with_invariant_kernels_is_batch_invariant(real, prompts, p
     assert _greedy(inj, batch, num_blocks=256) == (alone * 4)[:16]
 
 
-CHUNKS_MOVE_BITS = ("torch's CPU flash attention (SDPA) computes a query row differently with the number of query rows "
-                    "in its call (its q blocks): a prefill chunk moves the last bits of rows after the cut, so "
-                    "compute/attention.py's chunking promise does not hold yet (found in issue 22's sweep)")
-
-
-@pytest.mark.xfail(strict=False, raises=AssertionError, reason=CHUNKS_MOVE_BITS)
-def test_int8_prefill_chunks_leave_a_rows_logits_bitwise_the_same(real, prompts):
-    """A prompt's logits prefilled at once, and in two chunks (as a batch's token budget cuts it: in a batch of
-    16 at 48 tokens per step, under the rule plan, "List three primary colors." got another greedy answer than
-    alone on the AMD EPYC), are bitwise the same under ``kernels = invariant`` (compute/attention.py promises a
-    row's numbers do not depend on its prefill chunking)."""
+@pytest.mark.parametrize("plan", ["rule", "measured"])
+def test_int8_prefill_chunks_leave_a_rows_logits_bitwise_the_same(real, prompts, plan):
+    """A prompt's logits prefilled at once, and in two chunks cut anywhere (as a batch's token budget cuts it: in
+    a batch of 16 at 48 tokens per step, under the rule plan, "List three primary colors." got another greedy
+    answer than alone on the AMD EPYC before queries went in position-aligned blocks), are bitwise the same under
+    ``kernels = invariant``: SDPA's CPU kernel computes a query row by the block of queries it falls in, and
+    compute/attention.py aligns those blocks to absolute positions there."""
     from compute.batch import ForwardBatch
     from compute.kv_cache import KVCache
 
-    inj = _invariant(real, "rule")
+    inj = _invariant(real, plan)
     model, ids, bs = inj.model, prompts[2], 16
+    ids = (ids * 3)[:70]  # rows past two 32-row blocks
     tables = [list(range(-(-len(ids) // bs)))]
     with torch.inference_mode():
-        fresh = KVCache(model.config, 8, bs, torch.bfloat16)  # the int8 runtime's cache dtype
-        whole = model(ForwardBatch.build([ids], [0], tables, bs, all_logits=True), fresh)
-        cache = KVCache(model.config, 8, bs, torch.bfloat16)
-        cut = 13
-        first = model(ForwardBatch.build([ids[:cut]], [0], tables, bs, all_logits=True), cache)
-        rest = model(ForwardBatch.build([ids[cut:]], [cut], tables, bs, all_logits=True), cache)
-    differ = [i for i in range(len(ids)) if not torch.equal(torch.cat([first, rest])[i], whole[i])]
-    assert not differ, f"rows {differ} of {len(ids)} differ after a cut at {cut}"
+        whole = model(ForwardBatch.build([ids], [0], tables, bs, all_logits=True), KVCache(model.config, 8, bs, torch.bfloat16))
+        for cut in (1, 13, 31, 32, 33, 47, 64):
+            cache = KVCache(model.config, 8, bs, torch.bfloat16)  # the int8 runtime's cache dtype
+            first = model(ForwardBatch.build([ids[:cut]], [0], tables, bs, all_logits=True), cache)
+            rest = model(ForwardBatch.build([ids[cut:]], [cut], tables, bs, all_logits=True), cache)
+            differ = [i for i in range(len(ids)) if not torch.equal(torch.cat([first, rest])[i], whole[i])]
+            assert not differ, f"rows {differ} of {len(ids)} differ after a cut at {cut}"
 
 
 def test_int8_answer_and_perplexity(fp32, int8):
