@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from compute.batch import DecodeGroup, ForwardBatch, padded_keys
 from compute.kv_cache import KVCache
 
-Q_BLOCK = 32  # prefill queries per SDPA block, aligned to absolute positions (``_prefill``)
+Q_BLOCK = 32  # prefill queries per SDPA block, aligned to absolute positions (``_aligned_prefill``)
 
 
 def paged_attention(
@@ -79,8 +79,8 @@ def paged_attention(
     return out
 
 
-def _aligned_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor, ctx: int, scale: float,
-             gqa: bool) -> torch.Tensor:  # fmt: skip
+def _aligned_prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor, ctx: int,
+                     scale: float, gqa: bool) -> torch.Tensor:  # fmt: skip
     """q: [T, H, Dh] (positions ctx-T .. ctx-1), kc/vc: [L, KVH, Dh], mask: [T, L] -> [T, H, Dh].
 
     Queries go in blocks of ``Q_BLOCK`` rows aligned to absolute positions (rows outside the chunk are zero

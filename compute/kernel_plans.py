@@ -41,7 +41,6 @@ SHAPES_MEASURED = Counter("pdserve_node_kernel_shapes_measured_total",
                           "from the store or the machine's cache)")  # fmt: skip
 PLANS = Counter("pdserve_node_kernel_plans_total", "Kernel plans a model was served with, by where they came "
                 "from: store | local | rule (before a measurement) | measured | peer (another process's)", ["source"])  # fmt: skip
-SOURCES = ("store", "local", "rule", "measured", "peer")
 RULE_INT8MM_MAX_M = 64  # the safe rule (``fixed``, and before a plan is known): int8mm up to this M, dequant beyond
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # measurements running in this process
 

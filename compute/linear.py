@@ -152,8 +152,7 @@ class _KernelPlan:
             return
         if len(plan) != len(kernels.BUCKETS) or any(k not in kernels.KERNELS for k in plan):
             raise ValueError(f"a kernel plan names one of {kernels.KERNELS} per bucket, got {plan!r}")
-        if "bf16" in plan and self.w_bf16 is None:
-            self.w_bf16 = aligned(kernels.bf16_weight(*qs))
+        self.prepare_plan(plan)
         self.plan = tuple(plan)
         if "bf16" not in plan:
             self.w_bf16 = None

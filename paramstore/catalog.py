@@ -66,24 +66,14 @@ class Catalog:
         return self.read(name, version)
 
     def read(self, name: str, version: int) -> Manifest:
-        rel = manifest_path(name, version)
-        errors = []
-        for loc in self.locations:
-            try:
-                raw = loc.get(rel)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                errors.append(f"{loc.url}: {e}")
-                continue
-            try:
-                m = Manifest.from_json(raw, self.key, where=f"{name}@v{version} on {loc.url}")
-            except IntegrityError as e:
-                errors.append(str(e))
-                continue
+        def parse(raw: bytes, loc: Location) -> Manifest:
+            m = Manifest.from_json(raw, self.key, where=f"{name}@v{version} on {loc.url}")
             if m.name != name or m.version != version:
-                errors.append(f"{loc.url}: manifest names {m.ref}, expected {name}@v{version}")
-                continue
+                raise IntegrityError(f"{loc.url}: manifest names {m.ref}, expected {name}@v{version}")
+            return m
+
+        m, errors = first_valid(self.locations, manifest_path(name, version), parse)
+        if m is not None:
             return m
         if errors:
             raise IntegrityError(f"no valid copy of {name}@v{version}: " + "; ".join(errors))
@@ -129,6 +119,26 @@ class Catalog:
                 except (IntegrityError, NotFound):
                     continue
         return out
+
+
+def first_valid(locations: list[Location], rel: str, parse):
+    """(the first copy of ``rel`` that ``parse(raw, loc)`` accepts, the reasons the copies before it were not);
+    (None, reasons) if none is. ``parse`` raises ``IntegrityError`` for a copy it refuses; an absent copy is no
+    reason, an unreadable location is one (the object is replicated: manifests, kernel plans)."""
+    errors = []
+    for loc in locations:
+        try:
+            raw = loc.get(rel)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            errors.append(f"{loc.url}: {e}")
+            continue
+        try:
+            return parse(raw, loc), errors
+        except IntegrityError as e:
+            errors.append(str(e))
+    return None, errors
 
 
 def try_put(loc: Location, rel: str, raw: bytes) -> bool:

@@ -23,7 +23,7 @@ import re
 import socket
 import time
 
-from .catalog import try_put
+from .catalog import first_valid, try_put
 from .errors import IntegrityError, InvalidRequest, LocationUnavailable, NotFound
 from .integrity import check_seal, seal
 from .locations import Location
@@ -54,18 +54,19 @@ class Plans:
     def get(self, key: str) -> dict:
         """The verified body of ``key``'s plan; ``NotFound`` if none, ``IntegrityError`` if no copy is valid
         (corrupt, unsigned where the store signs, or naming another machine key)."""
-        pid, errors = plan_id(key), []
-        for loc in self.locations:
+        pid = plan_id(key)
+
+        def parse(raw: bytes, loc: Location) -> dict:
             try:
-                body = self._read(loc, pid)
-            except FileNotFoundError:
-                continue
-            except (OSError, IntegrityError) as e:
-                errors.append(f"{loc.url}: {e}")
-                continue
+                body = self._parse(raw, pid)
+            except IntegrityError as e:
+                raise IntegrityError(f"{loc.url}: {e}") from None
             if key != pid and body.get("key") != key:
-                errors.append(f"{loc.url}: plan {pid} is for {str(body.get('key'))[:80]!r}, not this machine")
-                continue
+                raise IntegrityError(f"{loc.url}: plan {pid} is for {str(body.get('key'))[:80]!r}, not this machine")
+            return body
+
+        body, errors = first_valid(self.locations, plan_path(pid), parse)
+        if body is not None:
             return body
         if errors:
             raise IntegrityError(f"no valid copy of kernel plan {pid}: " + "; ".join(errors))
@@ -111,8 +112,7 @@ class Plans:
             loc.remove(plan_path(pid))
         return pid
 
-    def _read(self, loc: Location, pid: str) -> dict:
-        raw = loc.get(plan_path(pid))
+    def _parse(self, raw: bytes, pid: str) -> dict:
         try:
             doc = json.loads(raw)
             body, integrity = doc["plan"], doc["integrity"]
