@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from compute.node.auth import SignedAuth
 from compute.node.launcher import free_port
 from compute.node.lifeline import spawn_kwargs
 
@@ -106,7 +107,7 @@ class LocalActuator(Actuator):
         self._closing, self._hurry = threading.Event(), threading.Event()
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="pdserve-spawn")  # the nodes' parent thread
         self._supervisor: threading.Thread | None = None
-        self._headers = {"Authorization": f"Bearer {self.config.internal_token}"}
+        self._auth = SignedAuth(self.config.internal_token)  # signs requests to the nodes; the token is never sent
         os.makedirs(self.config.log_dir, exist_ok=True)
 
     # --- the contract ----------------------------------------------------------------
@@ -302,7 +303,7 @@ class LocalActuator(Actuator):
 
     def _watch(self, p: LocalNode) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
-        with httpx.Client(headers=self._headers, timeout=2.0) as client:
+        with httpx.Client(timeout=2.0) as client:  # /ready is open
             while time.monotonic() < deadline and p.proc.poll() is None and p.state != "stopping":
                 try:
                     if client.get(p.url + "/ready").status_code == 200:
@@ -337,7 +338,7 @@ class LocalActuator(Actuator):
 
     def _drain(self, p: LocalNode, timeout: float) -> None:
         try:
-            httpx.post(p.url + "/internal/drain", params={"timeout_s": timeout}, headers=self._headers,
+            httpx.post(p.url + "/internal/drain", params={"timeout_s": timeout}, auth=self._auth,
                        timeout=timeout + 5)  # fmt: skip
         except httpx.HTTPError as e:
             log.warning("drain of %s failed: %s", p.url, e)

@@ -159,7 +159,7 @@ def make_pool(s: dict, runtimes):
     from .config import ROLES
     from .pool import RuntimePool, pool_config
 
-    pool = RuntimePool(runtimes, {"Authorization": f"Bearer {s['token']}"}, pool_config(s["config"], ROLES), ROLES)
+    pool = RuntimePool(runtimes, s["token"], pool_config(s["config"], ROLES), ROLES)
     for m in s["models"]:
         pool.place([m], {r: max(1, s["config"].bounds(r)[0]) for r in ROLES})
     lows = {r: s["config"].bounds(r)[0] for r in ROLES}

@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import httpx
 
+from compute.node.auth import SignedAuth
+
 from .actuator import NodeInfo, TemporaryActuatorError
 from .config import ROLES, AutoscalerConfig
 from .loop import ControlLoop, TickReport
@@ -204,7 +206,7 @@ class GatewayClient:
         fixed = [] if callable(urls) else [u.rstrip("/") for u in urls]
         self._urls = urls if callable(urls) else (lambda: fixed)
         self.urls: list[str] = fixed  # as of the last status()
-        self._http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
+        self._http = httpx.Client(auth=SignedAuth(token), timeout=timeout_s)  # signed requests: the token never sent
 
     def status(self) -> dict:
         """The merged snapshot of every gateway; TemporaryActuatorError if any cannot be read."""

@@ -56,6 +56,8 @@ from collections.abc import Mapping
 
 import httpx
 
+from compute.node.auth import SignedAuth
+
 from .actuator import Actuator, NodeInfo
 from .placement import HOLDING, Key, PoolConfig, Runtime, pool_config, rank
 
@@ -67,10 +69,11 @@ log = logging.getLogger("pdserve.autoscaler")
 class RuntimePool(Actuator):
     """The loop's actuator over a runtime actuator (see the module doc); keys are (model, role)."""
 
-    def __init__(self, runtimes: Actuator, headers: Mapping[str, str], config: PoolConfig | None = None,
+    def __init__(self, runtimes: Actuator, token: str | None, config: PoolConfig | None = None,
                  roles: tuple[str, ...] = ("prefill", "decode")):  # fmt: skip
+        """`token`: the internal token, which signs the pool's requests to the runtimes (never sent)."""
         self.runtimes, self.config, self.roles = runtimes, config or PoolConfig(), tuple(roles)
-        self._http = httpx.Client(headers=dict(headers), timeout=self.config.http_timeout_s)
+        self._http = httpx.Client(auth=SignedAuth(token) if token else None, timeout=self.config.http_timeout_s)
         self._lock = threading.Lock()  # the records below (status() reads them from other threads)
         self.view: dict[str, Runtime] = {}  # url -> runtime, as of the last observe
         self._desired: dict[Key, int] = {}  # keys scale() was asked about

@@ -2,7 +2,9 @@
 
 It composes nodes, gateway and the local actuator, so it lives at the top of the stack (autoscaler).
 
-Lifecycle: parse -> internal token (generated unless $PDSERVE_INTERNAL_TOKEN[_FILE]) -> gateway
+Lifecycle: parse -> internal token (generated unless $PDSERVE_INTERNAL_TOKEN[_FILE]) and admin key
+(generated unless $PDSERVE_ADMIN_KEY[_FILE] or --open-admin; written 0600 for `pdserve status`:
+gateway/keyfile.py, removed at stop) -> gateway
 built from the store (tokenizer, chat template) -> the local actuator starts the plan's node
 runtimes, empty (standby); each registers with the gateway once up -> the warm pool
 (autoscaler/pool.py) places the listed models (``--model A --model B``, else the gateway's
@@ -49,12 +51,14 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-transport", choices=["nixl", "tcp"], help="default: [node] kv_transport, else tcp")
     p.add_argument("--threads-per-node", type=int, help="default: [node] threads, else 1")
     p.add_argument("--kv-blocks", type=int, help="per node (default: [node] kv_blocks, else 1024)")
+    p.add_argument("--open-admin", action="store_true",
+                   help="no admin key: leave /admin/* open to local processes (default: a key is generated)")
     p.add_argument("--autoscale", action="store_true", help="run the autoscaling loop (local actuator, [autoscaler])")
     p.add_argument("--log-dir", default=".pdserve/logs")
     p.add_argument("--log-level", default="info")
 
 
-def local_service(args, token: str):
+def local_service(args, token: str, admin_key: str | None = None):
     """(gateway, LocalConfig, AutoscalerConfig) from flags > environment > the config file > defaults."""
     from gateway.main import gateway_config, open_gateway
     from paramstore.config import config_path, read_config, store_config
@@ -66,7 +70,8 @@ def local_service(args, token: str):
     tables = read_config(path)
     policy = policy_config(tables, path)  # every table checked before the store is opened
     store_cfg = store_config(args, tables=tables)
-    gw = open_gateway(gateway_config(args, tables, path, store=list(store_cfg.locations)), store_cfg)
+    admin = {"admin_key": admin_key} if admin_key else {}
+    gw = open_gateway(gateway_config(args, tables, path, store=list(store_cfg.locations), **admin), store_cfg)
     node = tables.get("node", {})
     local = LocalConfig(model=None, store=list(store_cfg.locations), internal_token=token, import_nice=IMPORT_NICE,
                         kv_transport=args.kv_transport or node.get("kv_transport", "tcp"),
@@ -104,6 +109,7 @@ def main(args) -> int:
     import uvicorn
 
     from compute.node.lifeline import hold
+    from gateway import keyfile
     from gateway.app import create_app
     from gateway.main import announce
     from paramstore.config import env_secret
@@ -120,13 +126,17 @@ def main(args) -> int:
         raise ValueError("autoscaling sizes prefill and decode independently: use --prefill N --decode M")
     token = env_secret("PDSERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)  # or $PDSERVE_INTERNAL_TOKEN_FILE
     os.environ["PDSERVE_INTERNAL_TOKEN"] = token
-    gw, local, auto = local_service(args, token)
+    made_key = None if env_secret("PDSERVE_ADMIN_KEY") or args.open_admin else secrets.token_urlsafe(24)
+    gw, local, auto = local_service(args, token, made_key)
+    if made_key:
+        print(f"pdserve up: admin key in {keyfile.write(gw.config.port, made_key)} (for `pdserve status`)",
+              file=sys.stderr, flush=True)  # fmt: skip
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
 
     actuator = LocalActuator(local, **registry_hooks(gw, loop))
     auto = auto if args.autoscale else fixed_bounds(auto, roles)
-    pool = RuntimePool(actuator, {"Authorization": f"Bearer {token}"}, pool_config(auto, tuple(roles), floors=roles), tuple(roles))
+    pool = RuntimePool(actuator, token, pool_config(auto, tuple(roles), floors=roles), tuple(roles))
     stop.actuator = actuator
     gw.supervisor = lambda: {**actuator.status(), "pool": pool.status()}
     control = None
@@ -157,6 +167,8 @@ def main(args) -> int:
             control.stop()
         pool.close()
         stopped = actuator.close(drain_s=NODE_DRAIN_S)
+        if made_key:
+            keyfile.remove(gw.config.port, made_key)
         cause = f" on {stop.names[0]}" if stop.names else ""
         what = f"{len(stopped)} node(s) ({', '.join(stopped)})" if stopped else "no nodes"
         print(f"pdserve up: stopped{cause}: the gateway and {what} in {time.monotonic() - t0:.1f} s",

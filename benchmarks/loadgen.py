@@ -14,6 +14,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from compute.node.auth import SignedAuth
+
 
 @dataclass(slots=True)
 class Sample:
@@ -97,7 +99,7 @@ async def node_stream(client, url: str, token: str, prompt_ids: list[int], max_t
     tokens = 0
     try:
         async with client.stream("POST", url + "/internal/generate", json=body,
-                                 headers={"Authorization": f"Bearer {token}"}) as r:  # fmt: skip
+                                 auth=SignedAuth(token)) as r:  # fmt: skip
             if r.status_code != 200:
                 s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return _finish(s, None, None, 0)

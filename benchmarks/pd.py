@@ -79,12 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # --- part 1: KV transfer and prefill time ---------------------------------------------------------------------
 
 
-def _handoff_times(prefill: ServiceProc, decode: ServiceProc, headers: dict, prompt: list[int], reps: int) -> list[dict]:
+def _handoff_times(prefill: ServiceProc, decode: ServiceProc, auth, prompt: list[int], reps: int) -> list[dict]:
     """Real prefill -> decode: /internal/prefill (max_tokens 2), then /internal/decode to its last token."""
     import httpx
 
     out = []
-    with httpx.Client(headers=headers, timeout=120) as c:
+    with httpx.Client(auth=auth, timeout=120) as c:
         for i in range(reps + 1):
             rid = f"bench-handoff-{i}-{secrets.token_hex(4)}"
             params = {"max_tokens": 2, "temperature": 0.0}
@@ -223,7 +223,7 @@ def main(args: argparse.Namespace) -> int:
             try:
                 pre.wait_ready()
                 dec.wait_ready()
-                handoff = _handoff_times(pre, dec, svc.headers, prompt512, preps)
+                handoff = _handoff_times(pre, dec, svc.auth, prompt512, preps)
             except Exception as e:  # fall back to tcp once
                 print(f"disaggregated pair over {tp} failed: {e}", file=sys.stderr)
                 svc.stop([pre, dec])
@@ -278,7 +278,7 @@ def main(args: argparse.Namespace) -> int:
                     print("starting the colocated node (both, 2 threads) ...", file=sys.stderr, flush=True)
                     both = svc.node("both", 2)
                     both.wait_ready()
-                    generate_s = _generate_first(both, svc.headers, prompt512, preps)
+                    generate_s = _generate_first(both, svc.auth, prompt512, preps)
                     result["colocated_prefill_512"] = {"seconds": generate_s, "node_threads": 2}
                     nodes = [("both", both)]
                 gw = svc.gateway(nodes).wait_ready()
@@ -311,12 +311,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_first(node: ServiceProc, headers: dict, prompt: list[int], reps: int) -> float:
+def _generate_first(node: ServiceProc, auth, prompt: list[int], reps: int) -> float:
     """512-token prefill on a `both` node: /internal/generate with max_tokens 1, to its only line."""
     import httpx
 
     times = []
-    with httpx.Client(headers=headers, timeout=120) as c:
+    with httpx.Client(auth=auth, timeout=120) as c:
         for i in range(reps + 1):
             body = {"request_id": f"bench-gen-{i}-{secrets.token_hex(4)}", "prompt_token_ids": prompt,
                     "params": {"max_tokens": 1, "temperature": 0.0}}  # fmt: skip

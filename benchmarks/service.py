@@ -43,6 +43,7 @@ from benchmarks.observe import (  # noqa: F401 - re-exported: burst.py, swap.py 
     node_state,
     status_nodes,
 )
+from compute.node.auth import SignedAuth
 from compute.node.launcher import free_port, service_env
 from compute.node.lifeline import spawn_kwargs
 
@@ -91,7 +92,8 @@ class UpService:
                  plan: dict[str, int], autoscale: bool = True, stop_timeout_s: float = 60.0):  # fmt: skip
         self.models, self.store, self.log_dir, self.plan = models, store, log_dir, plan
         self.token = secrets.token_urlsafe(24)
-        self.headers = {"Authorization": f"Bearer {self.token}"}
+        self.auth = SignedAuth(self.token)  # signs /internal/status and the nodes' /load
+        self.admin_key = secrets.token_urlsafe(24)  # given to `pdserve up`: it writes no key file then
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.stop_timeout_s = stop_timeout_s
@@ -111,13 +113,13 @@ class UpService:
         self.cmd = cmd
         self.p: subprocess.Popen | None = None
         self.started = 0.0
-        self._client = httpx.Client(timeout=5.0, headers=self.headers)
+        self._client = httpx.Client(timeout=5.0, auth=self.auth)
         self._peak: dict[int, dict] = {}  # pid -> last memory sample (kept after the node exits)
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> UpService:
         self._log = open(os.path.join(self.log_dir, "up.log"), "wb")  # noqa: SIM115 - closed by stop()
-        env = service_env(self.token)
+        env = service_env(self.token, PDSERVE_ADMIN_KEY=self.admin_key)
         self.p = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                   **spawn_kwargs(env, pdeathsig=threading.current_thread() is threading.main_thread()))  # fmt: skip
         self.started = time.monotonic()

@@ -1,8 +1,9 @@
-"""The gateway's admin API (Bearer admin key; open on loopback when no key is set at all): the node
-registry by hand, the status `pdserve status` prints, the autoscaler's report.
+"""The gateway's admin API (Bearer admin key; without one it is closed, 401, unless the gateway was started
+with --open-admin): the node registry by hand, the status `pdserve status` prints, the autoscaler's report.
 
-  GET    /admin/nodes          every registered node: role, state, models held, last /load
-  POST   /admin/nodes          {"url", "role", "source"?}: register a node (checked at once)
+  GET    /admin/nodes          every registered node: role, state, models held, last /load; the refused URLs
+  POST   /admin/nodes          {"url", "role", "source"?}: register a node, challenged at once: 403 naming why
+                               when it fails the proof (compute/node/auth.py); proven: false while unreachable
   DELETE /admin/nodes?url=URL  deregister a node
   GET    /admin/status         the served models (per model: traffic as in /internal/status), the
                                nodes, admission, the autoscaler's last report, the local supervisor
@@ -14,7 +15,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from . import protocol as p
-from .internal import model_status
+from .internal import model_status, register
 from .openapi import errors
 
 
@@ -23,13 +24,11 @@ def add_admin_routes(app: FastAPI, gw) -> None:
 
     @app.get("/admin/nodes", response_model=p.NodeList, responses=errors(401))
     async def list_nodes():
-        return {"nodes": [n.as_dict() for n in gw.registry.nodes.values()]}
+        return {"nodes": [n.as_dict() for n in gw.registry.nodes.values()], "refused": gw.registry.refused}
 
-    @app.post("/admin/nodes", response_model=p.NodeAdded, responses=admin_errors)
+    @app.post("/admin/nodes", response_model=p.NodeAdded, responses=errors(400, 401, 403))
     async def add_node(body: p.NodeSpec):
-        gw.registry.add(body.url, body.role, source=body.source)
-        await gw.registry.refresh(body.url)  # the new node checked now; the others keep their poll
-        return {"added": body.url}
+        return await register(gw, body)
 
     @app.delete("/admin/nodes", response_model=p.NodeRemoved, responses=admin_errors)
     async def remove_node(url: str):
@@ -38,7 +37,7 @@ def add_admin_routes(app: FastAPI, gw) -> None:
     @app.get("/admin/status", responses={200: {"model": p.AdminStatus}, **errors(401)})  # documented, not filtered
     async def status():
         return {"model": gw.config.model, "served": gw.models.names, "models": model_status(gw),
-                "nodes": [n.as_dict() for n in gw.registry.nodes.values()],
+                "nodes": [n.as_dict() for n in gw.registry.nodes.values()], "refused": gw.registry.refused,
                 "queue_depth": gw.admission.waiting, "running": gw.admission.running,
                 "autoscaler": gw.autoscaler_status,
                 "supervisor": gw.supervisor() if gw.supervisor else None}  # fmt: skip

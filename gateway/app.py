@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from compute.node.auth import SignedOnly
 from compute.tokenizer import TemplateError
 
 from . import choices, tools
@@ -40,6 +41,7 @@ from .relay import Unavailable
 from .service import REQUEST_SECONDS, REQUESTS, BadRequest, Delta, Gateway
 
 LEGACY_FIELDS = ("functions", "function_call")  # refused with their own message
+ADMIN_KEY_HINT = ".pdserve/keys/admin-PORT.key (read by `pdserve status`)"
 
 
 class _JSON(JSONResponse):
@@ -79,7 +81,7 @@ def create_app(gw: Gateway) -> FastAPI:
         """FastAPI's document, completed by ``openapi.describe`` with what this gateway serves."""
         if app.openapi_schema is None:
             bearer = {"api_key": ["/v1/"]} if cfg.api_keys else {}
-            if not (cfg.open and not cfg.admin_key):
+            if not cfg.admin_open or cfg.admin_key:
                 bearer["admin_key"] = ["/admin/"]
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
             max_tokens, vocab, takes_tools = gw.document_limits()
@@ -87,19 +89,22 @@ def create_app(gw: Gateway) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
+    # /internal/*: signed with the internal token (compute/node/auth.py), as requests to nodes are
+    app.add_middleware(SignedOnly, token=cfg.internal_token or "", protected=lambda path: path.startswith("/internal/"),
+                       refusal=lambda status, message: json.dumps(error_body(message, "authentication_error", None,
+                                                                             status)).encode())  # fmt: skip
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
         path = request.url.path
         if path.startswith("/v1/") and cfg.api_keys and not _authorized(request, cfg.api_keys):
             return _err(401, "missing or invalid API key", "authentication_error")
-        if path.startswith("/admin/"):
-            keys = [cfg.admin_key] if cfg.admin_key else []
-            if not (cfg.open and not cfg.admin_key) and not _authorized(request, keys):
-                return _err(401, "missing or invalid admin key", "authentication_error")
-        internal = [cfg.internal_token] if cfg.internal_token else []  # none configured: every route refused
-        if path.startswith("/internal/") and not _authorized(request, internal):
-            return _err(401, "missing or invalid internal token")
+        if path.startswith("/admin/") and cfg.admin_closed:
+            return _err(401, "the admin API is closed: no admin key is set. `pdserve up` writes one to "
+                        f"{ADMIN_KEY_HINT}; else set $PDSERVE_ADMIN_KEY (or start with --open-admin)",
+                        "authentication_error")  # fmt: skip
+        if path.startswith("/admin/") and cfg.admin_key and not _authorized(request, [cfg.admin_key]):
+            return _err(401, "missing or invalid admin key", "authentication_error")
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)

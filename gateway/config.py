@@ -18,8 +18,9 @@ class GatewayConfig:
     models_refresh_s: float = 30.0  # with `models` empty: the store's model list is read again this often (and on a miss)
     store: list[str] = field(default_factory=list)  # store locations (empty: the local default)
     api_keys: tuple[str, ...] = ()  # Bearer keys for /v1/*; empty = open, loopback only
-    admin_key: str | None = None  # Bearer key for /admin/*
-    internal_token: str | None = None  # sent to nodes; nodes reject requests without it
+    admin_key: str | None = None  # Bearer key for /admin/*; none: the admin API is closed (401) unless admin_open
+    admin_open: bool = False  # no admin key: /admin/* open to whoever reaches the gateway (loopback only), warned at start
+    internal_token: str | None = None  # signs requests to nodes and checks their proofs (compute/node/auth.py); never sent
     nodes: list[tuple[str, str]] = field(default_factory=list)  # static (role, url) pairs
     max_running: int = 64  # requests in flight to nodes at once
     max_queue: int = 256  # requests waiting for admission; beyond: 429 at once
@@ -57,12 +58,20 @@ class GatewayConfig:
         for role, _ in self.nodes:
             if role not in ("prefill", "decode", "both"):
                 raise ValueError(f"invalid node role {role!r}")
+        if self.admin_open and not self.admin_key and self.host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"admin_open needs a loopback host, not {self.host!r}: set an admin key "
+                             "($PDSERVE_ADMIN_KEY) to reach the admin API from elsewhere")
         if not self.api_keys and self.host not in ("127.0.0.1", "localhost", "::1"):
             self.host = "127.0.0.1"  # no key: never listen beyond loopback
 
     @property
     def open(self) -> bool:
         return not self.api_keys
+
+    @property
+    def admin_closed(self) -> bool:
+        """No admin key and no explicit opt-in: every /admin/* request is refused."""
+        return not self.admin_key and not self.admin_open
 
 
 def keys_from_env(env: dict | None = None) -> dict:

@@ -1,8 +1,8 @@
 """The gateway's internal API: what the autoscaler (and the local actuator) read and write.
 
-Every route needs the internal token (``Authorization: Bearer $PDSERVE_INTERNAL_TOKEN``), the
-same secret the gateway sends to its nodes; a gateway without one refuses them all (401: the app's
-auth middleware, beside the /v1 and /admin keys). They are left out of /openapi.json: the public
+Every route takes only requests signed with the internal token (compute/node/auth.py: the token is
+never sent), as the nodes' routes do; a gateway without one refuses them all (401: ``SignedOnly``,
+the app's middleware for /internal/*, beside the /v1 and /admin keys). They are left out of /openapi.json: the public
 contract is /v1.
 
   GET    /internal/status           snapshot(): queue depth, running, p99 queue wait, the node
@@ -21,7 +21,7 @@ import time
 
 from fastapi import FastAPI, HTTPException
 
-from .protocol import InternalNodeSpec
+from .protocol import InternalNodeSpec, NodeSpec
 
 
 def snapshot(gw) -> dict:
@@ -44,6 +44,16 @@ def model_status(gw) -> dict[str, dict]:
     return {m: gw.traffic.snapshot(m, held.get(m, 0)) for m in names if m}
 
 
+async def register(gw, body: NodeSpec) -> dict:
+    """Register a node and challenge it now (the others keep their poll): 403 naming why it failed the proof."""
+    gw.registry.add(body.url, body.role, source=body.source)
+    why = await gw.registry.refresh(body.url)
+    if why is not None:
+        raise HTTPException(403, f"node {body.url} refused: {why}")
+    n = gw.registry.nodes.get(body.url.rstrip("/"))
+    return {"added": body.url, "proven": bool(n and n.proven)}
+
+
 def add_internal_routes(app: FastAPI, gw) -> None:
     @app.get("/internal/status", include_in_schema=False)
     async def status():
@@ -55,10 +65,8 @@ def add_internal_routes(app: FastAPI, gw) -> None:
         return {"ok": True}
 
     @app.post("/internal/nodes", include_in_schema=False)
-    async def add(body: InternalNodeSpec):  # checked as /admin/nodes' body is: 400 with the message
-        gw.registry.add(body.url, body.role, source=body.source)
-        await gw.registry.refresh(body.url)
-        return {"added": body.url.rstrip("/")}
+    async def add(body: InternalNodeSpec):  # checked as /admin/nodes' body is: 400 with the message, 403 unproven
+        return await register(gw, body)
 
     @app.post("/internal/nodes/draining", include_in_schema=False)
     async def draining(body: dict):

@@ -34,6 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, help="default 8000")
     p.add_argument("--node", action="append", default=None, metavar="ROLE=URL",
                    help="a static node (repeat; replaces [gateway] nodes)")  # fmt: skip
+    p.add_argument("--open-admin", action="store_true",
+                   help="without an admin key, leave /admin/* open to local processes (default: closed, 401)")
     p.add_argument("--max-running", type=int, help="requests in flight to nodes at once (default 64)")
     p.add_argument("--max-queue", type=int, help="requests waiting for admission (default 256)")
     p.add_argument("--queue-timeout", type=float, help="longest wait for admission, s (default 30)")
@@ -65,7 +67,8 @@ def gateway_config(args, tables: dict, path: str | None, **fixed):
     flags = {"host": getattr(args, "host", None),
              "port": getattr(args, "port", None), "max_running": getattr(args, "max_running", None),
              "max_queue": getattr(args, "max_queue", None), "queue_timeout_s": getattr(args, "queue_timeout", None),
-             "retry_attempts": getattr(args, "retries", None), **fixed}  # fmt: skip
+             "retry_attempts": getattr(args, "retries", None),
+             "admin_open": True if getattr(args, "open_admin", False) else None, **fixed}  # fmt: skip
     node_flags = getattr(args, "node", None)
     flags["nodes"] = parse_nodes(node_flags, "--node") if node_flags else None
     kw = resolve(GatewayConfig, "gateway", tables, path, flags, keys_from_env(), hints=SECRETS, skip=CLIENT_KEYS)
@@ -159,6 +162,12 @@ def announce(gw, requested_host: str | None) -> None:
         moved = (requested_host or cfg.host) != cfg.host
         note = " (no API key configured: listening on 127.0.0.1 only)" if moved else ""
         print(f"pdserve gateway: no API key set — open to local clients{note}", file=sys.stderr)
+    if cfg.admin_open and not cfg.admin_key:
+        print("pdserve gateway: WARNING: --open-admin: the admin API (/admin/*: register nodes, read status) is open "
+              "to every local process, with no key", file=sys.stderr)  # fmt: skip
+    elif cfg.admin_closed:
+        print("pdserve gateway: no admin key set — the admin API is closed (set $PDSERVE_ADMIN_KEY to use it)",
+              file=sys.stderr)  # fmt: skip
     names = gw.models.names
     what = f"model{'s' if len(names) != 1 else ''} {', '.join(names)}" if names else "no model yet"
     every = " (every model in the store)" if not cfg.models else ""

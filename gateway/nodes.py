@@ -1,6 +1,7 @@
 """HTTP client of the node API (the gateway's side of the internal protocol).
 
-Node API (every route but /health needs ``Authorization: Bearer <internal token>``):
+Node API (every route but /health, /ready, /metrics and /prove takes only requests signed with the
+internal token: compute/node/auth.py; the registry sends requests only to nodes that proved they hold it):
   POST /internal/generate {model, request_id, prompt_token_ids, params}  -> NDJSON stream (role both)
   POST /internal/prefill  {model, request_id, prompt_token_ids, params}  -> {token_ids, finish_reason, kv}
   POST /internal/decode   {model, request_id, prompt_token_ids, first_token_id, params, kv} -> NDJSON stream
@@ -20,6 +21,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from compute.node.auth import SignedAuth
+
 
 class NodeFailed(Exception):
     """The node (or the link to it) failed this request; retry it on another node."""
@@ -38,9 +41,9 @@ class RequestRejected(Exception):
 
 
 class NodeClient:
-    def __init__(self, headers: dict[str, str], timeout_s: float):
+    def __init__(self, token: str | None, timeout_s: float):
         self.client = httpx.AsyncClient(
-            headers=headers, timeout=httpx.Timeout(timeout_s, connect=2.0),
+            auth=SignedAuth(token) if token else None, timeout=httpx.Timeout(timeout_s, connect=2.0),
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
         )  # fmt: skip
 

@@ -20,6 +20,7 @@ RETRY_AFTER_HELD = {"Retry-After": {"required": False, "schema": {"type": "integ
 def errors(*codes: int) -> dict:
     """FastAPI ``responses=`` for these error statuses, each with the error body (429 with Retry-After)."""
     what = {400: "invalid request (message and param say what)", 401: "missing or invalid key",
+            403: "the node failed its proof: it does not hold the internal token or is not at this URL",
             404: "no such model (the message lists the served ones)",
             429: "cannot start in time: retry after Retry-After seconds",
             503: "no node could serve the request (or none held the model in time: Retry-After)"}  # fmt: skip

@@ -294,10 +294,12 @@ class InternalNodeSpec(NodeSpec):  # POST /internal/nodes (gateway.internal)
 
 class NodeList(BaseModel):
     nodes: list[dict]
+    refused: dict[str, str] = {}  # URL -> why it failed the proof (never polled again)
 
 
 class NodeAdded(BaseModel):
     added: str
+    proven: bool  # answered the challenge (false: not reachable yet; challenged again at the next poll)
 
 
 class NodeRemoved(BaseModel):
@@ -309,6 +311,7 @@ class AdminStatus(BaseModel):
     served: list[str] = []  # every served model
     models: dict[str, dict] = {}  # per model: traffic as in /internal/status (queue_depth, held, running, p99s, idle_s)
     nodes: list[dict]
+    refused: dict[str, str] = {}  # URL -> why it failed the proof
     queue_depth: int
     running: int
     autoscaler: dict

@@ -1,8 +1,12 @@
 """The node registry: which nodes exist, their role, health and load.
 
 Fed by static config, by the local launcher / autoscaler (``add``/``remove``,
-also over the admin API) or by Kubernetes endpoints. A health loop polls each
-node's ``/load``: ``health_failures`` consecutive failures evict a node from
+also over the admin API) or by Kubernetes endpoints. A node added is first challenged: it must
+prove it holds the internal token and is the node at its URL (``/prove``, compute/node/auth.py)
+before anything else is sent to it; one that answers with a wrong proof (or no proof route) is
+refused — dropped, named in ``refused`` with why, never polled again (an unreachable one is asked
+again at the next poll). Every request after that is signed, never carrying the token. A health loop polls each
+proven node's ``/load``: ``health_failures`` consecutive failures evict a node from
 routing (it stays known and is re-admitted when it answers again); a node still
 loading weights reports ready=false and is not routed to.
 
@@ -21,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from compute.node import auth
 
 from .router import NodeView
 
@@ -62,6 +68,7 @@ class NodeState:
     seen: float = 0.0  # monotonic time of the last answer
     source: str = "static"
     draining: bool = False  # told by the actuator before it drains the node: stop routing at once
+    proven: bool = False  # answered the challenge: holds the internal token and is the node at `url`
 
     def view(self, model: str | None = None) -> NodeView:
         """This node as the router sees it: as a whole (`model` None), or as it serves `model`."""
@@ -108,16 +115,20 @@ class NodeState:
 
     def as_dict(self) -> dict:
         ld = self.load
-        state = "unhealthy" if not self.healthy else ("draining" if self.draining or ld.get("draining") else
+        state = "unproven" if not self.proven else "unhealthy" if not self.healthy else ("draining" if self.draining or ld.get("draining") else
                                                       (ld.get("state") or ("ready" if ld.get("ready") else "loading")))  # fmt: skip
         return {"url": self.url, "role": self.role, "state": state, "models": self.held_models(), "load": ld,
                 "source": self.source}  # fmt: skip
 
 
+REFUSED_MAX = 256  # refused URLs remembered (for status and logs), oldest forgotten first
+
+
 class NodeRegistry:
-    def __init__(self, headers: dict[str, str], interval_s: float = 0.5, failures: int = 2):
+    def __init__(self, token: str | None, interval_s: float = 0.5, failures: int = 2):
         self.nodes: dict[str, NodeState] = {}
-        self.headers = headers
+        self.refused: dict[str, str] = {}  # url -> why it failed the proof
+        self.token = token
         self.interval_s = interval_s
         self.max_failures = failures
         self._client: httpx.AsyncClient | None = None
@@ -129,6 +140,7 @@ class NodeRegistry:
     def add(self, url: str, role: str, source: str = "static") -> NodeState:
         url = url.rstrip("/")
         if url not in self.nodes:
+            self.refused.pop(url, None)  # registered again: challenged again
             self.nodes[url] = NodeState(url, role, source=source)
             log.info("node registered: %s (%s, %s)", url, role, source)
         return self.nodes[url]
@@ -142,11 +154,14 @@ class NodeRegistry:
         if n:
             n.draining = True
 
-    async def refresh(self, url: str) -> None:
-        """Check one node now (a node just announced ready is routable without waiting a poll)."""
-        n = self.nodes.get(url.rstrip("/"))
+    async def refresh(self, url: str) -> str | None:
+        """Check one node now (a node just announced ready is routable without waiting a poll); why it
+        was refused, if it failed the proof (it is no longer registered then)."""
+        url = url.rstrip("/")
+        n = self.nodes.get(url)
         if n is not None and self._client is not None:
             await self._check(n)
+        return self.refused.get(url)
 
     def views(self, model: str | None = None) -> list[NodeView]:
         """Every node as it serves `model` (None: as a whole)."""
@@ -163,7 +178,8 @@ class NodeRegistry:
             n.healthy = False
 
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), headers=self.headers)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0),
+                                         auth=auth.SignedAuth(self.token) if self.token else None)
         await self.poll_once()
         self._task = asyncio.create_task(self._loop())
 
@@ -200,8 +216,40 @@ class NodeRegistry:
             if time.monotonic() - self._polled >= max_age_s:
                 await self.poll_once()
 
+    async def _prove(self, n: NodeState) -> str | None:
+        """Challenge `n` (unsigned: nothing but a fresh nonce and its URL goes out); why it failed, or None.
+        A transport error or a 5xx raises (unreachable or starting: asked again at the next poll)."""
+        if not self.token:
+            return "this gateway has no internal token to check a proof against (set $PDSERVE_INTERNAL_TOKEN)"
+        nonce = auth.challenge()
+        r = await self._client.post(n.url + "/prove", json={"nonce": nonce, "url": n.url}, auth=None)
+        if r.status_code >= 500:
+            r.raise_for_status()
+        try:
+            proof = r.json().get("proof") if r.status_code == 200 else None
+        except (ValueError, AttributeError):
+            proof = None
+        if auth.check_proof(self.token, nonce, n.url, proof):
+            return None
+        if r.status_code != 200:
+            detail = r.text[:200].strip()
+            return f"it answered the challenge with {r.status_code}{': ' + detail if detail else ''}"
+        return "its proof does not match: it does not hold this deployment's internal token, or is not the node at this URL"
+
+    def _refuse(self, n: NodeState, why: str) -> None:
+        self.nodes.pop(n.url, None)
+        self.refused[n.url] = why
+        while len(self.refused) > REFUSED_MAX:
+            self.refused.pop(next(iter(self.refused)))
+        log.warning("node refused: %s (%s, %s): %s; it is not polled again", n.url, n.role, n.source, why)
+
     async def _check(self, n: NodeState) -> None:
         try:
+            if not n.proven:
+                why = await self._prove(n)
+                if why is not None:
+                    return self._refuse(n, why)
+                n.proven = True
             r = await self._client.get(n.url + "/load")
             r.raise_for_status()
             body = r.json()

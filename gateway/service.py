@@ -63,11 +63,10 @@ class Gateway:
     def __init__(self, config: GatewayConfig, models: ModelCatalogue):
         self.config = config
         self.models = models
-        headers = {"Authorization": f"Bearer {config.internal_token}"} if config.internal_token else {}
-        self.registry = NodeRegistry(headers, config.health_interval_s, config.health_failures)
+        self.registry = NodeRegistry(config.internal_token, config.health_interval_s, config.health_failures)
         for role, url in config.nodes:
             self.registry.add(url, role)
-        self.client = NodeClient(headers, config.node_timeout_s)
+        self.client = NodeClient(config.internal_token, config.node_timeout_s)
         self.admission = Admission(config.max_running, config.max_queue, config.queue_timeout_s)
         self.activator = Activator(self.registry)
         self.relay = Relay(self.registry, self.client, config.retry_attempts, config.backoff_base_s,

@@ -6,6 +6,7 @@ crashing node's last log lines), and the autoscaler's last report."""
 from __future__ import annotations
 
 import json
+import sys
 
 
 def add_arguments(p) -> None:
@@ -22,14 +23,21 @@ def main(args) -> int:
 
     from paramstore.config import config_path, env_secret, read_config
 
+    from . import keyfile
     from .main import gateway_url
 
     args.url = gateway_url(read_config(config_path(args.config)), args.url)
     headers = {}
-    key = env_secret("PDSERVE_ADMIN_KEY")  # or $PDSERVE_ADMIN_KEY_FILE, as the gateway reads it
+    key = env_secret("PDSERVE_ADMIN_KEY") or keyfile.read(args.url)  # the env as the gateway reads it, else up's file
     if key:
         headers["Authorization"] = f"Bearer {key}"
     r = httpx.get(args.url + "/admin/status", headers=headers, timeout=5)
+    if r.status_code == 401:
+        why = r.json().get("error", {}).get("message", "") if "json" in r.headers.get("content-type", "") else ""
+        print(f"pdserve status: the gateway refused the admin key{' (' + why + ')' if why else ''}: set "
+              f"$PDSERVE_ADMIN_KEY, or run from the directory of `pdserve up` (it writes {keyfile.path('PORT')})",
+              file=sys.stderr)  # fmt: skip
+        return 1
     r.raise_for_status()
     st = r.json()
     if args.json:

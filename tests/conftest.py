@@ -15,7 +15,8 @@ import tempfile
 import uuid
 
 _HOME = tempfile.mkdtemp(prefix="pdserve-test-home-")
-os.environ.update(HOME=_HOME, XDG_CACHE_HOME=os.path.join(_HOME, ".cache"))
+os.environ.update(HOME=_HOME, XDG_CACHE_HOME=os.path.join(_HOME, ".cache"),
+                  PDSERVE_RUN_DIR=os.path.join(_HOME, "run"))  # `pdserve up`'s admin key files (gateway/keyfile.py)
 for _var in ("PDSERVE_CACHE_DIR", "PDSERVE_CONFIG", "PARAMSTORE_CONFIG"):
     os.environ.pop(_var, None)
 

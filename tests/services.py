@@ -19,15 +19,25 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from compute.node.auth import SignedAuth
 from compute.node.launcher import ServiceProc, Services
 
 TOKEN = "test-internal-token"
-HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = SignedAuth(TOKEN)
 Proc = ServiceProc
 
 
 INVARIANT = ("--kernels", "invariant")  # `pdserve node` flags: one row-invariant int8 kernel per shape at every M
 PLAN_PENDING = ("waiting", "measuring")  # compute.kernel_plans.BackgroundMeasure.state while a plan may still come
+
+
+def admin_headers(url: str) -> dict[str, str]:
+    """The admin key `pdserve up` wrote for the gateway at `url` (gateway/keyfile.py), as `pdserve status` reads it."""
+    from gateway import keyfile
+
+    key = keyfile.read(url)
+    assert key, f"no admin key file for {url} at {keyfile.path('PORT')}"
+    return {"Authorization": f"Bearer {key}"}
 
 
 def start_node(tmp, store: list[str], model: str, role: str, transport: str = "tcp", threads: int = 1,
@@ -142,7 +152,7 @@ def node_generate(node: ServiceProc, rid: str, ids: list[int], max_tokens: int, 
 
     body = {"request_id": rid, "prompt_token_ids": ids, "params": {"max_tokens": max_tokens, "temperature": 0} | sampling}
     toks = []
-    with httpx.stream("POST", node.url + "/internal/generate", json=body, headers=node.headers or HEADERS,
+    with httpx.stream("POST", node.url + "/internal/generate", json=body, auth=node.auth or AUTH,
                       timeout=120) as r:  # fmt: skip
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():

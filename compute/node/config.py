@@ -16,11 +16,12 @@ class NodeConfig:
     """What a node serves and how."""
 
     role: str  # prefill | decode | both
-    internal_token: str = ""  # shared secret the gateway sends; requests without it get 401 (required)
+    internal_token: str = ""  # shared secret: requests are signed with it, never carry it (compute/node/auth.py; required)
     model: str | None = None  # paramstore reference NAME[@vN] loaded at start; None: start standby
     store: list[str] = field(default_factory=list)  # store locations (empty: the local default)
     host: str = "127.0.0.1"
     port: int = 8001
+    advertise_url: str | None = None  # the URL callers reach this node by: the only one it proves (else its bind address)
     weights: str = "int8"  # runtime weights: int8 (as stored) | bf16 | fp32
     kv_blocks: int = 2048  # KV cache blocks (x block_size tokens)
     kv_dtype: str = "auto"  # KV cache: auto (bf16; fp32 for fp32 weights) | bfloat16 | float32
@@ -48,6 +49,8 @@ class NodeConfig:
             raise ValueError(f"invalid role {self.role!r}: one of {', '.join(ROLES)}")
         if not self.internal_token:
             raise ValueError("an internal token is required (PDSERVE_INTERNAL_TOKEN or --token-file)")
+        if self.advertise_url is not None and not self.advertise_url.startswith(("http://", "https://")):
+            raise ValueError(f"advertise_url {self.advertise_url!r} is not an http(s) URL")
         if self.weights not in ("int8", "bf16", "fp32"):
             raise ValueError(f"invalid weights {self.weights!r}: int8, bf16 or fp32")
         if min(self.kv_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:

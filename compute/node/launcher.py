@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+from .auth import SignedAuth
 from .lifeline import spawn_kwargs
 
 SERVICE_ENV = {"PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN",
@@ -40,8 +41,9 @@ def service_env(token: str, **extra: str) -> dict:
 class ServiceProc:
     """One started service process."""
 
-    def __init__(self, name: str, cmd: list[str], url: str, log_dir: str, env: dict, headers: dict | None = None):
-        self.name, self.url, self.headers = name, url, headers or {}
+    def __init__(self, name: str, cmd: list[str], url: str, log_dir: str, env: dict, auth=None):
+        self.name, self.url, self.auth = name, url, auth  # auth: signs requests to its internal API (SignedAuth)
+        self.admin_headers: dict[str, str] = {}  # a gateway's: its admin key
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self._log = open(self.log_path, "wb")
         # the parent-death signal only from the main thread: it follows the forking thread, not the process
@@ -58,7 +60,7 @@ class ServiceProc:
             if self.p.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.p.returncode}: {self.log()[-2000:]}")
             try:
-                if httpx.get(self.url + path, headers=self.headers, timeout=2).status_code == 200:
+                if httpx.get(self.url + path, auth=self.auth, timeout=2).status_code == 200:
                     self.ready_s = time.monotonic() - self.started
                     return self
             except httpx.HTTPError:
@@ -70,7 +72,7 @@ class ServiceProc:
     def load(self) -> dict:
         import httpx
 
-        return httpx.get(self.url + "/load", headers=self.headers, timeout=5).json()
+        return httpx.get(self.url + "/load", auth=self.auth, timeout=5).json()
 
     def log(self) -> str:
         with open(self.log_path, "rb") as f:
@@ -107,7 +109,9 @@ class Services:
                  env: dict | None = None):  # fmt: skip
         self.store, self.model, self.log_dir = store, model, log_dir
         self.token = token or secrets.token_hex(16)
-        self.headers = {"Authorization": f"Bearer {self.token}"}
+        self.auth = SignedAuth(self.token)  # signs requests to the nodes (and the gateways' /internal)
+        self.admin_key = secrets.token_hex(16)  # the gateways' admin key (their admin API is closed without one)
+        self.admin_headers = {"Authorization": f"Bearer {self.admin_key}"}
         self.env = service_env(self.token, **(env or {}))
         self.procs: list[ServiceProc] = []
 
@@ -121,7 +125,7 @@ class Services:
         for url in self.store:
             cmd += ["--store", url]
         p = ServiceProc(f"{name}-{port}", cmd, f"http://127.0.0.1:{port}", self.log_dir,
-                        {**self.env, **(env or {})}, self.headers)  # fmt: skip
+                        {**self.env, **(env or {})}, self.auth)  # fmt: skip
         self.procs.append(p)
         return p
 
@@ -137,7 +141,9 @@ class Services:
         args = ["gateway", "--log-level", "warning", *extra]
         for role, n in nodes:
             args += ["--node", f"{role}={n.url}"]
-        return self.start("gateway", args, env)
+        p = self.start("gateway", args, {"PDSERVE_ADMIN_KEY": self.admin_key, **(env or {})})
+        p.admin_headers = self.admin_headers
+        return p
 
     def stop(self, procs: list[ServiceProc]) -> None:
         for p in procs:

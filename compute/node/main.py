@@ -5,7 +5,7 @@ by --import-nice when the pool refills in the background), HTTP API up, the KV-t
 process-wide part (the NIXL agent) created, /ready 200 at once; models are loaded through
 /internal/models/load. With --model it loads that one at start and is ready once it is.
 
-Settings: flags > environment ($PDSERVE_INTERNAL_TOKEN[_FILE], $PDSERVE_CACHE_DIR) > the config
+Settings: flags > environment ($PDSERVE_INTERNAL_TOKEN[_FILE], $PDSERVE_CACHE_DIR, $PDSERVE_ADVERTISE_URL) > the config
 file's [node] and [store] tables (--config, $PDSERVE_CONFIG) > NodeConfig's defaults. The store is
 opened with [store]'s HMAC key when one is set: a manifest with a wrong or missing signature is
 refused before the node listens (one line, exit 2), so it never becomes ready.
@@ -56,6 +56,8 @@ def add_arguments(p) -> None:
                         "default), one batch-invariant kernel per shape (invariant), or the fixed rule")  # fmt: skip
     p.add_argument("--measure-share", type=float,
                    help="a kernel measurement after ready takes at most this share of the time while serving (0.25)")
+    p.add_argument("--advertise-url", help="the URL callers reach this node by, the only one it proves "
+                   "(else $PDSERVE_ADVERTISE_URL, [node] advertise_url; default: its bind address and port)")
     p.add_argument("--token-file", default=None, help="file with the internal token (else $PDSERVE_INTERNAL_TOKEN)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as JSON and exit")
@@ -89,9 +91,10 @@ def node_config(args):
              "cache_dir": args.cache_dir, "cache_gb": args.cache_gb, "threads": args.threads,
              "memory_gb": args.memory_gb, "tpot_target_s": args.tpot_target_s,
              "import_nice": args.import_nice, "kernels": args.kernels, "device": args.device,
-             "measure_share": args.measure_share}  # fmt: skip
+             "measure_share": args.measure_share, "advertise_url": args.advertise_url}  # fmt: skip
     token = env_secret("PDSERVE_INTERNAL_TOKEN", args.token_file)  # --token-file, else $PDSERVE_INTERNAL_TOKEN[_FILE]
-    env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None, "internal_token": token or None}
+    env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None, "internal_token": token or None,
+           "advertise_url": os.environ.get("PDSERVE_ADVERTISE_URL") or None}
     kw = resolve(NodeConfig, "node", tables, path, flags, env, hints=_SECRETS)
     if "role" not in kw:
         raise ConfigError("no role: pass --role or set role in [node] of the config file")
@@ -211,6 +214,11 @@ def main(args) -> int:
     if args.print_config:
         print(json.dumps(_public(cfg, store_cfg), indent=1))
         return 0
+    if cfg.host in ("0.0.0.0", "::", "") and not cfg.advertise_url:
+        logging.getLogger("pdserve.node").warning(
+            "bound to %s without --advertise-url: this node proves itself for any host on port %d (a relay on "
+            "another host and the same port could pass its proof off as its own); set $PDSERVE_ADVERTISE_URL",
+            cfg.host or "*", cfg.port)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if cfg.host in ("127.0.0.1", "localhost"):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")

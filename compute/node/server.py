@@ -9,7 +9,6 @@ See gateway/nodes.py for the request protocol and issue 12's contract A for the 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from contextlib import asynccontextmanager
 
@@ -17,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from . import auth
 from . import decode as decode_role
 from . import prefill as prefill_role
 from .metrics import host_registry
@@ -26,7 +26,7 @@ from .service import BadNodeRequest, NodeBusy, new_sequence, parse, sampling_par
 log = logging.getLogger("pdserve.node")
 # without credentials: what a kubelet probes (no state beyond ready/draining) and what Prometheus scrapes, open as
 # vLLM's /metrics is (counts and timings per model; no secret, prompt or token: compute/node/metrics.py)
-OPEN_PATHS = ("/health", "/ready", "/metrics")
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/prove")  # /prove: a challenge, answered only with a proof
 
 
 def create_app(host: ModelHost) -> FastAPI:
@@ -39,16 +39,24 @@ def create_app(host: ModelHost) -> FastAPI:
 
     app = FastAPI(title="pdserve node", lifespan=lifespan)
     role = host.cfg.role
-    token = host.cfg.internal_token.encode()
+    cfg = host.cfg
+    me = auth.Identity(cfg.host, cfg.port, cfg.advertise_url)
+    app.add_middleware(auth.SignedOnly, token=cfg.internal_token, protected=lambda path: path not in OPEN_PATHS)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if request.url.path not in OPEN_PATHS:
-            got = request.headers.get("authorization", "")
-            got = got[7:].strip() if got.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(got.encode(), token):
-                return JSONResponse({"detail": "missing or invalid internal token"}, status_code=401)
-        return await call_next(request)
+    @app.post("/prove")
+    async def prove(request: Request):
+        """The challenge the gateway sends before it registers this node (compute/node/auth.py)."""
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        nonce, url = (body.get("nonce"), body.get("url")) if isinstance(body, dict) else (None, None)
+        if not (isinstance(nonce, str) and 16 <= len(nonce) <= 128 and isinstance(url, str) and len(url) <= 2048):
+            return JSONResponse({"detail": "want {\"nonce\": 16-128 characters, \"url\": this node's URL}"},
+                                status_code=400)  # fmt: skip
+        if not me.names(url):
+            return JSONResponse({"detail": f"{url[:200]!r} does not name this node"}, status_code=403)
+        return {"proof": auth.prove(cfg.internal_token, nonce, url)}
 
     def guard(fn):
         async def run(request: Request):

@@ -21,12 +21,13 @@ import time
 import httpx
 import pytest
 
+from compute.node.auth import SignedAuth
 from compute.node.launcher import ServiceProc, free_port, service_env
 from tests.services import wait_for
 
 pytestmark = pytest.mark.slow
 TOKEN = "autoscale-test-token"
-HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = SignedAuth(TOKEN)
 PDSERVE = [sys.executable, "-m", "autoscaler.cli"]
 
 
@@ -62,7 +63,7 @@ ready_timeout_s = 180.0
 
 
 def status(url: str) -> dict:
-    r = httpx.get(url + "/internal/status", headers=HEADERS, timeout=5)
+    r = httpx.get(url + "/internal/status", auth=AUTH, timeout=5)
     r.raise_for_status()
     return r.json()
 

@@ -26,7 +26,7 @@ import pytest
 from compute.node.launcher import Services
 from tests.conftest import import_tiny_chat_models, tiny_llama_config, tiny_llama_tensors, write_hf_folder
 from tests.procs import alive, children, kill_left
-from tests.services import HEADERS, TOKEN, wait_for
+from tests.services import AUTH, TOKEN, admin_headers, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 openai = pytest.importorskip("openai")
@@ -66,7 +66,7 @@ class Up:
     def status(self) -> dict:
         self.seen.update(children(self.proc.p.pid))
         assert self.proc.p.poll() is None, self.proc.log()[-3000:]
-        return httpx.get(self.url + "/admin/status", timeout=10).json()
+        return httpx.get(self.url + "/admin/status", headers=admin_headers(self.url), timeout=10).json()
 
     def pool(self) -> dict:
         return self.status()["supervisor"]["pool"]
@@ -165,7 +165,7 @@ def test_held_requests_for_models_at_zero_claim_once_each_and_are_answered(tmp_p
         p = up.pool()
         assert len(_claims(p, "tiny-d")) == 1 and p["claims_done"] == done + 1, p["claims"]
         assert len(_holders(p, "tiny-d")) == 1, p["runtimes"]
-        loads = [httpx.get(r["url"] + "/load", headers=HEADERS, timeout=5).json() for r in p["runtimes"]
+        loads = [httpx.get(r["url"] + "/load", auth=AUTH, timeout=5).json() for r in p["runtimes"]
                  if r["state"] != "starting"]  # fmt: skip
         assert sum("tiny-d" in (ld.get("models") or {}) for ld in loads) == 1, loads
         print(f"(b) 8 held requests for tiny-d: 1 claim ({_claims(p, 'tiny-d')[0]['why']}), "
@@ -213,7 +213,7 @@ def _stream(url: str, model: str, max_tokens: int, out: dict) -> None:
 
     toks, finish = [], None
     try:
-        with httpx.stream("POST", url + "/internal/generate", json=body, headers=HEADERS, timeout=120) as r:
+        with httpx.stream("POST", url + "/internal/generate", json=body, auth=AUTH, timeout=120) as r:
             assert r.status_code == 200, r.read()
             for line in r.iter_lines():
                 msg = json.loads(line)
@@ -243,7 +243,7 @@ def test_a_claim_racing_an_unload_on_the_same_runtime_loads_the_model_once(tmp_p
     act = LocalActuator(LocalConfig(model=None, store=list(store.locations), internal_token=TOKEN, threads=1,
                                     kv_blocks=160, weights="fp32", log_dir=str(tmp_path / "logs"), ready_timeout_s=180,
                                     stop_timeout_s=5, extra_args=("--kernels", "fixed")))  # fmt: skip
-    pool = RuntimePool(act, HEADERS, PoolConfig(pool_size=0, min_runtimes={"both": 2}, max_runtimes={"both": 2}),
+    pool = RuntimePool(act, TOKEN, PoolConfig(pool_size=0, min_runtimes={"both": 2}, max_runtimes={"both": 2}),
                        roles=("both",))  # fmt: skip
     seen: dict[int, str] = {}
     streams: dict[str, dict] = {"x": {}, "z": {}}
@@ -254,7 +254,7 @@ def test_a_claim_racing_an_unload_on_the_same_runtime_loads_the_model_once(tmp_p
         seen.update({p.proc.pid: str(p.proc.pid) for p in act.nodes})
         r1, r2 = sorted(r["url"] for r in pool.status()["runtimes"])
         for url, model in ((r1, "x"), (r2, "z")):  # placed by hand on the runtimes the test chose
-            r = httpx.post(url + "/internal/models/load", json={"model": model}, headers=HEADERS, timeout=30)
+            r = httpx.post(url + "/internal/models/load", json={"model": model}, auth=AUTH, timeout=30)
             assert r.status_code == 202, r.text
         pool.place(["x", "z"], {"both": 1})
         wait_for(lambda: all((pool.current().get((m, "both")) or [None])[0] and pool.current()[(m, "both")][0].ready
@@ -266,27 +266,27 @@ def test_a_claim_racing_an_unload_on_the_same_runtime_loads_the_model_once(tmp_p
         pool.current()  # observed busy: neither runtime has an idle model
 
         pool.scale(("x", "both"), 0)  # the unload drains x's stream on R1
-        wait_for(lambda: httpx.get(r1 + "/load", headers=HEADERS, timeout=5).json()["models"]["x"]["state"]
+        wait_for(lambda: httpx.get(r1 + "/load", auth=AUTH, timeout=5).json()["models"]["x"]["state"]
                  == "draining", 10, "x draining on R1", every=0.02)  # fmt: skip
         assert all("tokens" not in s for s in streams.values()), streams  # still streaming: the race is on
         t0 = time.monotonic()  # the node's side of it: a load that cannot start within wait_s is refused, and not done
-        r = httpx.post(r1 + "/internal/models/load", json={"model": "y", "wait_s": 0.3}, headers=HEADERS, timeout=10)
+        r = httpx.post(r1 + "/internal/models/load", json={"model": "y", "wait_s": 0.3}, auth=AUTH, timeout=10)
         assert r.status_code == 503 and "unloading x" in r.json()["detail"] and time.monotonic() - t0 < 2, r.text
-        r = httpx.post(r1 + "/internal/models/load", json={"model": "y", "wait_s": "soon"}, headers=HEADERS, timeout=10)
+        r = httpx.post(r1 + "/internal/models/load", json={"model": "y", "wait_s": "soon"}, auth=AUTH, timeout=10)
         assert r.status_code == 400 and "wait_s" in r.json()["detail"], r.text
         pool.scale(("y", "both"), 1)  # the claim, while R1 drains
         most = 0
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # the loop's ticks, until the streams end and things settle
             pool.current()
-            holders = [u for u in (r1, r2) if "y" in (httpx.get(u + "/load", headers=HEADERS, timeout=5).json()
+            holders = [u for u in (r1, r2) if "y" in (httpx.get(u + "/load", auth=AUTH, timeout=5).json()
                                                        .get("models") or {})]  # fmt: skip
             most = max(most, len(holders))
             if all("tokens" in s or "error" in s for s in streams.values()) and holders and not pool._unloading:
                 settle = time.monotonic() + 3.0  # a load that was waiting behind the drain has had time to land
                 while time.monotonic() < settle:
                     pool.current()
-                    most = max(most, sum("y" in (httpx.get(u + "/load", headers=HEADERS, timeout=5).json()
+                    most = max(most, sum("y" in (httpx.get(u + "/load", auth=AUTH, timeout=5).json()
                                                  .get("models") or {}) for u in (r1, r2)))  # fmt: skip
                     time.sleep(0.2)
                 break
@@ -297,7 +297,7 @@ def test_a_claim_racing_an_unload_on_the_same_runtime_loads_the_model_once(tmp_p
               f"most runtimes holding y at once: {most}")
         assert most == 1, (most, st["runtimes"], st["claims"])
         assert len(claims) == 1, st["claims"]
-        assert "x" not in (httpx.get(r1 + "/load", headers=HEADERS, timeout=5).json().get("models") or {})
+        assert "x" not in (httpx.get(r1 + "/load", auth=AUTH, timeout=5).json().get("models") or {})
         for s in streams.values():  # x's drain waited for its stream (within the unload's bound)
             assert s.get("tokens") == STREAM_TOKENS and s["finish"] == "length", streams
     finally:

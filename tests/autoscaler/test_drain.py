@@ -20,12 +20,13 @@ import types
 import httpx
 import pytest
 
+from compute.node.auth import SignedAuth
 from tests.services import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 TOKEN = "drain-test-token"
-HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = SignedAuth(TOKEN)
 STREAMS = 4
 MAX_TOKENS = 200  # the tiny model's context is 256
 DRAIN_TIMEOUT_S, STOP_TIMEOUT_S = 30, 5  # the actuator's bounds on a drain and on a process's exit
@@ -42,7 +43,7 @@ def _actuator(tmp_path, tiny_model_store, **hooks):
 
 
 def _load(url: str) -> dict:
-    return httpx.get(url + "/load", headers=HEADERS, timeout=5).json()
+    return httpx.get(url + "/load", auth=AUTH, timeout=5).json()
 
 
 def test_scale_down_drains_without_losing_a_request(tmp_path, tiny_model_store):
@@ -56,8 +57,8 @@ def test_scale_down_drains_without_losing_a_request(tmp_path, tiny_model_store):
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        registry = NodeRegistry(HEADERS, interval_s=0.2, failures=2)
-        client = NodeClient(HEADERS, timeout_s=30)
+        registry = NodeRegistry(TOKEN, interval_s=0.2, failures=2)
+        client = NodeClient(TOKEN, timeout_s=30)
         relay = Relay(registry, client, retry_attempts=3, backoff_base_s=0.05, backoff_max_s=0.2)
         hooks = registry_hooks(types.SimpleNamespace(registry=registry), loop)
 

@@ -29,15 +29,16 @@ import httpx
 import pytest
 
 from autoscaler.pool import PoolConfig
-from tests.services import wait_for
+from compute.node.auth import SignedAuth
+from tests.services import admin_headers, wait_for
 
 TOKEN = "pool-test-token"
-HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = SignedAuth(TOKEN)
 
 
 # --- real runtimes ---------------------------------------------------------------------------
 def _load(url: str) -> dict:
-    return httpx.get(url + "/load", headers=HEADERS, timeout=5).json()
+    return httpx.get(url + "/load", auth=AUTH, timeout=5).json()
 
 
 def _model_state(url: str, model: str) -> str | None:
@@ -62,7 +63,7 @@ def test_a_standby_runtime_is_claimed_on_a_burst_then_the_pool_is_refilled(tmp_p
     act = LocalActuator(LocalConfig(model=None, store=list(locations), internal_token=TOKEN, threads=1, kv_blocks=128,
                                     log_dir=str(tmp_path / "logs"), ready_timeout_s=240, stop_timeout_s=5,
                                     drain_timeout_s=10, import_nice=10))  # fmt: skip
-    pool = RuntimePool(act, HEADERS, PoolConfig(pool_size=1, max_runtimes={"decode": 3}, unload_timeout_s=10),
+    pool = RuntimePool(act, TOKEN, PoolConfig(pool_size=1, max_runtimes={"decode": 3}, unload_timeout_s=10),
                        roles=("decode",))  # fmt: skip
     cfg = AutoscalerConfig(tick_s=1.0, target_running_streams_per_replica=4, stable_window_s=10.0, panic_window_s=2.0,
                            scale_down_delay_s=5.0, decode_min_replicas=1, decode_max_replicas=2,
@@ -160,7 +161,7 @@ def test_two_models_share_one_runtime_and_one_is_unloaded_without_touching_the_o
     act = LocalActuator(LocalConfig(model=None, store=list(store.locations), internal_token=TOKEN, threads=1,
                                     kv_blocks=64, log_dir=str(tmp_path / "logs"), ready_timeout_s=120,
                                     stop_timeout_s=5))  # fmt: skip
-    pool = RuntimePool(act, HEADERS, PoolConfig(pool_size=0, max_runtimes={"decode": 1}), roles=("decode",))
+    pool = RuntimePool(act, TOKEN, PoolConfig(pool_size=0, max_runtimes={"decode": 1}), roles=("decode",))
 
     def ready(model):
         return [n.url for n in pool.current().get((model, "decode"), []) if n.ready]
@@ -190,7 +191,7 @@ def test_an_idle_model_goes_to_zero_and_the_next_request_brings_it_back(tmp_path
 
     from compute.node.launcher import Services
     from tests.procs import alive, children
-    from tests.services import HEADERS as UP_HEADERS
+    from tests.services import AUTH as UP_AUTH
     from tests.services import TOKEN as UP_TOKEN
 
     locations, model = real_model_store
@@ -205,7 +206,7 @@ def test_an_idle_model_goes_to_zero_and_the_next_request_brings_it_back(tmp_path
 
     def pool() -> dict:
         seen.update(children(up.p.pid))
-        return httpx.get(up.url + "/admin/status", timeout=10).json()["supervisor"]["pool"]
+        return httpx.get(up.url + "/admin/status", headers=admin_headers(up.url), timeout=10).json()["supervisor"]["pool"]
 
     def holding(p: dict) -> list[str]:
         return [r["url"] for r in p["runtimes"] if r["models"].get(model) in ("loading", "ready")]
@@ -223,7 +224,7 @@ def test_an_idle_model_goes_to_zero_and_the_next_request_brings_it_back(tmp_path
                      60, "the idle model at zero replicas", every=0.25)  # fmt: skip
         urls = {r["url"] for r in p["runtimes"]}
         for url in urls:
-            ld = httpx.get(url + "/load", headers=UP_HEADERS, timeout=5).json()
+            ld = httpx.get(url + "/load", auth=UP_AUTH, timeout=5).json()
             assert ld["state"] == "standby" and ld["models"] == {} and ld["memory_used_bytes"] == 0, ld
         claims = p["claims_done"]
         pids = set(children(up.p.pid))
@@ -261,7 +262,7 @@ def _first_token(url: str, model: str, t0: float, timeout: float = 120) -> tuple
     body = {"request_id": f"swap-{model}-{time.monotonic_ns()}", "model": model, "prompt_token_ids": [5, 17, 33, 90],
             "params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True}}  # fmt: skip
     first, toks = None, []
-    with httpx.stream("POST", url + "/internal/generate", json=body, headers=HEADERS, timeout=timeout) as r:
+    with httpx.stream("POST", url + "/internal/generate", json=body, auth=AUTH, timeout=timeout) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             got = json.loads(line)["token_ids"]
@@ -299,7 +300,7 @@ def test_a_pool_that_cannot_hold_every_model_swaps_them_on_its_runtimes(tmp_path
                                     kv_blocks=64, weights="fp32", log_dir=str(tmp_path / "logs"), ready_timeout_s=180,
                                     stop_timeout_s=5, extra_args=("--memory-gb", f"{budget_gb:.6f}")))  # fmt: skip
     roles = ("prefill", "decode")
-    pool = RuntimePool(act, HEADERS, PoolConfig(pool_size=0, max_runtimes=dict.fromkeys(roles, 1),
+    pool = RuntimePool(act, TOKEN, PoolConfig(pool_size=0, max_runtimes=dict.fromkeys(roles, 1),
                                                 min_runtimes=dict.fromkeys(roles, 1)), roles=roles)  # fmt: skip
     seen: dict[int, str] = {}
     peak: dict[int, int] = {}

@@ -27,7 +27,7 @@ import pytest
 
 from compute.node.launcher import Services
 from tests.procs import alive, children, kill_left, wait_gone
-from tests.services import TOKEN, wait_for
+from tests.services import TOKEN, admin_headers, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 openai = pytest.importorskip("openai")
@@ -51,7 +51,7 @@ class Up:
         return kids
 
     def status(self) -> dict:
-        return httpx.get(self.url + "/admin/status", timeout=10).json()
+        return httpx.get(self.url + "/admin/status", headers=admin_headers(self.url), timeout=10).json()
 
     def wait_nodes(self, n: int, timeout: float) -> dict[int, str]:
         deadline = time.monotonic() + timeout

@@ -22,7 +22,7 @@ from compute.node.launcher import Services
 from tests.conftest import tiny_llama_config, tiny_llama_tensors, write_hf_folder
 from tests.paramstore.test_s3 import moto_url  # noqa: F401 - the module's moto server
 from tests.procs import children, kill_left
-from tests.services import HEADERS, TOKEN, wait_for
+from tests.services import AUTH, TOKEN, admin_headers, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 openai = pytest.importorskip("openai")
@@ -81,7 +81,7 @@ def _answer_from_up(tmp, cfg, opts: dict) -> tuple[str, float, dict]:
             seen.update(children(up.p.pid))
             assert up.p.poll() is None, up.log()[-3000:]
             try:
-                nodes = httpx.get(up.url + "/admin/status", timeout=5).json()["nodes"]
+                nodes = httpx.get(up.url + "/admin/status", headers=admin_headers(up.url), timeout=5).json()["nodes"]
             except (httpx.HTTPError, ValueError):
                 return None
             return next((n for n in nodes if n["models"].get(MODEL) == "ready"), None)
@@ -92,7 +92,7 @@ def _answer_from_up(tmp, cfg, opts: dict) -> tuple[str, float, dict]:
                                            extra_body={"ignore_eos": True})  # fmt: skip
         took = time.monotonic() - t0
         assert r.model == MODEL and r.usage.completion_tokens == 8 and r.choices[0].message.content, r
-        metrics = httpx.get(node["url"] + "/metrics", headers=HEADERS, timeout=10).text
+        metrics = httpx.get(node["url"] + "/metrics", auth=AUTH, timeout=10).text
         counters = {name: sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.M))
                     for name in ("paramstore_degraded_reads_total", "paramstore_cache_misses_total")}  # fmt: skip
         seen.update(children(up.p.pid))

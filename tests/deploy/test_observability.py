@@ -34,7 +34,7 @@ from compute.node.launcher import Services
 from tests.deploy.prometheus import Prometheus, binary, discovered, scrape_job
 from tests.deploy.test_manifests import DEPLOY, _metric_names, objects
 from tests.procs import children, kill_left
-from tests.services import TOKEN, wait_for
+from tests.services import TOKEN, admin_headers, wait_for
 
 NAMESPACE = "pdserve"  # both overlays' namespace
 SCRAPE_S = 1  # the ServiceMonitor's 15 s interval, shortened for the test (nothing else is changed)
@@ -164,7 +164,8 @@ class Up:
 
     def runtimes(self) -> list[dict]:
         self.seen.update(children(self.proc.p.pid))
-        return httpx.get(self.url + "/admin/status", timeout=10).json()["supervisor"]["pool"]["runtimes"]
+        st = httpx.get(self.url + "/admin/status", headers=admin_headers(self.url), timeout=10).json()
+        return st["supervisor"]["pool"]["runtimes"]
 
     def placed(self) -> list[dict] | None:
         rts = self.runtimes()

@@ -29,7 +29,7 @@ from gateway.registry import NodeRegistry
 from gateway.traffic import Traffic
 from tests.conftest import import_tiny_chat_models
 from tests.services import (
-    HEADERS,
+    AUTH,
     INVARIANT,
     TOKEN,
     until,
@@ -42,7 +42,7 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 # --- routing per model (pure) -----------------------------------------------------------------------
 def _registry(loads: dict[str, tuple[str, dict]]) -> NodeRegistry:
-    reg = NodeRegistry(HEADERS)
+    reg = NodeRegistry(TOKEN)
     for url, (role, load) in loads.items():
         n = reg.add(url, role)
         n.load, n.healthy = load, True
@@ -268,13 +268,13 @@ def _answer(gw, model: str) -> str:
 
 
 def _status(gw) -> dict:
-    return httpx.get(gw.url + "/internal/status", headers=HEADERS, timeout=5).json()
+    return httpx.get(gw.url + "/internal/status", auth=AUTH, timeout=5).json()
 
 
 def _load_model(node, model: str) -> float:
     """POST /internal/models/load to `node`; -> the time it was sent (monotonic)."""
     t = time.monotonic()
-    r = httpx.post(node.url + "/internal/models/load", json={"model": model}, headers=HEADERS, timeout=30)
+    r = httpx.post(node.url + "/internal/models/load", json={"model": model}, auth=AUTH, timeout=30)
     assert r.status_code in (200, 202), r.text
     return t
 
@@ -290,7 +290,7 @@ def test_two_models_on_one_node_answer_as_nodes_holding_only_that_model(svc):
     wait_for(lambda: svc["a"].load()["models"].get("tiny-b", {}).get("state") == "ready", 60, "tiny-b ready on A")
     wait_kernels_settled([svc["a"]])  # A's tiny-b on its final plan (B's) before its first request
     short = svc["short"]  # its only node, A, holds both models now
-    wait_for(lambda: httpx.get(short.url + "/admin/status", timeout=5).json()["nodes"][0]["models"].get("tiny-b")
+    wait_for(lambda: httpx.get(short.url + "/admin/status", headers=short.admin_headers, timeout=5).json()["nodes"][0]["models"].get("tiny-b")
              == "ready", 10, "the gateway to see tiny-b on A")  # fmt: skip
     assert (_answer(short, "tiny-a"), _answer(short, "tiny-b")) == (want_a, want_b)
     c = _client(short)
@@ -345,7 +345,7 @@ def test_pdserve_status_prints_each_model_with_its_nodes_decision_and_the_standb
         "tiny-a/both": {"model": "tiny-a", "role": "both", "replicas": 2, "current": 1, "reason": "ttft over its slo"},
         "tiny-b/both": {"model": "tiny-b", "role": "both", "replicas": 1, "current": 1, "reason": "steady"}}},
         "reason": "tiny-a/both: ttft over its slo", "actuator": "test"}  # fmt: skip
-    assert httpx.post(gw.url + "/internal/autoscaler", json=report, headers=HEADERS, timeout=5).status_code == 200
+    assert httpx.post(gw.url + "/internal/autoscaler", json=report, auth=AUTH, timeout=5).status_code == 200
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     r = subprocess.run([sys.executable, "-m", "autoscaler.cli", "status", "--url", gw.url], capture_output=True,
                        text=True, timeout=60, env=env, check=False)  # fmt: skip

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.services import HEADERS, running_service
+from tests.services import AUTH, running_service
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -214,7 +214,7 @@ def _prompt_computed(svc) -> float:
     """Prompt positions the service's nodes ran through the model so far (their /metrics, summed)."""
     total = 0.0
     for node in svc["nodes"]:
-        for line in httpx.get(node.url + "/metrics", headers=HEADERS, timeout=10).text.splitlines():
+        for line in httpx.get(node.url + "/metrics", auth=AUTH, timeout=10).text.splitlines():
             if line.startswith(("pdserve_node_prompt_tokens_computed_total ", "pdserve_node_prompt_tokens_computed_total{")):
                 total += float(line.split()[1])
     return total

@@ -80,7 +80,7 @@ def test_node_with_the_key_serves_a_signed_manifest_and_refuses_a_tampered_one(t
         deadline = time.monotonic() + 120
         while node.p.poll() is None and time.monotonic() < deadline:
             try:
-                assert httpx.get(node.url + "/ready", headers=node.headers, timeout=1).status_code != 200
+                assert httpx.get(node.url + "/ready", auth=node.auth, timeout=1).status_code != 200
             except httpx.HTTPError:
                 pass  # not listening: what a refusing node must be
             time.sleep(0.1)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.services import HEADERS, TOKEN, Services, node_generate, wait_for
+from tests.services import AUTH, TOKEN, Services, node_generate, wait_for
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 33, 90, 41, 7]
@@ -101,7 +101,7 @@ def test_vllm_names_equal_ours_and_move_with_traffic(node):
 def test_an_unloaded_model_leaves_no_gauges(node):
     model = node.load()["model"]
     assert value(scrape(node.url), "vllm:num_requests_waiting", model_name=model) == 0
-    r = httpx.post(node.url + "/internal/models/unload", json={"model": model}, headers=HEADERS, timeout=60)
+    r = httpx.post(node.url + "/internal/models/unload", json={"model": model}, auth=AUTH, timeout=60)
     assert r.status_code == 200, r.text
     after = scrape(node.url)  # still served, standby: counters stay, no gauge of a model not held
     gauges = ("pdserve_node_kv_blocks_used", "pdserve_node_kv_blocks_total", "pdserve_node_requests_running",

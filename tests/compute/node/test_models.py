@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import tiny_llama_config, tiny_llama_tensors, write_hf_folder
-from tests.services import HEADERS, TOKEN, Services, wait_for
+from tests.services import AUTH, TOKEN, Services, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def multi(tmp_path_factory, two_models):
 
 
 def post(n, path, body, timeout=60):
-    return httpx.post(n.url + path, json=body, headers=HEADERS, timeout=timeout)
+    return httpx.post(n.url + path, json=body, auth=AUTH, timeout=timeout)
 
 
 def load_ready(n, model, timeout=120):
@@ -69,7 +69,7 @@ def generate(n, ids, model=None, max_tokens=12, rid=None, **params):
     if model is not None:
         body["model"] = model
     toks, reason = [], None
-    with httpx.stream("POST", n.url + "/internal/generate", json=body, headers=HEADERS, timeout=120) as r:
+    with httpx.stream("POST", n.url + "/internal/generate", json=body, auth=AUTH, timeout=120) as r:
         if r.status_code != 200:
             return r.status_code, r.read().decode()
         for line in r.iter_lines():
@@ -84,7 +84,7 @@ def test_standby_is_ready_at_once_and_holds_nothing(multi):
     assert r.status_code == 200 and r.json()["state"] in ("standby", "ready", "loading")
     load = multi.load()
     assert load["role"] == "both" and load["memory_budget_bytes"] > 0
-    models = httpx.get(multi.url + "/internal/models", headers=HEADERS, timeout=5).json()
+    models = httpx.get(multi.url + "/internal/models", auth=AUTH, timeout=5).json()
     assert set(models) >= {"models", "memory_budget_bytes", "memory_used_bytes"}
     if not load["models"]:  # first test of the module: nothing loaded yet
         assert load["state"] == "standby" and load["model"] is None and load["ready"] is False
@@ -107,7 +107,7 @@ def test_bad_load_bodies_are_refused_with_a_message(multi, body, code, words):
 def test_bad_unload_and_request_bodies(multi):
     r = post(multi, "/internal/models/unload", {"model": "nope"})
     assert r.status_code == 404 and "not held" in r.json()["detail"]
-    r = httpx.post(multi.url + "/internal/models/load", content=b"{", headers=HEADERS, timeout=5)
+    r = httpx.post(multi.url + "/internal/models/load", content=b"{", auth=AUTH, timeout=5)
     assert r.status_code == 400 and "JSON" in r.json()["detail"]
     code, detail = generate(multi, PROMPTS[0], model="nope")
     assert code == 503 and "not held" in detail
@@ -182,7 +182,7 @@ def test_unload_drains_then_frees_weights_and_kv(multi, two_models):
     assert out["unload"].status_code == 200 and out["unload"].json() == {"unloaded": True, "drained": True}
     after = multi.load()
     assert b not in after["models"]
-    listed = httpx.get(multi.url + "/internal/models", headers=HEADERS, timeout=5).json()
+    listed = httpx.get(multi.url + "/internal/models", auth=AUTH, timeout=5).json()
     assert [m["model"] for m in listed["models"]] == [a]
     assert after["memory_used_bytes"] == before["memory_used_bytes"] - held_b["bytes"]
     assert after["kv_blocks_total"] == before["kv_blocks_total"] - held_b["kv_blocks_total"]
@@ -306,7 +306,7 @@ def pd(pre, dec, ids, model):
     body = {"request_id": rid, "prompt_token_ids": ids, "first_token_id": first["token_ids"][-1], "kv": first["kv"],
             "params": dict(params, max_tokens=11), "model": model}  # fmt: skip
     toks, reason = list(first["token_ids"]), None
-    with httpx.stream("POST", dec.url + "/internal/decode", json=body, headers=HEADERS, timeout=60) as r:
+    with httpx.stream("POST", dec.url + "/internal/decode", json=body, auth=AUTH, timeout=60) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             d = json.loads(line)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.prompts import QUESTIONS
-from tests.services import HEADERS, node_generate, nodes_up, start_node, wait_blocks_free
+from tests.services import AUTH, node_generate, nodes_up, start_node, wait_blocks_free
 
 pytestmark = pytest.mark.slow
 
@@ -63,14 +63,14 @@ def generate(node, rid, ids, max_tokens=MAX_TOKENS, **sampling):
 
 def pd(prefill, decode, rid, ids, max_tokens=MAX_TOKENS, **sampling):
     params = {"max_tokens": max_tokens, "temperature": 0} | sampling
-    pre = httpx.post(prefill.url + "/internal/prefill", headers=HEADERS, timeout=120,
+    pre = httpx.post(prefill.url + "/internal/prefill", auth=AUTH, timeout=120,
                      json={"request_id": rid, "prompt_token_ids": ids, "params": params}).json()  # fmt: skip
     toks = list(pre["token_ids"])
     if pre["finish_reason"]:
         return toks, pre
     body = {"request_id": rid, "prompt_token_ids": ids, "first_token_id": toks[-1], "kv": pre["kv"],
             "params": dict(params, max_tokens=max_tokens - 1)}  # fmt: skip
-    with httpx.stream("POST", decode.url + "/internal/decode", json=body, headers=HEADERS, timeout=120) as r:
+    with httpx.stream("POST", decode.url + "/internal/decode", json=body, auth=AUTH, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             toks += json.loads(line)["token_ids"]
@@ -133,11 +133,11 @@ def test_killed_prefill_leaves_decode_healthy(tmp_path, cluster, prompts, real_m
     try:
         victim.wait_ready()
         params = {"max_tokens": 8, "temperature": 0}
-        pre = httpx.post(victim.url + "/internal/prefill", headers=HEADERS, timeout=60,
+        pre = httpx.post(victim.url + "/internal/prefill", auth=AUTH, timeout=60,
                          json={"request_id": "doomed", "prompt_token_ids": prompts[0], "params": params}).json()  # fmt: skip
         body = {"request_id": "doomed", "prompt_token_ids": prompts[0], "first_token_id": pre["token_ids"][0],
                 "kv": pre["kv"], "params": params}  # fmt: skip
-        decode = lambda: httpx.post(d.url + "/internal/decode", json=body, headers=HEADERS, timeout=60)
+        decode = lambda: httpx.post(d.url + "/internal/decode", json=body, auth=AUTH, timeout=60)
         if when == "before-pull":
             victim.kill9()  # the KV it offered is gone with it
             r = decode()
@@ -146,7 +146,7 @@ def test_killed_prefill_leaves_decode_healthy(tmp_path, cluster, prompts, real_m
             with ThreadPoolExecutor(1) as pool:
                 pending = pool.submit(decode)
                 deadline = time.monotonic() + 30
-                while httpx.get(d.url + "/load", headers=HEADERS, timeout=5).json()["kv_blocks_used"] == 0:
+                while httpx.get(d.url + "/load", auth=AUTH, timeout=5).json()["kv_blocks_used"] == 0:
                     assert time.monotonic() < deadline and not pending.done(), "the pull never started"
                     time.sleep(0.05)
                 victim.kill9()  # blocks preallocated, connection open, no bytes: mid-transfer
@@ -167,7 +167,7 @@ def test_no_block_leaks_after_200_messy_requests(tmp_path, tiny_model_store):
         p, d = nodes["p"], nodes["d"]
         rng = random.Random(0)
         outcomes = {"ok": 0, "corrupt": 0, "unclaimed": 0, "abort": 0, "dropped": 0}
-        with httpx.Client(headers=HEADERS, timeout=30) as c:
+        with httpx.Client(auth=AUTH, timeout=30) as c:
             for i in range(200):
                 ids = [rng.randrange(3, 256) for _ in range(rng.randrange(4, 60))]
                 params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -27,7 +27,7 @@ def int8_store(tmp_path_factory, tiny_hf):
 
 
 def _metric(node, name: str) -> float:
-    text = httpx.get(node.url + "/metrics", headers=node.headers, timeout=10).text
+    text = httpx.get(node.url + "/metrics", auth=node.auth, timeout=10).text
     m = re.search(rf"^{name} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 

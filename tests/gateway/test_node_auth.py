@@ -1,0 +1,166 @@
+"""Nobody in where they don't belong: a process that is not a pdserve node registers itself with a real
+gateway (real node, real HTTP, a plain HTTP server as the rogue) and gets neither the internal token nor a
+prompt; the admin API is closed without a key; the gateway's /internal/* takes only signed requests."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from tests.conftest import import_tiny_chat_models
+from tests.services import AUTH, TOKEN, Services, wait_for
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny-a"
+PROMPT = "a secret prompt: the launch codes are 0000"
+
+
+class Rogue:
+    """A plain HTTP server on loopback that records every request it gets. ``relay``: it forwards each
+    request to that real node (the body and the signing headers as they came) and answers what the node
+    answers; else it answers 200 with a made-up proof and a ready /load."""
+
+    def __init__(self, relay: str | None = None):
+        self.seen: list[dict] = []
+        rogue = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _any(self):
+                n = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(n) if n else b""
+                rogue.seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
+                                   "body": body.decode(errors="replace")})  # fmt: skip
+                if relay:
+                    fwd = {k: v for k, v in self.headers.items() if k.lower().startswith("x-pdserve-")}
+                    r = httpx.request(self.command, relay + self.path, content=body, timeout=5,
+                                      headers={**fwd, "content-type": "application/json"})  # fmt: skip
+                    status, out = r.status_code, r.content
+                else:
+                    status, out = 200, json.dumps({"proof": "0" * 64, "ready": True, "state": "ready"}).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            do_GET = do_POST = do_DELETE = _any
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def leaked(self) -> list[dict]:
+        """The requests that carried the token, a signature, an authorization header or the prompt."""
+        return [s for s in self.seen if TOKEN in json.dumps(s) or PROMPT in s["body"] or "launch codes" in s["body"]
+                or any(k.lower() in ("authorization", "x-pdserve-signature") for k in s["headers"])]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory, real_model_store):
+    store = import_tiny_chat_models(tmp_path_factory, *real_model_store, [MODEL], "auth-store").locations
+    services = Services(store, MODEL, str(tmp_path_factory.mktemp("logs")), TOKEN)
+    try:
+        node = services.node("both").wait_ready(120)
+        gw = services.gateway([("both", node)]).wait_ready(60)
+        yield {"gw": gw, "node": node, "services": services}
+    finally:
+        services.stop_all()
+
+
+def _chat(gw) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture
+def rogue():
+    r = Rogue()
+    yield r
+    r.close()
+
+
+def test_registration_without_the_admin_key_is_refused(svc, rogue):
+    gw = svc["gw"].url
+    spec = {"url": rogue.url, "role": "both"}
+    r = httpx.post(gw + "/admin/nodes", json=spec, timeout=10)
+    assert r.status_code == 401 and "admin key" in r.json()["error"]["message"]
+    r = httpx.post(gw + "/admin/nodes", json=spec, headers={"Authorization": "Bearer wrong"}, timeout=10)
+    assert r.status_code == 401
+    time.sleep(1.0)  # two health polls
+    assert rogue.seen == []
+
+
+def test_a_rogue_node_is_refused_and_gets_neither_token_nor_prompt(svc, rogue):
+    gw, admin = svc["gw"].url, svc["gw"].admin_headers
+    r = httpx.post(gw + "/admin/nodes", json={"url": rogue.url, "role": "both"}, headers=admin, timeout=10)
+    assert r.status_code == 403, r.text
+    assert "did not" in r.json()["error"]["message"] or "does not match" in r.json()["error"]["message"]
+    listed = httpx.get(gw + "/admin/nodes", headers=admin, timeout=10).json()
+    assert rogue.url not in {n["url"] for n in listed["nodes"]} and rogue.url in listed["refused"]
+    for _ in range(3):  # users' requests go on, to the real node only
+        assert _chat(svc["gw"])["choices"][0]["finish_reason"] in ("stop", "length")
+    time.sleep(1.5)  # three health polls: a refused node is never polled again
+    assert [(s["method"], s["path"]) for s in rogue.seen] == [("POST", "/prove")]  # the challenge, nothing more
+    assert set(json.loads(rogue.seen[0]["body"])) == {"nonce", "url"}
+    assert rogue.leaked() == []
+
+
+def test_a_relay_in_front_of_a_real_node_is_refused(svc):
+    """The relay forwards the gateway's challenge to the real node, which proves only its own URL."""
+    relay = Rogue(relay=svc["node"].url)
+    try:
+        gw, admin = svc["gw"].url, svc["gw"].admin_headers
+        r = httpx.post(gw + "/admin/nodes", json={"url": relay.url, "role": "both"}, headers=admin, timeout=10)
+        assert r.status_code == 403 and "does not name this node" in r.json()["error"]["message"]
+        _chat(svc["gw"])
+        time.sleep(1.0)
+        assert [s["path"] for s in relay.seen] == ["/prove"] and relay.leaked() == []
+    finally:
+        relay.close()
+
+
+def test_a_real_node_registered_by_hand_is_proven(svc):
+    gw, admin, node = svc["gw"].url, svc["gw"].admin_headers, svc["node"].url
+    r = httpx.post(gw + "/admin/nodes", json={"url": node, "role": "both"}, headers=admin, timeout=10)
+    assert r.status_code == 200 and r.json()["proven"] is True
+
+
+def test_gateway_internal_api_takes_only_signed_requests(svc):
+    gw = svc["gw"].url
+    assert httpx.get(gw + "/internal/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).status_code == 401
+    assert httpx.get(gw + "/internal/status", auth=AUTH, timeout=10).json()["served"] == [MODEL]
+
+
+def test_admin_api_closed_without_a_key_and_open_only_when_asked(svc, rogue):
+    """A gateway with no admin key refuses /admin/* (saying how to open it); a static node URL that cannot
+    prove is refused at the first poll; --open-admin opens the admin API, with a warning at start."""
+    s = svc["services"]
+    closed = s.gateway([("both", svc["node"]), ("both", rogue)], env={"PDSERVE_ADMIN_KEY": ""}).wait_ready(60)
+    opened = s.gateway([("both", svc["node"])], extra=("--open-admin",), env={"PDSERVE_ADMIN_KEY": ""}).wait_ready(60)
+    try:
+        r = httpx.get(closed.url + "/admin/status", timeout=10)
+        assert r.status_code == 401 and "closed" in r.json()["error"]["message"]
+        assert httpx.get(closed.url + "/admin/status", headers=svc["gw"].admin_headers, timeout=10).status_code == 401
+        _chat(closed)  # the real node serves; the rogue one never does
+        wait_for(lambda: "node refused" in closed.log(), 10, "the refusal in the gateway's log")
+        assert [s["path"] for s in rogue.seen] == ["/prove"] and rogue.leaked() == []
+        st = httpx.get(opened.url + "/admin/status", timeout=10)
+        assert st.status_code == 200 and st.json()["served"] == [MODEL]
+        assert "WARNING: --open-admin" in opened.log()
+    finally:
+        closed.stop()
+        opened.stop()
