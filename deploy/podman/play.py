@@ -41,6 +41,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from compute.node.auth import SignedAuth
 from compute.node.launcher import free_port
 from tests import kubeapi  # the API twin the tests use
 from tests.deploy.pods import with_store  # the pod runner's [store] rewrite
@@ -117,6 +118,9 @@ def convert(docs: list[dict], work: Path, image: str, locations: list[str], valu
         vols.append({"name": "store", "hostPath": {"path": str(work / "store"), "type": "Directory"}})
         c.setdefault("volumeMounts", []).append({"name": "store", "mountPath": str(work / "store"), "readOnly": True})
         spec["volumes"] = vols
+        # podman kube play has no status.podIP to fill: the node proves itself for any host on its port (its
+        # wildcard bind's identity, compute/node/auth.py) instead of its advertised URL
+        c["env"] = [e for e in c.get("env", []) if e["name"] not in ("POD_IP", "PDSERVE_ADVERTISE_URL")]
         for e in c.get("env", []):
             ref = e.get("valueFrom", {}).get("secretKeyRef")
             if ref:
@@ -206,8 +210,8 @@ def main() -> int:
         print(f"test-deploy: {len(objs)} pods playing; polling their readiness probes", flush=True)
         ready_s = wait_ready(rendered, services, api, args.timeout)
         print(f"test-deploy: every pod ready after {ready_s:.1f} s", flush=True)
-        auth = {"Authorization": f"Bearer {values[('pdserve-secrets', 'internal-token')]}"}
-        loads = {d: httpx.get(f"http://{pod_ip(d)}:8001/load", headers=auth, timeout=5).json() for d in NODES}
+        auth = SignedAuth(values[("pdserve-secrets", "internal-token")])
+        loads = {d: httpx.get(f"http://{pod_ip(d)}:8001/load", auth=auth, timeout=5).json() for d in NODES}
         if any((x.get("state"), x.get("models")) != ("standby", {}) for x in loads.values()):
             print(f"test-deploy: FAILED: the node pods did not start empty (standby): {loads}", file=sys.stderr)
             return 1
@@ -216,7 +220,7 @@ def main() -> int:
         answer = ask(f"http://127.0.0.1:{gw_port}/v1", args.chat_timeout)
         print(f"test-deploy: answer through the gateway container in {time.monotonic() - t_chat:.1f} s "
               f"(from zero replicas: the autoscaler claimed the standby pods meanwhile): {answer!r}")
-        held = {d: httpx.get(f"http://{pod_ip(d)}:8001/load", headers=auth, timeout=5).json().get("models", {})
+        held = {d: httpx.get(f"http://{pod_ip(d)}:8001/load", auth=auth, timeout=5).json().get("models", {})
                 for d in NODES}  # fmt: skip
         if any(m.get("smollm2", {}).get("state") != "ready" for m in held.values()):
             print(f"test-deploy: FAILED: the node pods do not hold the model: {held}", file=sys.stderr)

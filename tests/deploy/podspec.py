@@ -198,8 +198,9 @@ class PodPlanner:
         for k, v in self.image_env.items():
             env[k] = self.remap(pod, v) if k != "PATH" else env["PATH"]
         for e in pod.container.get("env", []):
-            if "value" in e:
-                env[e["name"]] = self.remap(pod, str(e["value"]))
+            if "value" in e:  # $(NAME) of a variable defined above expands, as the kubelet expands it
+                value = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), str(e["value"]))
+                env[e["name"]] = self.remap(pod, value)
                 continue
             ref = e["valueFrom"]
             if "secretKeyRef" in ref:

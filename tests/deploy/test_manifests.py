@@ -82,7 +82,7 @@ def test_overlays_render_the_same_set_of_objects(overlay):
     assert re.fullmatch(r"pdserve-config-[a-z0-9]{10}", config)  # generated: a change rolls the pods
     assert got == sorted([
         ("ConfigMap", config), ("Deployment", "pdserve-autoscaler"), ("Deployment", "pdserve-decode"),
-        ("Deployment", "pdserve-gateway"), ("Deployment", "pdserve-prefill"),
+        ("Deployment", "pdserve-gateway"), ("Deployment", "pdserve-prefill"), ("NetworkPolicy", "pdserve-nodes"),
         ("PodDisruptionBudget", "pdserve-decode"), ("PodDisruptionBudget", "pdserve-gateway"),
         ("PodDisruptionBudget", "pdserve-prefill"), ("PrometheusRule", "pdserve"), ("Role", "pdserve-autoscaler"),
         ("Role", "pdserve-gateway"), ("RoleBinding", "pdserve-autoscaler"), ("RoleBinding", "pdserve-gateway"),

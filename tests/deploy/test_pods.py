@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from compute.node.auth import SignedAuth
+from tests.deploy.netpol import allowed
 from tests.deploy.pods import PodFailed, PodRunner
 from tests.deploy.test_manifests import render
 
@@ -54,8 +56,7 @@ def runner(docs, tmp_path, store, **kw) -> PodRunner:
 def _node_load(run: PodRunner, pod) -> dict:
     """GET /load of a node pod (a Pod, or a Deployment's first pod by name)."""
     port = (run.pods[pod] if isinstance(pod, str) else pod).local_port("http")
-    r = httpx.get(f"http://127.0.0.1:{port}/load", timeout=5,
-                  headers={"Authorization": f"Bearer {run.secret('pdserve-secrets', 'internal-token')}"})  # fmt: skip
+    r = httpx.get(f"http://127.0.0.1:{port}/load", timeout=5, auth=SignedAuth(run.secret("pdserve-secrets", "internal-token")))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -72,6 +73,28 @@ def _until(what: str, ok, timeout_s: float, pod=None):
 
 
 NODES = ("pdserve-prefill", "pdserve-decode")
+
+
+def _check_isolation(docs: list[dict], run: PodRunner) -> None:
+    """For the pods as they ran (labels, env): the NetworkPolicy lets the gateway, the autoscaler and peer nodes
+    reach the node pods (the connections this run made: the gateway's proofs and polls, the autoscaler's
+    claims, the KV handoff) and no other pod, of this namespace or another; the internal token is in the
+    pods that sign or verify with it, the admin and API keys in the gateway only."""
+    policies = [o for o in docs if o["kind"] == "NetworkPolicy"]
+    ns = run.namespace
+    for name in NODES:
+        dst = run.pods[name].labels
+        for src in ("pdserve-gateway", "pdserve-autoscaler", *NODES):
+            assert allowed(policies, run.pods[src].labels, ns, dst, ns, 8001, "http"), (src, name)
+        assert not allowed(policies, {"app.kubernetes.io/name": "some-job"}, ns, dst, ns, 8001, "http")
+        assert not allowed(policies, {}, ns, dst, ns, 40123)  # a KV-transfer port, from an unlabelled pod
+        assert not allowed(policies, run.pods["pdserve-gateway"].labels, "elsewhere", dst, ns, 8001, "http")
+    assert allowed(policies, {"app.kubernetes.io/name": "some-job"}, ns, run.pods["pdserve-gateway"].labels, ns,
+                   8000, "http")  # the gateway is the front door: no policy selects it  # fmt: skip
+    holders = {k: {n for n, p in run.pods.items() if p.env.get(k)}
+               for k in ("PDSERVE_INTERNAL_TOKEN", "PDSERVE_ADMIN_KEY", "PDSERVE_API_KEYS")}  # fmt: skip
+    assert holders == {"PDSERVE_INTERNAL_TOKEN": {"pdserve-gateway", "pdserve-autoscaler", *NODES},
+                       "PDSERVE_ADMIN_KEY": {"pdserve-gateway"}, "PDSERVE_API_KEYS": {"pdserve-gateway"}}, holders
 
 
 @pytest.mark.parametrize("overlay", ["local", "production"])
@@ -95,10 +118,10 @@ def test_every_container_starts_answers_drains_and_stops(overlay, signed_store, 
             assert (load["state"], load["models"], load["ready"]) == ("standby", {}, False), load
         gw = run.pods["pdserve-gateway"]
         url = f"http://127.0.0.1:{gw.local_port('http')}"
-        headers = {"Authorization": f"Bearer {run.secret('pdserve-secrets', 'internal-token')}"}
+        auth = SignedAuth(run.secret("pdserve-secrets", "internal-token"))
 
         def status() -> dict:
-            r = httpx.get(url + "/internal/status", timeout=5, headers=headers)
+            r = httpx.get(url + "/internal/status", timeout=5, auth=auth)
             assert r.status_code == 200, r.text
             return r.json()
 
@@ -138,6 +161,7 @@ def test_every_container_starts_answers_drains_and_stops(overlay, signed_store, 
         assert "Paris" in reply.choices[0].message.content, reply
         assert scaler.proc.poll() is None, scaler.log_tail()
         assert holding()  # the autoscaler's pool injected the model into the standby pods
+        _check_isolation(docs, run)
         # ... and sized each node Deployment for the pool (autoscaler/pool.py's refill): the pods holding a model
         # (here the one pod this runner runs per Deployment) + the claims still waiting for a pod, or, when none
         # waits, pool_size standby pods. The twin records spec.replicas; the runner starts no further pod.

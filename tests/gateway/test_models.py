@@ -45,7 +45,7 @@ def _registry(loads: dict[str, tuple[str, dict]]) -> NodeRegistry:
     reg = NodeRegistry(TOKEN)
     for url, (role, load) in loads.items():
         n = reg.add(url, role)
-        n.load, n.healthy = load, True
+        n.load, n.healthy, n.proven = load, True, True  # as after its proof and a good poll
     return reg
 
 
@@ -347,6 +347,10 @@ def test_pdserve_status_prints_each_model_with_its_nodes_decision_and_the_standb
         "reason": "tiny-a/both: ttft over its slo", "actuator": "test"}  # fmt: skip
     assert httpx.post(gw.url + "/internal/autoscaler", json=report, auth=AUTH, timeout=5).status_code == 200
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    closed = subprocess.run([sys.executable, "-m", "autoscaler.cli", "status", "--url", gw.url], capture_output=True,
+                            text=True, timeout=60, env=env, check=False)  # fmt: skip
+    assert closed.returncode == 1 and "refused the admin key" in closed.stderr and "Traceback" not in closed.stderr
+    env["PDSERVE_ADMIN_KEY"] = gw.admin_headers["Authorization"].removeprefix("Bearer ")
     r = subprocess.run([sys.executable, "-m", "autoscaler.cli", "status", "--url", gw.url], capture_output=True,
                        text=True, timeout=60, env=env, check=False)  # fmt: skip
     assert r.returncode == 0, r.stderr

@@ -128,10 +128,10 @@ def test_admin_refuses_a_bad_node_url_with_400_and_registers_nothing(svc):
     ok = ["http://127.0.0.1:1/", "http://[::1]:1", "https://pdserve-decode-0.pdserve.svc.cluster.local:8001/api"]
     for good in ok:
         r = httpx.post(url + "/admin/nodes", json={"url": good, "role": "decode"}, headers=auth, timeout=10)
-        assert r.status_code == 200 and r.json() == {"added": good.rstrip("/")}, r.text
+        assert r.status_code == 200 and r.json() == {"added": good.rstrip("/"), "proven": False}, r.text  # unreachable
     try:
         listed = {n["url"]: n for n in httpx.get(url + "/admin/nodes", headers=auth, timeout=10).json()["nodes"]}
-        assert {u.rstrip("/") for u in ok} <= set(listed) and listed["http://127.0.0.1:1"]["state"] == "unhealthy"
+        assert {u.rstrip("/") for u in ok} <= set(listed) and listed["http://127.0.0.1:1"]["state"] == "unproven"
     finally:
         for good in ok:
             r = httpx.delete(url + "/admin/nodes", params={"url": good}, headers=auth, timeout=10)
@@ -154,7 +154,7 @@ def test_a_node_url_httpx_refuses_fails_its_health_check_not_the_poll():
     from gateway.registry import NodeRegistry
 
     async def scenario():
-        reg = NodeRegistry({}, interval_s=60, failures=1)
+        reg = NodeRegistry("t", interval_s=60, failures=1)  # its challenge is where httpx refuses the URL
         bad = reg.add("http://[::1", "both")
         await reg.start()  # its first poll
         try:
