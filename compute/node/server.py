@@ -29,6 +29,15 @@ log = logging.getLogger("pdserve.node")
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/prove")  # /prove: a challenge, answered only with a proof
 
 
+async def _json_object(request: Request) -> dict | None:
+    """The body as a JSON object; None if it is not one."""
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def create_app(host: ModelHost) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
@@ -46,10 +55,7 @@ def create_app(host: ModelHost) -> FastAPI:
     @app.post("/prove")
     async def prove(request: Request):
         """The challenge the gateway sends before it registers this node (compute/node/auth.py)."""
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            body = None
+        body = await _json_object(request)
         nonce, url = (body.get("nonce"), body.get("url")) if isinstance(body, dict) else (None, None)
         if not (isinstance(nonce, str) and 16 <= len(nonce) <= 128 and isinstance(url, str) and len(url) <= 2048):
             return JSONResponse({"detail": "want {\"nonce\": 16-128 characters, \"url\": this node's URL}"},
@@ -115,11 +121,8 @@ def create_app(host: ModelHost) -> FastAPI:
 
     @app.post("/internal/abort")
     async def abort(request: Request):
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            body = None
-        if not isinstance(body, dict):
+        body = await _json_object(request)
+        if body is None:
             return JSONResponse({"detail": "body must be a JSON object"}, status_code=400)
         rid = str(body.get("request_id", ""))
         aborted = [svc.abort(rid) for svc in host.services()]  # on every model (the id is unique to one)

@@ -89,7 +89,7 @@ def test_autoscale_process_observes_gateway_over_http_and_scales_within_bounds(t
     locations, model = real_model_store
     port = free_port()
     cfg = write_config(tmp_path, locations, model, port)
-    env = service_env(TOKEN, PDSERVE_CONFIG=cfg)
+    env = service_env(TOKEN, PDSERVE_CONFIG=cfg, PDSERVE_ADMIN_KEY="test-admin-key")  # `pdserve status` reads it too
     gw = ServiceProc("gateway", PDSERVE + ["gateway", "--log-level", "warning"], f"http://127.0.0.1:{port}",
                      str(tmp_path), env)  # fmt: skip
     scaler = None

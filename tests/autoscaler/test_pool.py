@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import pytest
 
 from autoscaler.pool import PoolConfig
 from compute.node.auth import SignedAuth
+from gateway import keyfile
 from tests.services import admin_headers, wait_for
 
 TOKEN = "pool-test-token"
@@ -240,10 +242,13 @@ def test_an_idle_model_goes_to_zero_and_the_next_request_brings_it_back(tmp_path
         print(f"\nscale from zero: first request -> answer {back_s:.2f} s (12 tokens)")
         out = subprocess.run([sys.executable, "-m", "autoscaler.cli", "status", "--url", up.url], capture_output=True,
                              text=True, timeout=60, check=False)  # fmt: skip
-        assert out.returncode == 0, out.stderr
+        assert out.returncode == 0, out.stderr  # no key typed: the one `pdserve up` wrote, readable by this user only
         assert "warm pool: " in out.stdout and f"last placement: {model}/" in out.stdout, out.stdout
+        key_file = keyfile.path(up.url.rsplit(":", 1)[1])
+        assert os.stat(key_file).st_mode & 0o777 == 0o600 and os.stat(os.path.dirname(key_file)).st_mode & 0o077 == 0
         up.p.send_signal(signal.SIGTERM)
         assert up.p.wait(60) == 0
+        assert not os.path.exists(key_file)  # the key ends with the service
         assert not alive(seen), f"left running: {alive(seen)}"
     finally:
         up.stop()

@@ -82,7 +82,7 @@ def _answer_from_up(tmp, cfg, opts: dict) -> tuple[str, float, dict]:
             assert up.p.poll() is None, up.log()[-3000:]
             try:
                 nodes = httpx.get(up.url + "/admin/status", headers=admin_headers(up.url), timeout=5).json()["nodes"]
-            except (httpx.HTTPError, ValueError):
+            except (httpx.HTTPError, ValueError, KeyError):  # KeyError: a 401 before `up` wrote its admin key
                 return None
             return next((n for n in nodes if n["models"].get(MODEL) == "ready"), None)
 

@@ -325,6 +325,9 @@ def test_every_environment_variable_set_configures_a_container(overlay, signed_s
             own[dep] = {e["name"] for e in pod.container.get("env", [])} - LIBRARY_ENV
             for name in sorted(own[dep] | image):
                 without = {k: v for k, v in pod.env.items() if k != name}
+                for e in pod.container.get("env", []):  # a value that names it, $(NAME): left unexpanded, as then
+                    if f"$({name})" in str(e.get("value", "")):
+                        without[e["name"]] = run.remap(pod, str(e["value"]))
                 argv = pod.argv
                 if name == "PDSERVE_CONFIG" and "--config" in argv:
                     i = argv.index("--config")
