@@ -181,8 +181,9 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | int | None = None) -> Response:  # fmt: skip
-    """An error in OpenAI's shape, as ASCII JSON (a lone surrogate a message echoes stays an escape)."""
-    return Response(json.dumps(error_body(message, type_, param, code)), status_code=status,
+    """An error in OpenAI's shape (``code``: the status unless given, as ``app._err`` does), as ASCII JSON (a
+    lone surrogate a message echoes stays an escape)."""
+    return Response(json.dumps(error_body(message, type_, param, status if code is None else code)), status_code=status,
                     media_type="application/json")  # fmt: skip
 
 

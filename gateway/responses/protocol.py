@@ -105,7 +105,9 @@ def _item_type(v: Any) -> str | None:
 
 InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
                       | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-                      Discriminator(_item_type)]  # fmt: skip
+                      Discriminator(_item_type, custom_error_type="item_type", custom_error_message=(
+                          "only message, function_call and function_call_output items are served (no reasoning, "
+                          "hosted tool or item_reference items)"))]  # fmt: skip
 
 
 Input = text_or(Annotated[list[InputItem], Field(min_length=1)])
