@@ -40,6 +40,13 @@ def _stateless(what: str):
     return BeforeValidator(check)
 
 
+def _nothing_to_include(v):
+    if isinstance(v, list) and v:
+        raise ValueError(f"{v[0]!r} is not served: nothing beyond the output is returned (no logprobs, reasoning "
+                         "or tool results); send [] or leave it out")
+    return v
+
+
 # --- input items ----------------------------------------------------------------------------------
 class InputText(_Strict):
     type: Literal["input_text"]
@@ -165,6 +172,7 @@ class ResponsesRequest(_Strict):
     tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call per answer
+    include: Annotated[Annotated[list[str], Field(max_length=0)] | None, BeforeValidator(_nothing_to_include)] = None
     truncation: Literal["disabled"] | None = None  # "auto" (drop input to fit) is not served: a 400
     # stateless (module docstring): false / null only
     store: Annotated[Literal[False] | None, _stateless("true")] = None

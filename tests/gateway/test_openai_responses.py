@@ -155,7 +155,9 @@ def test_what_is_not_served_is_a_400_naming_it(svc):
              ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
               "input.items.0.message.content.items.0", "input_image"),
              ({"max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens"),
-             ({"tool_choice": "required"}, "tool_choice", "tools")]  # fmt: skip
+             ({"tool_choice": "required"}, "tool_choice", "tools"),
+             ({"include": ["message.output_text.logprobs"]}, "include", "not served"),
+             ({"input": [{"type": "reasoning", "summary": []}]}, "input.items.0", "function_call_output items")]  # fmt: skip
     for extra, param, said in cases:
         with pytest.raises(openai.BadRequestError) as e:
             c.responses.create(**(base | extra))
@@ -165,7 +167,8 @@ def test_what_is_not_served_is_a_400_naming_it(svc):
         c.responses.create(**(base | {"model": "nope"}))
     r = post(svc, "/v1/responses", base, key=None)
     assert r.status_code == 401
-    r = c.responses.create(**(base | {"store": False, "metadata": {"a": "b"}, "user": "u", "truncation": "disabled"}))
+    r = c.responses.create(**(base | {"store": False, "metadata": {"a": "b"}, "user": "u", "truncation": "disabled",
+                                   "include": []}))
     assert r.store is False and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
 
 
