@@ -16,11 +16,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..openapi import SSE_TYPED, errors
-from ..protocol import ChatCompletionRequest, error_body
+from ..protocol import ChatCompletionRequest, error_response
 from . import translate
 from .events import ResponseEvents
 from .protocol import ResponseObject, ResponsesRequest
@@ -37,8 +37,7 @@ def add_responses_routes(app: FastAPI, chat: Callable[[ChatCompletionRequest], A
             creq = translate.chat_request(req)
         except ValidationError as e:
             first = e.errors()[0] if e.errors() else {}
-            return JSONResponse(error_body(f"the request cannot be served as a chat request: {first.get('msg', e)}"),
-                                status_code=400)  # fmt: skip
+            return error_response(400, f"the request cannot be served as a chat request: {first.get('msg', e)}")
         reply = await chat(creq)
         if isinstance(reply, StreamingResponse):
             events = ResponseEvents(req, rid, created).stream(reply.body_iterator)
