@@ -33,12 +33,15 @@ from .activator import NotPlaced
 from .admin import add_admin_routes
 from .admission import Overloaded
 from .internal import add_internal_routes
+from .model_card import add_model_card_route
 from .models import UnknownModel
 from .nodes import RequestRejected
 from .openapi import SSE, describe, errors
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 from .relay import Unavailable
+from .responses import add_responses_routes
 from .service import REQUEST_SECONDS, REQUESTS, BadRequest, Delta, Gateway
+from .tokens import add_token_routes
 
 LEGACY_FIELDS = ("functions", "function_call")  # refused with their own message
 ADMIN_KEY_HINT = ".pdserve/keys/admin-PORT.key (read by `pdserve status`)"
@@ -80,7 +83,7 @@ def create_app(gw: Gateway) -> FastAPI:
     def openapi() -> dict:
         """FastAPI's document, completed by ``openapi.describe`` with what this gateway serves."""
         if app.openapi_schema is None:
-            bearer = {"api_key": ["/v1/"]} if cfg.api_keys else {}
+            bearer = {"api_key": ["/v1/", "/tokenize", "/detokenize"]} if cfg.api_keys else {}
             if not cfg.admin_open or cfg.admin_key:
                 bearer["admin_key"] = ["/admin/"]
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -183,6 +186,10 @@ def create_app(gw: Gateway) -> FastAPI:
         if req.n > 1:
             return await _respond_many(text, req, [prompt], [max_tokens], chat=True, plan=plan)
         return await _respond(text, req, prompt, max_tokens, chat=True, plan=plan)
+
+    add_responses_routes(app, chat)  # /v1/responses, translated onto chat (gateway/responses/)
+    add_model_card_route(app, gw)  # /v1/models/{model}
+    add_token_routes(app, gw, lambda request: _authorized(request, cfg.api_keys))  # /tokenize, /detokenize
 
     @app.post("/v1/completions", responses={200: {"model": p.Completion, "content": SSE}, **generation_errors})
     async def completions(req: CompletionRequest):

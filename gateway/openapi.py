@@ -10,6 +10,12 @@ SSE = {"text/event-stream": {"schema": {  # one event (schemathesis and OpenAPI 
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "a chunk (chat.completion.chunk or text_completion) "
                             "or an error body as JSON; the last event is [DONE]"}}}}}  # fmt: skip
+SSE_TYPED = {"text/event-stream": {"schema": {  # the Responses API's typed events
+    "type": "object", "required": ["event", "data"],
+    "properties": {"event": {"type": "string", "description": "the event's type: response.created ... "
+                             "response.completed (or response.incomplete, response.failed)"},
+                   "data": {"type": "string", "description": "the event as JSON: its type, sequence_number and "
+                            "fields"}}}}}  # fmt: skip
 RETRY_AFTER = {"Retry-After": {"required": True, "schema": {"type": "integer", "minimum": 1},
                                "description": "seconds: the queue now waiting drains in about this long"}}  # fmt: skip
 RETRY_AFTER_HELD = {"Retry-After": {"required": False, "schema": {"type": "integer", "minimum": 1},
@@ -47,12 +53,22 @@ def describe(schema: dict, models: list[str] | str, max_tokens: int, vocab: int,
     comp = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         comp.pop(name, None)
-    for req in ("ChatCompletionRequest", "CompletionRequest"):
+    for req in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "TokenizeCompletionRequest",
+                "TokenizeChatRequest", "DetokenizeRequest"):  # fmt: skip
         props = comp.get(req, {}).get("properties", {})
         if "model" in props:
-            props["model"] = ({"type": "string", "enum": models, "title": "Model"} if models else
-                              {"type": "string", "minLength": 1, "title": "Model"})  # fmt: skip
-        for key in ("max_tokens", "max_completion_tokens"):
+            named = ({"type": "string", "enum": models, "title": "Model"} if models else
+                     {"type": "string", "minLength": 1, "title": "Model"})  # fmt: skip
+            required = "model" in comp[req].get("required", [])  # optional: /tokenize's (the first served model)
+            props["model"] = named if required else {"anyOf": [named, {"type": "null"}], "title": "Model"}
+        if req in ("ResponsesRequest", "TokenizeChatRequest") and not takes_tools and "tools" in props:
+            props["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}], "title": "Tools",
+                              "description": "no served model's chat template renders tools"}  # fmt: skip
+        if req == "ResponsesRequest":
+            _tool_rules(comp[req], takes_tools)
+        if req == "DetokenizeRequest" and "tokens" in props:
+            props["tokens"].setdefault("items", {})["maximum"] = vocab - 1
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             for alt in props.get(key, {}).get("anyOf", []):
                 if alt.get("type") == "integer":
                     alt["maximum"] = max_tokens

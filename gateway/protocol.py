@@ -9,6 +9,7 @@ a 400 saying so.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -21,6 +22,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from starlette.responses import Response
 
 from .formats import NonEmpty, ResponseFormat
 from .registry import NODE_URL, NODE_URL_MAX, node_url
@@ -175,6 +177,14 @@ class CompletionRequest(_Sampling):
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:  # fmt: skip
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | int | None = None) -> Response:  # fmt: skip
+    """An error in OpenAI's shape (``code``: the status unless given, as ``app._err`` does), as ASCII JSON (a
+    lone surrogate a message echoes stays an escape)."""
+    return Response(json.dumps(error_body(message, type_, param, status if code is None else code)), status_code=status,
+                    media_type="application/json")  # fmt: skip
 
 
 # --- responses ----------------------------------------------------------------------------------

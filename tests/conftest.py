@@ -105,15 +105,20 @@ def write_hf_folder(path, cfg: dict, tensors: dict[str, torch.Tensor], files: in
     return str(path)
 
 
-def import_tiny_chat_models(tmp_path_factory, real_locations: list[str], real_name: str, models, store_name: str):
+def import_tiny_chat_models(tmp_path_factory, real_locations: list[str], real_name: str, models, store_name: str,
+                            chat_template: str | None = None, context: int = 256):  # fmt: skip
     """Tiny Llamas (different random weights, one per name in ``models``) that carry the real model's tokenizer
-    bundle (a chat template, a 49152 vocabulary), imported into a store of their own; -> its StoreConfig."""
+    bundle (a chat template, a 49152 vocabulary), imported into a store of their own; -> its StoreConfig.
+    ``chat_template``: a template file served instead of SmolLM2's own; ``context``: their max_position_embeddings."""
     from paramstore import ParamStore, StoreConfig
 
     with ParamStore(StoreConfig(locations=real_locations)) as ps, ps.reader(ps.manifest(real_name)) as r:
-        files = r.bundle()
+        files = dict(r.bundle())
+    if chat_template is not None:
+        with open(chat_template, "rb") as f:
+            files["chat_template.jinja"] = f.read()  # readers prefer it to tokenizer_config.json's
     store = StoreConfig.local_default(str(tmp_path_factory.mktemp(store_name)), k=4, m=2)
-    cfg = tiny_llama_config(vocab=49152, tied=True)
+    cfg = tiny_llama_config(vocab=49152, tied=True) | {"max_position_embeddings": context}
     with ParamStore(store) as ps:
         for seed, model in enumerate(models):
             folder = write_hf_folder(tmp_path_factory.mktemp(model), cfg, tiny_llama_tensors(cfg, seed=seed), files=1)

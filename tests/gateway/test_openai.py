@@ -59,6 +59,17 @@ def test_chat_streaming_with_usage(svc):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
+def test_the_issue_probes_answer_on_the_real_model(svc):
+    """responses.create, models.retrieve, /tokenize: the three probes of issue 27, on SmolLM2 itself."""
+    c = client(svc)
+    r = c.responses.create(model=svc["name"], input=Q[0]["content"], max_output_tokens=20, temperature=0)
+    assert r.output_text == "The capital of France is Paris." and r.status == "completed"
+    assert c.models.retrieve(svc["name"]).model_extra["nodes_ready"] == 3
+    t = httpx.post(svc["gw"].url + "/tokenize", json={"model": svc["name"], "messages": Q},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()  # fmt: skip
+    assert t["count"] == r.usage.input_tokens and t["max_model_len"] == 8192
+
+
 def test_completions_and_stop_strings(svc):
     c = client(svc)
     r = c.completions.create(model=svc["name"], prompt="The capital of France is", max_tokens=8, temperature=0)

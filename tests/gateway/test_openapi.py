@@ -81,6 +81,23 @@ def test_document_lists_the_errors_the_api_returns(svc):
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
 
 
+def test_document_describes_responses_model_retrieval_and_tokenize(svc):
+    doc = httpx.get(svc["gw"].url + "/openapi.json").json()
+    resp = doc["paths"]["/v1/responses"]["post"]
+    assert {"200", "400", "401", "404", "429", "503"} <= set(resp["responses"])
+    assert set(resp["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    for path in ("/v1/responses", "/tokenize", "/detokenize", "/v1/models/{model}"):
+        op = next(iter(doc["paths"][path].values()))
+        assert op["security"] == [{"api_key": []}] and "401" in op["responses"], path
+    assert "404" in doc["paths"]["/v1/models/{model}"]["get"]["responses"]
+    props = doc["components"]["schemas"]["ResponsesRequest"]["properties"]
+    assert props["model"]["enum"] == [svc["name"]]
+    assert {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS} in props["max_output_tokens"]["anyOf"]
+    assert props["store"]["anyOf"] == [{"type": "boolean", "const": False}, {"type": "null"}]
+    tokens = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]
+    assert tokens["items"]["maximum"] == 49151
+
+
 def test_405_names_every_allowed_method(svc):
     url, auth = svc["gw"].url, {"Authorization": f"Bearer {KEY}"}
     r = httpx.request("PUT", url + "/admin/nodes", headers=auth)
@@ -99,7 +116,7 @@ def test_schemathesis_finds_no_failure(svc, tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "No issues found" in out, out[-6000:]
-    assert "Tested: 12" in out, out[-3000:]  # every operation of the document
+    assert "Tested: 16" in out, out[-3000:]  # every operation of the document
     assert "Fuzzing" in out and "Coverage" in out, out[-3000:]
 
 
