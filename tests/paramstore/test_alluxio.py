@@ -1,7 +1,7 @@
 """alluxio+<ufs>:// locations through alluxiofs in pass-through mode (no Alluxio cluster exists here).
 
 This proves our calls go through alluxiofs' fsspec surface to the under-store;
-it does not exercise Alluxio workers (see README: Alluxio backend).
+it does not exercise Alluxio workers (see docs/paramstore.md: Locations, Alluxio).
 """
 
 from __future__ import annotations
