@@ -122,7 +122,7 @@ def create_app(gw: Gateway) -> FastAPI:
             return _err(400, f"{loc}: deprecated by OpenAI and not supported: use tools and tool_choice",
                         param=loc)  # fmt: skip
         elif first.get("type") == "extra_forbidden":
-            return _err(400, f"unknown field {loc!r}: pdserve does not implement it (the README lists the OpenAI "
+            return _err(400, f"unknown field {loc!r}: pdserve does not implement it (docs/api.md lists the OpenAI "
                         "fields it honours, refuses and ignores)", param=loc)  # fmt: skip
         return _err(400, f"{loc + ': ' if loc else ''}{msg}", param=loc)
 
