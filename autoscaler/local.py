@@ -50,6 +50,7 @@ from compute.node.launcher import free_port
 from compute.node.lifeline import spawn_kwargs
 
 from .actuator import Actuator, NodeInfo, TemporaryActuatorError
+from .capacity import CapacityBound, CpuMeter, Machine, machine, machine_bound, rss_bytes
 from .backoff import Backoff, RestartBackoff
 from .local_node import LocalNode, Slot, describe_exit, log_tail, send_signal, slot_row
 
@@ -79,6 +80,8 @@ class LocalConfig:
     restart_backoff_max_s: float = 60.0  # cap of the restart delay
     restart_reset_s: float = 60.0  # a restart ready this long ends the crash loop (delays start again at 1 s)
     supervise_interval_s: float = 0.25  # how often the supervisor looks for exits and due restarts
+    cores: float = 0.0  # cores the nodes may use (capacity bound, autoscaler/capacity.py); 0 = this machine's
+    #   (affinity, cgroup quota). Set it below the machine's to leave cores to something else
 
     def __post_init__(self) -> None:
         if self.threads < 0 or self.kv_blocks < 1 or self.ready_timeout_s <= 0:
@@ -87,6 +90,8 @@ class LocalConfig:
             raise ValueError("0 <= restart_backoff_s <= restart_backoff_max_s, restart_reset_s > 0")
         if self.supervise_interval_s <= 0 or self.stop_timeout_s < 0:
             raise ValueError("supervise_interval_s > 0, stop_timeout_s >= 0")
+        if self.cores < 0:
+            raise ValueError(f"cores={self.cores} must be >= 0 (0: this machine's)")
         if not 0 <= self.import_nice <= 19:
             raise ValueError(f"import_nice={self.import_nice} must be in 0..19")
 
@@ -107,6 +112,7 @@ class LocalActuator(Actuator):
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="pdserve-spawn")  # the nodes' parent thread
         self._supervisor: threading.Thread | None = None
         self._headers = {"Authorization": f"Bearer {self.config.internal_token}"}
+        self._cpu = CpuMeter(window_s=1.0)
         os.makedirs(self.config.log_dir, exist_ok=True)
 
     # --- the contract ----------------------------------------------------------------
@@ -149,6 +155,26 @@ class LocalActuator(Actuator):
                 self.start(role)
         for p in leaving:
             threading.Thread(target=self.stop, args=(p,), name=f"drain-{p.port}", daemon=True).start()
+
+    def capacity(self, serving: tuple[str, ...] | None = None) -> tuple[CapacityBound, ...]:
+        """The machine's bound on serving nodes (autoscaler/capacity.py): its cores (or ``cores``) and memory,
+        the cores every node of this actuator used over the last second, ``threads`` per node. ``serving``:
+        the URLs of the nodes that hold a model (the pool knows); None: every node not stopping."""
+        with self._lock:
+            live = [p for p in self.nodes if p.proc.poll() is None]
+        used = self._cpu.sample([p.proc.pid for p in live])
+        # a node not measured yet (just spawned: imports) counts as using its threads' cores
+        busy = sum(used.values()) + (self.config.threads or 1) * (len(live) - len(used)) if used else None
+        mine = [p for p in live if p.state != "stopping" and (serving is None or p.url in serving)]
+        node_bytes = max((rss_bytes(p.proc.pid) for p in mine if p.ready), default=0)
+        return (machine_bound(self.machine(), self.config.threads or 1, len(mine), busy, node_bytes),)
+
+    def machine(self) -> Machine:
+        """This machine as the nodes see it, with ``cores`` in place of its own when set."""
+        m = machine()
+        if self.config.cores:
+            return Machine(cores=self.config.cores, memory_bytes=m.memory_bytes, affinity=m.affinity, quota=None)
+        return m
 
     def prepare(self, role: str, replicas: int) -> None:
         """Warm the model's shards into the shared node cache before nodes start (standby runtimes: nothing)."""

@@ -116,6 +116,16 @@ class RuntimePool(Actuator):
         self._reconcile()
         self._refill()
 
+    def capacity(self, serving: tuple[str, ...] | None = None) -> tuple:
+        """The runtime actuator's bounds on serving nodes (autoscaler/capacity.py), counted over the runtimes
+        that hold a model (standby ones are not serving: claiming one is what the bound allows or not)."""
+        fn = getattr(self.runtimes, "capacity", None)
+        if fn is None:
+            return ()
+        with self._lock:
+            serving = tuple(rt.url for rt in self.view.values() if rt.busy)
+        return tuple(fn(serving))
+
     def prepare(self, key: Key, replicas: int) -> None:
         """Nothing: a claim loads through the chosen runtime's node cache, and the ranking prefers the runtime
         whose cache already holds the model."""

@@ -1,0 +1,119 @@
+"""The capacity bound (autoscaler/capacity.py) and the policy's stage 6: never more serving nodes than the
+machine (cores, memory) or the cluster can run; the decision line says which bound held a scale-up back."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from autoscaler.capacity import CapacityBound, CpuMeter, Machine, cpu_seconds, machine, machine_bound
+from tests.autoscaler.policy_cases import D, P, Sim, config, rep, streams, tokens
+
+GIB = 2**30
+
+
+def two_cores(replicas: dict) -> tuple[CapacityBound, ...]:
+    """A 2-core machine, 1 thread per node, nothing measured yet: at most 2 serving nodes."""
+    return (machine_bound(Machine(cores=2.0, memory_bytes=16 * GIB), 1, sum(replicas.values())),)
+
+
+def test_static_bound_names_cores_threads_and_nodes():
+    b = machine_bound(Machine(cores=2.0, memory_bytes=16 * GIB), 1, serving=2)
+    assert (b.kind, b.limit, b.room) == ("machine", 2, 0)
+    assert b.why == "machine: 2 cores, 1 thread per node → at most 2 serving nodes"
+    b = machine_bound(Machine(cores=8.0, memory_bytes=16 * GIB), 2, serving=1)
+    assert (b.limit, b.room) == (4, 3) and "2 threads per node → at most 4" in b.why
+    assert machine_bound(Machine(cores=0.5, memory_bytes=GIB), 1, serving=0).limit == 1  # one node always
+
+
+@pytest.mark.parametrize("busy, limit", [(1.9, 2), (1.5, 3), (1.0, 3), (0.2, 4), (0.0, 4)])
+def test_measured_idle_cores_allow_a_node_where_half_its_core_is_idle(busy, limit):
+    b = machine_bound(Machine(cores=2.0, memory_bytes=16 * GIB), 1, serving=2, busy=busy)
+    assert b.limit == limit  # never past 2 x cores / threads (each node at >= half its cores)
+    assert f"{busy:.1f} busy" in b.why
+
+
+def test_a_busy_moment_never_cuts_what_runs_at_full_speed():
+    b = machine_bound(Machine(cores=4.0, memory_bytes=16 * GIB), 1, serving=3, busy=4.0)
+    assert b.limit == 4 and b.room == 1
+    b = machine_bound(Machine(cores=2.0, memory_bytes=16 * GIB), 1, serving=1, busy=1.9)  # a refill's imports
+    assert b.limit == 2 and b.room == 1
+
+
+def test_memory_bounds_when_it_is_the_smaller():
+    b = machine_bound(Machine(cores=16.0, memory_bytes=2 * GIB), 1, serving=2, node_bytes=GIB // 2)
+    assert (b.kind, b.limit) == ("memory", 5)  # 2 + 0.9 x 2 GiB / 0.5 GiB
+    assert b.why.startswith("memory: 2.0 GiB available, 0.50 GiB per node → at most 5 serving nodes")
+
+
+def test_machine_reads_affinity_and_the_cgroup_quota(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    (tmp_path / "memory.max").write_text(str(4 * GIB))
+    (tmp_path / "memory.current").write_text(str(GIB))
+    m = machine(str(tmp_path), "/proc/meminfo")
+    assert m.cores == min(1.5, len(os.sched_getaffinity(0))) and m.memory_bytes <= 3 * GIB
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "memory.max").write_text("max")
+    assert machine(str(tmp_path)).cores == len(os.sched_getaffinity(0))
+
+
+def test_cpu_meter_measures_this_process():
+    meter = CpuMeter(window_s=0.0)
+    pid = os.getpid()
+    assert meter.sample([pid], now=0.0) == {} and cpu_seconds(pid) > 0
+    end = cpu_seconds(pid) + 0.05
+    while cpu_seconds(pid) < end:
+        pass
+    used = meter.sample([pid], now=0.1)[pid]
+    assert used > 0.2  # ~0.05 s of CPU in 0.1 s of the fake clock
+
+
+# --- the policy's stage 6 ---------------------------------------------------------------------
+
+
+def test_a_burst_never_plans_more_serving_nodes_than_the_machine_runs():
+    sim = Sim(config(), prefill=1, decode=1, capacity=two_cores)
+    ds = sim.run(10, prefill=tokens(15000), decode=streams(60, capacity=10.0))
+    assert all(sum(d.replicas.values()) <= 2 for d in ds)
+    assert ds[-1].roles[P].reason.startswith("bounds: machine: 2 cores, 1 thread per node → at most 2 serving "
+                                             "nodes (load wants ")  # fmt: skip
+    assert "panic" in ds[-1].roles[P].reason  # what the load wanted, and why, stays in the line
+    assert ds[-1].roles[P].replicas == 1 and ds[-1].roles[D].replicas == 1
+
+
+def test_room_goes_to_the_most_loaded_key_first():
+    bound = lambda r: (CapacityBound("machine", limit=3, serving=sum(r.values()), why="machine: test"),)  # noqa: E731
+    sim = Sim(config(), prefill=1, decode=1, capacity=bound)
+    d = sim.tick(prefill=tokens(3000), decode=streams(80, capacity=10.0))  # decode: 8x, prefill: 3x
+    assert rep(d) == {"prefill": 1, "decode": 2}
+    assert d.roles[P].reason.startswith("bounds: machine: test (load wants ")
+    d = sim.tick(prefill=tokens(3000), decode=streams(80, capacity=10.0))
+    assert rep(d) == {"prefill": 1, "decode": 2}  # full: nothing more, and the panic peak is not the unbounded one
+
+
+def test_a_bound_that_loosens_lets_the_burst_grow_and_scale_down_is_never_held():
+    limit = {"n": 2}
+    bound = lambda r: (CapacityBound("machine", limit["n"], sum(r.values()), "machine: test"),)  # noqa: E731
+    sim = Sim(config(), prefill=1, decode=1, capacity=bound)
+    sim.run(3, prefill=tokens(5000))
+    assert sim.of() == {"prefill": 1, "decode": 1}
+    limit["n"] = 4
+    sim.run(1, prefill=tokens(5000))
+    assert sim.of()["prefill"] == 3  # room for 2 more
+    limit["n"] = 1  # the machine got busy: nothing is cut by the bound, scale-down stays the policy's
+    d = sim.tick(prefill=tokens(5000))
+    assert rep(d)["prefill"] == 3
+
+
+def test_a_role_bound_covers_only_its_role_and_activation_is_never_held():
+    bound = lambda r: (CapacityBound("schedulable", limit=1, serving=r[D], why="schedulable: 1 decode pod",  # noqa: E731
+                                     roles=("decode",)),)  # fmt: skip
+    sim = Sim(config(), prefill=1, decode=1, capacity=bound)
+    d = sim.tick(prefill=tokens(5000), decode=streams(60, capacity=10.0))
+    assert rep(d)["decode"] == 1 and rep(d)["prefill"] > 1
+    assert d.roles[D].reason.startswith("bounds: schedulable: 1 decode pod")
+    full = lambda r: (CapacityBound("machine", limit=0, serving=5, why="machine: full"),)  # noqa: E731
+    sim = Sim(config(prefill_min_replicas=0, decode_min_replicas=0), prefill=0, decode=0, capacity=full)
+    d = sim.tick(prefill={"held": 1, "queue_depth": 1}, decode={"held": 1, "queue_depth": 1})
+    assert rep(d) == {"prefill": 1, "decode": 1} and d.roles[P].activation
