@@ -6,8 +6,8 @@ A replica on the same cores is not new capacity. Each tick the runtime actuator 
   Machine        this machine as a process sees it: usable cores (``os.sched_getaffinity`` and the
                  cgroup's ``cpu.max`` quota, the smaller), memory (the cgroup's ``memory.max`` less its
                  use, else ``MemAvailable``); read by ``machine()``.
-  CpuMeter       CPU seconds of a set of pids (``/proc/<pid>/stat``) → the cores they used over the last
-                 ``window_s``; their resident memory (``/proc/<pid>/statm``).
+  CpuMeter       the machine's busy cores over the last ``window_s`` (``/proc/stat``, the CPUs of our
+                 affinity; the cgroup's own usage under a quota); a node's resident memory: ``rss_bytes``.
   CapacityBound  what one actuator reports: at most ``limit`` serving nodes (nodes holding a model) of
                  ``roles`` (empty: every role), ``serving`` now, which bound (``kind``: machine, memory,
                  schedulable) and ``why`` in words — the text the decision line and `pdserve status` show.
@@ -123,42 +123,66 @@ def _read_int(path: str) -> int | None:
 
 @dataclass(slots=True)
 class CpuMeter:
-    """Cores used by a set of processes over the last ``window_s`` (from /proc), and their resident memory."""
+    """Busy cores of this machine over the last ``window_s``: the CPUs of our affinity mask in /proc/stat
+    (every process on them counts, ours and not: a core another program uses is not free), or the cgroup's
+    own usage (cpu.stat) where a CPU quota bounds us."""
 
     window_s: float = 1.0  # the rate is taken against the newest sample at least this old
-    _samples: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # pid -> [(t, cpu s)]
+    stat: str = "/proc/stat"
+    cgroup: str = "/sys/fs/cgroup"
+    _hist: list[tuple[float, float]] = field(default_factory=list)  # (t, busy CPU seconds so far)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def sample(self, pids: list[int], now: float | None = None) -> dict[int, float]:
-        """Record each pid's CPU seconds now; -> {pid: cores used over the window} (pids seen once: absent)."""
+    def sample(self, now: float | None = None, quota: bool = False) -> float | None:
+        """Record the busy CPU seconds now; -> busy cores over the window (None: the first sample)."""
         now = time.monotonic() if now is None else now
-        out = {}
+        busy = (_cgroup_usage(self.cgroup) if quota else None) or _proc_busy(self.stat)
+        if busy is None:
+            return None
         with self._lock:
-            for pid in list(self._samples):
-                if pid not in pids:
-                    del self._samples[pid]
-            for pid in pids:
-                cpu = cpu_seconds(pid)
-                if cpu is None:
-                    continue
-                hist = self._samples.setdefault(pid, [])
-                if hist and now - hist[0][0] > 0:
-                    old = [s for s in hist if now - s[0] >= self.window_s]
-                    base = old[-1] if old else hist[0]  # the newest at least window_s old, else the oldest
-                    del hist[: hist.index(base)]
-                    out[pid] = max(0.0, (cpu - base[1]) / (now - base[0]))
-                hist.append((now, cpu))
-        return out
+            hist = self._hist
+            out = None
+            if hist and now > hist[0][0]:
+                old = [h for h in hist if now - h[0] >= self.window_s]
+                base = old[-1] if old else hist[0]  # the newest at least window_s old, else the oldest
+                del hist[: hist.index(base)]
+                out = max(0.0, (busy - base[1]) / (now - base[0]))
+            hist.append((now, busy))
+            return out
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a process (children not included), None if it is gone."""
+def _proc_busy(path: str) -> float | None:
+    """Busy CPU seconds (all but idle and iowait) of the CPUs in our affinity mask, from /proc/stat."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    except (OSError, ValueError, IndexError):
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        cpus = None
+    total = 0.0
+    try:
+        with open(path) as f:
+            for line in f:
+                if not line.startswith("cpu") or line.startswith("cpu "):
+                    continue
+                name, *vals = line.split()
+                if cpus is not None and int(name[3:]) not in cpus:
+                    continue
+                v = [int(x) for x in vals]
+                total += (sum(v[:8]) - v[3] - v[4]) / CLK_TCK  # user..steal, less idle and iowait
+    except (OSError, ValueError):
         return None
+    return total
+
+
+def _cgroup_usage(cgroup: str) -> float | None:
+    try:
+        with open(os.path.join(cgroup, "cpu.stat")) as f:
+            for line in f:
+                if line.startswith("usage_usec"):
+                    return int(line.split()[1]) / 1e6
+    except (OSError, ValueError):
+        pass
+    ns = _read_int(os.path.join(cgroup, "cpuacct", "cpuacct.usage"))
+    return ns / 1e9 if ns else None
 
 
 def rss_bytes(pid: int) -> int:
@@ -173,8 +197,8 @@ def machine_bound(m: Machine, threads: int, serving: int, busy: float | None = N
                   node_bytes: int = 0) -> CapacityBound:  # fmt: skip
     """The local rule (see the module doc): -> the bound on serving nodes of this machine.
 
-    ``threads``: torch threads per node; ``serving``: nodes holding a model now; ``busy``: cores all the
-    actuator's processes used over the last window (None: not measured yet); ``node_bytes``: the largest
+    ``threads``: torch threads per node; ``serving``: nodes holding a model now; ``busy``: the machine's busy
+    cores over the last window, every process's (None: not measured yet); ``node_bytes``: the largest
     serving node's resident memory (0: unknown)."""
     t = max(1, threads)
     static = max(1, math.floor(m.cores / t + 1e-9))

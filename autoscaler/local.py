@@ -7,7 +7,10 @@ Lifecycle of one local node:
     lets its imports yield the CPU to the nodes that serve) and its output in ``<log_dir>/<role>-<port>.log``;
     the node is tied to this process (compute/node/lifeline.py: it ends when we end, even on
     SIGKILL), so every spawn happens on one long-lived thread (the parent-death signal follows
-    the thread that forked);
+    the thread that forked); it gets a process group of its own (a terminal's Ctrl-C reaches only us:
+    we drain it) but stays in our session, so in our scheduler autogroup: a refill's niced imports
+    yield the CPU to the serving nodes (a session of its own would be an autogroup of its own, weighed
+    the same as a serving node whatever its nice);
  2. a watcher thread polls ``/ready`` (weights are injected lazily; seconds) and calls
     ``on_ready(NodeInfo)`` — the gateway registers it and starts routing to it; a node not
     ready after ``ready_timeout_s`` is killed (and counts as a crash, below);
@@ -158,16 +161,15 @@ class LocalActuator(Actuator):
 
     def capacity(self, serving: tuple[str, ...] | None = None) -> tuple[CapacityBound, ...]:
         """The machine's bound on serving nodes (autoscaler/capacity.py): its cores (or ``cores``) and memory,
-        the cores every node of this actuator used over the last second, ``threads`` per node. ``serving``:
+        its busy cores over the last second (every process's), ``threads`` per node. ``serving``:
         the URLs of the nodes that hold a model (the pool knows); None: every node not stopping."""
         with self._lock:
             live = [p for p in self.nodes if p.proc.poll() is None]
-        used = self._cpu.sample([p.proc.pid for p in live])
-        # a node not measured yet (just spawned: imports) counts as using its threads' cores
-        busy = sum(used.values()) + (self.config.threads or 1) * (len(live) - len(used)) if used else None
+        m = self.machine()
+        busy = self._cpu.sample(quota=bool(m.quota))
         mine = [p for p in live if p.state != "stopping" and (serving is None or p.url in serving)]
         node_bytes = max((rss_bytes(p.proc.pid) for p in mine if p.ready), default=0)
-        return (machine_bound(self.machine(), self.config.threads or 1, len(mine), busy, node_bytes),)
+        return (machine_bound(m, self.config.threads or 1, len(mine), busy, node_bytes),)
 
     def machine(self) -> Machine:
         """This machine as the nodes see it, with ``cores`` in place of its own when set."""
@@ -311,7 +313,7 @@ class LocalActuator(Actuator):
         logf = open(log_path, "ab")
         try:
             proc = self._spawner.submit(subprocess.Popen, cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                        start_new_session=True, **kw).result()  # fmt: skip
+                                        process_group=0, **kw).result()  # fmt: skip
         except (OSError, RuntimeError) as e:  # RuntimeError: the spawner is shut down (closing)
             raise TemporaryActuatorError(f"cannot start a {role} node: {e}") from None
         finally:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from autoscaler.capacity import CapacityBound, CpuMeter, Machine, cpu_seconds, machine, machine_bound
+from autoscaler.capacity import CapacityBound, CpuMeter, Machine, machine, machine_bound
 from tests.autoscaler.policy_cases import D, P, Sim, config, rep, streams, tokens
 
 GIB = 2**30
@@ -58,15 +58,22 @@ def test_machine_reads_affinity_and_the_cgroup_quota(tmp_path):
     assert machine(str(tmp_path)).cores == len(os.sched_getaffinity(0))
 
 
-def test_cpu_meter_measures_this_process():
-    meter = CpuMeter(window_s=0.0)
-    pid = os.getpid()
-    assert meter.sample([pid], now=0.0) == {} and cpu_seconds(pid) > 0
-    end = cpu_seconds(pid) + 0.05
-    while cpu_seconds(pid) < end:
-        pass
-    used = meter.sample([pid], now=0.1)[pid]
-    assert used > 0.2  # ~0.05 s of CPU in 0.1 s of the fake clock
+def test_cpu_meter_measures_the_machine(tmp_path):
+    stat = tmp_path / "stat"
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def write(busy: int, idle: int) -> None:  # jiffies per CPU of the affinity mask (and one outside it)
+        rows = [f"cpu{c} {busy} 0 0 {idle} 0 0 0 0 0 0" for c in cpus] + [f"cpu{max(cpus) + 1} 999999 0 0 0 0 0 0 0"]
+        stat.write_text("cpu  1 2 3 4 5 6 7 8 0 0\n" + "\n".join(rows) + "\n")
+
+    meter = CpuMeter(window_s=1.0, stat=str(stat))
+    write(0, 0)
+    assert meter.sample(now=0.0) is None
+    from autoscaler.capacity import CLK_TCK
+
+    write(CLK_TCK // 2, CLK_TCK // 2)  # each CPU half busy over 1 s
+    assert meter.sample(now=1.0) == pytest.approx(0.5 * len(cpus))
+    assert CpuMeter().sample() is None and CpuMeter(window_s=0.0).sample() is None  # the real /proc/stat reads
 
 
 # --- the policy's stage 6 ---------------------------------------------------------------------
