@@ -20,8 +20,10 @@ Lifecycle of one local node:
     returns once its requests are finished; then ``on_gone`` deregisters it, SIGTERM, and
     SIGKILL after ``stop_timeout_s``;
  4. a node that exits on its own is restarted, like the kubelet restarts a container: each node
-    has a slot (``decode-0``) that lives across its restarts; a supervisor thread reaps the exit
-    (``on_gone``), keeps the log's last lines, and starts the slot again after a
+    has a slot (``decode-0``) that lives across its restarts; a thread blocked in waitpid for each node
+    reaps its exit at once (``on_gone``: ``pdserve up`` also wakes the control loop, so the pool claims a
+    standby for its models that tick), keeps the log's last lines, and the supervisor starts the slot
+    again (without ``--import-nice``: a replacement restores what ran) after a
     ``RestartBackoff`` delay (1 s, 2 s, 4 s ... capped; forgotten once a restart has stayed ready
     for ``restart_reset_s``) — as long as the role still wants that many nodes (``scale`` sets
     the count; nodes made by a bare ``start`` are not replaced). ``status()`` shows the slots and
@@ -276,6 +278,14 @@ class LocalActuator(Actuator):
                 log.warning("%s node %s (pid %d) %s", p.role, p.url, p.proc.pid, s.last_exit)
             self._hook(self.on_gone, p)
 
+    def _exited(self, p: LocalNode) -> None:
+        """Block in waitpid until the node ends; one that ended on its own is reaped at once (on_gone: the
+        gateway stops routing to it, the pool places its models again) — not at the next supervision pass."""
+        p.proc.wait()
+        with self._lock:
+            if not self._closing.is_set() and p in self.nodes:
+                self._reap(time.monotonic())
+
     def _supervise(self) -> None:
         while not self._closing.wait(self.config.supervise_interval_s):  # until close()
             try:
@@ -289,6 +299,7 @@ class LocalActuator(Actuator):
         c = self.config
         if self._closing.is_set():
             raise TemporaryActuatorError("the local actuator is closing")
+        restart = slot is not None
         if slot is None:
             backoff = Backoff(base_s=c.restart_backoff_s, max_s=c.restart_backoff_max_s)
             n = next(self._names.setdefault(role, itertools.count()))
@@ -301,7 +312,7 @@ class LocalActuator(Actuator):
                "--threads", str(c.threads), *c.extra_args]  # fmt: skip
         # a runtime without a model starts empty even when the shared config file sets [node] model
         cmd += ["--model", c.model] if c.model else ["--standby"]
-        if c.import_nice:
+        if c.import_nice and not restart:  # a dead node's replacement restores what ran: it does not yield
             cmd += ["--import-nice", str(c.import_nice)]
         for url in c.store:
             cmd += ["--store", url]
@@ -325,6 +336,7 @@ class LocalActuator(Actuator):
                 self._supervisor = threading.Thread(target=self._supervise, name="pdserve-supervise", daemon=True)
                 self._supervisor.start()
         threading.Thread(target=self._watch, args=(p,), name=f"watch-{port}", daemon=True).start()
+        threading.Thread(target=self._exited, args=(p,), name=f"wait-{port}", daemon=True).start()
         log.info("started %s node %s pid %d on %s", role, slot.name, proc.pid, p.url)
         return p
 
