@@ -167,18 +167,13 @@ class LocalActuator(Actuator):
         the URLs of the nodes that hold a model (the pool knows); None: every node not stopping."""
         with self._lock:
             live = [p for p in self.nodes if p.proc.poll() is None]
-        m = self.machine()
+        m = machine()
+        if self.config.cores:  # cores set: in place of the machine's own
+            m = Machine(cores=self.config.cores, memory_bytes=m.memory_bytes, affinity=m.affinity, quota=None)
         busy = self._cpu.sample(quota=bool(m.quota))
         mine = [p for p in live if p.state != "stopping" and (serving is None or p.url in serving)]
         node_bytes = max((rss_bytes(p.proc.pid) for p in mine if p.ready), default=0)
         return (machine_bound(m, self.config.threads or 1, len(mine), busy, node_bytes),)
-
-    def machine(self) -> Machine:
-        """This machine as the nodes see it, with ``cores`` in place of its own when set."""
-        m = machine()
-        if self.config.cores:
-            return Machine(cores=self.config.cores, memory_bytes=m.memory_bytes, affinity=m.affinity, quota=None)
-        return m
 
     def prepare(self, role: str, replicas: int) -> None:
         """Warm the model's shards into the shared node cache before nodes start (standby runtimes: nothing)."""
