@@ -46,10 +46,18 @@ def main(args) -> int:
     age = f", {time.time() - a['received']:.0f} s ago" if isinstance(a.get("received"), (int, float)) else ""
     print(f"autoscaler ({a.get('actuator', '?')}{age}): {a.get('reason') or a.get('note') or 'no decision yet'}"
           + (f"; error: {a['error']} ({a.get('failures', 0)} in a row)" if a.get("error") else ""))  # fmt: skip
-    for b in a.get("capacity") or []:  # what the machine or cluster allows (autoscaler/capacity.py)
-        print(f"  capacity: {b.get('why')}; {b.get('serving')} serving now" + ("" if b.get("limit", 0) > b.get(
-            "serving", 0) else ": held at the bound"))  # fmt: skip
+    for line in capacity_lines(a):
+        print(line)
     return 0
+
+
+def capacity_lines(report: dict) -> list[str]:
+    """The bounds the autoscaler's machine or cluster put on serving nodes (autoscaler/capacity.py), one a line."""
+    out = []
+    for b in report.get("capacity") or []:
+        full = b.get("limit", 0) <= b.get("serving", 0)
+        out.append(f"  capacity: {b.get('why')}; {b.get('serving')} serving now" + (": held at the bound" if full else ""))
+    return out
 
 
 NODE_HEADER = f"  {'ROLE':8} {'STATE':10} {'URL':28} {'RUN':>4} {'QUEUED_TOK':>10} {'KV_USED':>8}"
