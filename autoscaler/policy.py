@@ -331,9 +331,11 @@ def decide(ctx: PolicyContext, state: PolicyState) -> tuple[Decision, PolicyStat
 def held_back(bound: CapacityBound, decisions: dict, states: dict, before: Mapping[Key, RoleState],
               loads: Mapping[Key, RoleLoad]) -> None:  # fmt: skip
     """Cut the scale-ups of the keys `bound` covers to its room, the most loaded first (in place)."""
-    ups = [k for k, d in decisions.items() if bound.covers(d.role) and d.replicas > d.current and not d.activation]
-    ups.sort(key=lambda k: (-decisions[k].panic_load / max(loads[k].ready, 1), _order(*split_key(k))))
-    room = bound.room
+    ups = [k for k, d in decisions.items() if bound.covers(d.role) and d.replicas > d.current]
+    woken = sum(decisions[k].replicas - decisions[k].current for k in ups if decisions[k].activation)
+    ups = sorted((k for k in ups if not decisions[k].activation),  # activations first: never held back
+                 key=lambda k: (-decisions[k].panic_load / max(loads[k].ready, 1), _order(*split_key(k))))
+    room = max(0, bound.room - woken)
     for key in ups:
         d = decisions[key]
         add = min(d.replicas - d.current, room)

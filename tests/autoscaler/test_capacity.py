@@ -124,3 +124,15 @@ def test_a_role_bound_covers_only_its_role_and_activation_is_never_held():
     sim = Sim(config(prefill_min_replicas=0, decode_min_replicas=0), prefill=0, decode=0, capacity=full)
     d = sim.tick(prefill={"held": 1, "queue_depth": 1}, decode={"held": 1, "queue_depth": 1})
     assert rep(d) == {"prefill": 1, "decode": 1} and d.roles[P].activation
+
+
+def test_a_model_woken_from_zero_takes_the_room_before_a_burst_of_another():
+    B_P, B_D = ("b", "prefill"), ("b", "decode")
+    bound = lambda r: (CapacityBound("machine", limit=sum(r.values()) + 2, serving=sum(r.values()),  # noqa: E731
+                                     why="machine: test"),)  # fmt: skip
+    sim = Sim(config(prefill_min_replicas=0, decode_min_replicas=0), prefill=1, decode=1, capacity=bound,
+              b__prefill=0, b__decode=0)  # fmt: skip
+    d = sim.step({P: tokens(5000), D: streams(5, capacity=10.0), B_P: {"held": 1, "queue_depth": 1},
+                  B_D: {"held": 1, "queue_depth": 1}})  # fmt: skip
+    assert rep(d, "b") == {"prefill": 1, "decode": 1} and rep(d)["prefill"] == 1  # the room went to the wake
+    assert d.roles[P].reason.startswith("bounds: machine: test (load wants ")
