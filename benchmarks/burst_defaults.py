@@ -22,6 +22,7 @@ import os
 import sys
 import time
 
+from benchmarks.common import cpu_seconds
 from benchmarks.loadgen import chat_stream, closed_loop, pct
 from benchmarks.service import Sampler, UpService, count_ready, count_standby
 
@@ -58,20 +59,22 @@ def run(args, cfg, log_dir: str) -> dict:
         t0 = time.monotonic()
         sampler = Sampler(svc, t0, interval_s=0.1, slow_every=2).start()
         standby_at_onset = count_standby(svc.status())
+        procs = {**{f"{role} {url}": pid for url, (pid, role) in svc.nodes().items()}, "pdserve up (gateway)": svc.p.pid}
+        cpu0, w0 = {k: cpu_seconds(pid) for k, pid in procs.items()}, time.monotonic()
         samples, onset, end = asyncio.run(_burst(svc, args))
+        cpu = {k: round((cpu_seconds(pid) - cpu0[k]) / (time.monotonic() - w0), 2) for k, pid in procs.items()}
     finally:
         if sampler is not None:
             sampler.stop()
         rc = svc.stop()
     out = _result(args, models, sampler, samples, onset, end, ready_s, standby_at_onset, rc, log_dir)
     out["standby_cpu_cores_idle"] = standby_cpu
+    out["cpu_cores_during_burst"] = cpu  # per process (those up at onset), mean over the burst
     return out
 
 
 def _standby_cpu(svc: UpService, seconds: float) -> dict[str, float]:
     """Cores each standby runtime (no model held) used over `seconds` of an idle service: ~0 is the point."""
-    from benchmarks.common import cpu_seconds
-
     pids = svc.node_pids()
     standby = [n["url"] for n in (svc.status() or {}).get("nodes", []) if not n.get("models") and n["url"] in pids]
     before = {u: cpu_seconds(pids[u]) for u in standby}
@@ -143,6 +146,7 @@ def table(run: dict) -> str:
              f"  node processes at most {run['peak_node_processes']}, serving nodes at most {run['peak_serving_nodes']}"
              f" (standby at onset: {run['standby_at_onset']}, idle CPU of each {run.get('standby_cpu_cores_idle')} cores)",
              f"  the decision: {run['scale_up_reason'] or '-'}"]  # fmt: skip
+    lines.append(f"  cores used during the burst: {run.get('cpu_cores_during_burst')}")
     lines += [f"  bound: {b}" for b in run["bound_lines"][:6]]
     return "\n".join(lines)
 
