@@ -89,6 +89,12 @@ class Actuator(abc.ABC):
         """Called before scaling `role` up to `replicas`: e.g. ask the parameter store to pre-stage
         (warm) the model's shards where the new nodes will read them. Default: nothing."""
 
+    def capacity(self, serving: tuple[str, ...] | None = None) -> tuple:
+        """The bounds on serving nodes this actuator's machine or cluster puts now (autoscaler/capacity.py
+        ``CapacityBound``s; the policy never plans past them). ``serving``: the URLs of the nodes that hold a
+        model, where the caller (the warm pool) knows; None: the actuator counts. Default: none."""
+        return ()
+
     def drain(self, node: NodeInfo) -> None:
         """Drain one node now (stop accepting, finish in-flight, exit). Default: unsupported here."""
         raise NotImplementedError(f"{type(self).__name__} drains nodes through scale()")

@@ -43,6 +43,7 @@ BENCHES = {
     "pd": ("benchmarks.pd", "KV transfer and colocated vs disaggregated serving"),
     "gateway": ("benchmarks.gateway", "gateway overhead vs a node served directly"),
     "burst": ("benchmarks.burst", "autoscaling under a burst sized from measured capacity, warm pool vs cold"),
+    "chaos": ("benchmarks.chaos", "kill -9 a random serving node every 20 s under load: time back to full strength"),
     "swap": ("benchmarks.swap", "many models on one pool: cold-model first token vs a fresh process, from zero"),
     "lm-eval": ("benchmarks.lm_eval", "lm-evaluation-harness scoring through the gateway vs in-process engine and HF"),
     "guidellm": ("benchmarks.guidellm", "guidellm (a load client for OpenAI-compatible servers) against the gateway"),

@@ -22,6 +22,10 @@ and tests/autoscaler/test_kubernetes_contract.py serves:
         {"metadata": {"annotations": {"controller.kubernetes.io/pod-deletion-cost": "-1000"}}}
         (null instead of the value unmarks a pod)
 
+Capacity (``capacity()``, the policy's bound): pods asked for that have had no endpoint for
+``pending_after_s`` could not be scheduled; then a role serves on at most the pods placed — pending pods
+are not capacity, and the decision held back says so in `pdserve status` (same two calls as above).
+
 Scale-down drains through the pods themselves: Kubernetes sends SIGTERM after the
 preStop hook (POST /internal/drain on the node), within terminationGracePeriodSeconds.
 
@@ -45,6 +49,7 @@ from gateway.discovery import slice_endpoints
 
 from .actuator import Actuator, NodeInfo, PermanentActuatorError, TemporaryActuatorError
 from .backoff import Backoff, retry
+from .capacity import CapacityBound
 
 T = TypeVar("T")
 
@@ -72,12 +77,16 @@ class KubernetesConfig:
     request_timeout_s: float = 10.0  # per HTTP request
     field_manager: str = "pdserve-autoscaler"  # recorded as the owner of spec.replicas
     remove_cost: int = -1000  # pod-deletion-cost of the pods a scale-down removes first (unmarked pods: 0)
+    pending_after_s: float = 10.0  # pods asked for that have no endpoint this long cannot be scheduled: the
+    #   role's capacity bound is then the pods placed (capacity(); pending pods are not capacity)
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError(f"attempts={self.attempts} must be >= 1")
         if not -(2**31) <= self.remove_cost < 0:
             raise ValueError(f"remove_cost={self.remove_cost} must be a negative int32 (below the default 0)")
+        if self.pending_after_s < 0:
+            raise ValueError(f"pending_after_s={self.pending_after_s} must be >= 0")
         if set(self.deployments) != set(self.services):
             raise ValueError("deployments and services must name the same roles")
 
@@ -105,6 +114,8 @@ class KubernetesActuator(Actuator):
         self._marked: dict[str, set[str]] = {}  # role -> pods this actuator gave remove_cost, still to unmark
         self.namespace = self.config.namespace or _own_namespace(None if configuration else kubeconfig, context)
         self._sleep = sleep
+        self._clock = time.monotonic
+        self._pending_since: dict[str, float] = {}  # role -> since when pods asked for have had no endpoint
 
     # --- the contract ---
 
@@ -140,6 +151,26 @@ class KubernetesActuator(Actuator):
         for role, marked in self._marked.items():  # a marked pod that is gone needs no unmarking
             marked &= {n.name for n in nodes.get(role, [])}
         return nodes
+
+    def capacity(self, serving: tuple[str, ...] | None = None) -> tuple[CapacityBound, ...]:
+        """Per role, once pods asked for have had no endpoint (not scheduled: no node has room for them) for
+        pending_after_s: at most the pods placed serve (``serving``: the URLs holding a model; None: every
+        placed pod). Pending pods are not capacity; the decision held back says so in `pdserve status`."""
+        out, now = [], self._clock()
+        for role, svc in self.config.services.items():
+            placed = [n for n in self._nodes(role, svc) if n.state != "draining"]  # terminating: leaving
+            pending = self.replicas(role) - len(placed)
+            if pending <= 0:
+                self._pending_since.pop(role, None)
+                continue
+            since = self._pending_since.setdefault(role, now)
+            if now - since < self.config.pending_after_s:
+                continue
+            busy = sum(1 for n in placed if serving is None or n.url in serving)
+            out.append(CapacityBound("schedulable", limit=len(placed), serving=busy, roles=(role,), why=(
+                f"schedulable: {len(placed)} {role} pods placed, {pending} pending {now - since:.0f}s "
+                f"→ at most {len(placed)} serving {role} nodes")))  # fmt: skip
+        return tuple(out)
 
     def endpoints(self) -> list[tuple[str, str, bool]]:
         """(role, url, ready) for every node endpoint — what the gateway's node registry takes."""

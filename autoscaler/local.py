@@ -7,7 +7,10 @@ Lifecycle of one local node:
     lets its imports yield the CPU to the nodes that serve) and its output in ``<log_dir>/<role>-<port>.log``;
     the node is tied to this process (compute/node/lifeline.py: it ends when we end, even on
     SIGKILL), so every spawn happens on one long-lived thread (the parent-death signal follows
-    the thread that forked);
+    the thread that forked); it gets a process group of its own (a terminal's Ctrl-C reaches only us:
+    we drain it) but stays in our session, so in our scheduler autogroup: a refill's niced imports
+    yield the CPU to the serving nodes (a session of its own would be an autogroup of its own, weighed
+    the same as a serving node whatever its nice);
  2. a watcher thread polls ``/ready`` (weights are injected lazily; seconds) and calls
     ``on_ready(NodeInfo)`` — the gateway registers it and starts routing to it; a node not
     ready after ``ready_timeout_s`` is killed (and counts as a crash, below);
@@ -17,8 +20,10 @@ Lifecycle of one local node:
     returns once its requests are finished; then ``on_gone`` deregisters it, SIGTERM, and
     SIGKILL after ``stop_timeout_s``;
  4. a node that exits on its own is restarted, like the kubelet restarts a container: each node
-    has a slot (``decode-0``) that lives across its restarts; a supervisor thread reaps the exit
-    (``on_gone``), keeps the log's last lines, and starts the slot again after a
+    has a slot (``decode-0``) that lives across its restarts; a thread blocked in waitpid for each node
+    reaps its exit at once (``on_gone``: ``pdserve up`` also wakes the control loop, so the pool claims a
+    standby for its models that tick), keeps the log's last lines, and the supervisor starts the slot
+    again (without ``--import-nice``: a replacement restores what ran) after a
     ``RestartBackoff`` delay (1 s, 2 s, 4 s ... capped; forgotten once a restart has stayed ready
     for ``restart_reset_s``) — as long as the role still wants that many nodes (``scale`` sets
     the count; nodes made by a bare ``start`` are not replaced). ``status()`` shows the slots and
@@ -51,6 +56,7 @@ from compute.node.launcher import free_port
 from compute.node.lifeline import spawn_kwargs
 
 from .actuator import Actuator, NodeInfo, TemporaryActuatorError
+from .capacity import CapacityBound, CpuMeter, Machine, machine, machine_bound, rss_bytes
 from .backoff import Backoff, RestartBackoff
 from .local_node import LocalNode, Slot, describe_exit, log_tail, send_signal, slot_row
 
@@ -80,6 +86,8 @@ class LocalConfig:
     restart_backoff_max_s: float = 60.0  # cap of the restart delay
     restart_reset_s: float = 60.0  # a restart ready this long ends the crash loop (delays start again at 1 s)
     supervise_interval_s: float = 0.25  # how often the supervisor looks for exits and due restarts
+    cores: float = 0.0  # cores the nodes may use (capacity bound, autoscaler/capacity.py); 0 = this machine's
+    #   (affinity, cgroup quota). Set it below the machine's to leave cores to something else
 
     def __post_init__(self) -> None:
         if self.threads < 0 or self.kv_blocks < 1 or self.ready_timeout_s <= 0:
@@ -88,6 +96,8 @@ class LocalConfig:
             raise ValueError("0 <= restart_backoff_s <= restart_backoff_max_s, restart_reset_s > 0")
         if self.supervise_interval_s <= 0 or self.stop_timeout_s < 0:
             raise ValueError("supervise_interval_s > 0, stop_timeout_s >= 0")
+        if self.cores < 0:
+            raise ValueError(f"cores={self.cores} must be >= 0 (0: this machine's)")
         if not 0 <= self.import_nice <= 19:
             raise ValueError(f"import_nice={self.import_nice} must be in 0..19")
 
@@ -108,6 +118,7 @@ class LocalActuator(Actuator):
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="pdserve-spawn")  # the nodes' parent thread
         self._supervisor: threading.Thread | None = None
         self._auth = SignedAuth(self.config.internal_token)  # signs requests to the nodes; the token is never sent
+        self._cpu = CpuMeter(window_s=1.0)
         os.makedirs(self.config.log_dir, exist_ok=True)
 
     # --- the contract ----------------------------------------------------------------
@@ -150,6 +161,20 @@ class LocalActuator(Actuator):
                 self.start(role)
         for p in leaving:
             threading.Thread(target=self.stop, args=(p,), name=f"drain-{p.port}", daemon=True).start()
+
+    def capacity(self, serving: tuple[str, ...] | None = None) -> tuple[CapacityBound, ...]:
+        """The machine's bound on serving nodes (autoscaler/capacity.py): its cores (or ``cores``) and memory,
+        its busy cores over the last second (every process's), ``threads`` per node. ``serving``:
+        the URLs of the nodes that hold a model (the pool knows); None: every node not stopping."""
+        with self._lock:
+            live = [p for p in self.nodes if p.proc.poll() is None]
+        m = machine()
+        if self.config.cores:  # cores set: in place of the machine's own
+            m = Machine(cores=self.config.cores, memory_bytes=m.memory_bytes, affinity=m.affinity, quota=None)
+        busy = self._cpu.sample(quota=bool(m.quota))
+        mine = [p for p in live if p.state != "stopping" and (serving is None or p.url in serving)]
+        node_bytes = max((rss_bytes(p.proc.pid) for p in mine if p.ready), default=0)
+        return (machine_bound(m, self.config.threads or 1, len(mine), busy, node_bytes),)
 
     def prepare(self, role: str, replicas: int) -> None:
         """Warm the model's shards into the shared node cache before nodes start (standby runtimes: nothing)."""
@@ -249,6 +274,14 @@ class LocalActuator(Actuator):
                 log.warning("%s node %s (pid %d) %s", p.role, p.url, p.proc.pid, s.last_exit)
             self._hook(self.on_gone, p)
 
+    def _exited(self, p: LocalNode) -> None:
+        """Block in waitpid until the node ends; one that ended on its own is reaped at once (on_gone: the
+        gateway stops routing to it, the pool places its models again) — not at the next supervision pass."""
+        p.proc.wait()
+        with self._lock:
+            if not self._closing.is_set() and p in self.nodes:
+                self._reap(time.monotonic())
+
     def _supervise(self) -> None:
         while not self._closing.wait(self.config.supervise_interval_s):  # until close()
             try:
@@ -262,6 +295,7 @@ class LocalActuator(Actuator):
         c = self.config
         if self._closing.is_set():
             raise TemporaryActuatorError("the local actuator is closing")
+        restart = slot is not None
         if slot is None:
             backoff = Backoff(base_s=c.restart_backoff_s, max_s=c.restart_backoff_max_s)
             n = next(self._names.setdefault(role, itertools.count()))
@@ -274,7 +308,7 @@ class LocalActuator(Actuator):
                "--threads", str(c.threads), *c.extra_args]  # fmt: skip
         # a runtime without a model starts empty even when the shared config file sets [node] model
         cmd += ["--model", c.model] if c.model else ["--standby"]
-        if c.import_nice:
+        if c.import_nice and not restart:  # a dead node's replacement restores what ran: it does not yield
             cmd += ["--import-nice", str(c.import_nice)]
         for url in c.store:
             cmd += ["--store", url]
@@ -286,7 +320,7 @@ class LocalActuator(Actuator):
         logf = open(log_path, "ab")
         try:
             proc = self._spawner.submit(subprocess.Popen, cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                        start_new_session=True, **kw).result()  # fmt: skip
+                                        process_group=0, **kw).result()  # fmt: skip
         except (OSError, RuntimeError) as e:  # RuntimeError: the spawner is shut down (closing)
             raise TemporaryActuatorError(f"cannot start a {role} node: {e}") from None
         finally:
@@ -298,6 +332,7 @@ class LocalActuator(Actuator):
                 self._supervisor = threading.Thread(target=self._supervise, name="pdserve-supervise", daemon=True)
                 self._supervisor.start()
         threading.Thread(target=self._watch, args=(p,), name=f"watch-{port}", daemon=True).start()
+        threading.Thread(target=self._exited, args=(p,), name=f"wait-{port}", daemon=True).start()
         log.info("started %s node %s pid %d on %s", role, slot.name, proc.pid, p.url)
         return p
 

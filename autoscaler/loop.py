@@ -8,7 +8,8 @@ One tick:
               with the gateway's and the nodes' signals; the loop overlays the replica counts
               from the actuator (`replicas(key)` asked for, ready, starting), which is the
               truth about what runs.
- 2. decide    policy.decide(ctx, state) → Decision, state'.
+ 2. decide    policy.decide(ctx, state) → Decision, state', with `actuator.capacity()` (the bounds on
+              serving nodes its machine or cluster puts now: capacity.py) in the context.
  3. act       for each key whose desired count differs: prepare(key, n) (pre-stage shards)
               before a scale-up, then scale(key, n).
  4. record    `last` (a TickReport: decision, what was asked, error) for `pdserve status`;
@@ -59,11 +60,13 @@ class TickReport:
     error: str = ""  # this tick's failure, "" if none
     failures: int = 0  # consecutive failed ticks
     note: str = ""  # e.g. "backing off: 3s left"
+    capacity: tuple = ()  # the actuator's CapacityBounds this tick (what `pdserve status` says held a scale-up)
 
     def to_dict(self) -> dict:
         return {"t": self.t, "decision": self.decision.to_dict() if self.decision else None,
                 "asked": {key_str(k): n for k, n in self.asked.items()},
-                "error": self.error, "failures": self.failures, "note": self.note}  # fmt: skip
+                "error": self.error, "failures": self.failures, "note": self.note,
+                "capacity": [b.to_dict() for b in self.capacity]}  # fmt: skip
 
 
 class ControlLoop:
@@ -98,7 +101,8 @@ class ControlLoop:
         try:
             nodes = self.actuator.current()
             loads = self._loads(self.observe(), nodes, now)
-            decision, self.state = decide(PolicyContext(self.config, loads, now), self.state)
+            bounds = tuple(getattr(self.actuator, "capacity", tuple)())
+            decision, self.state = decide(PolicyContext(self.config, loads, now, bounds), self.state)
             self.last_decision = decision
             for key, d in decision.roles.items():
                 if d.replicas == d.current:
@@ -121,7 +125,7 @@ class ControlLoop:
             self._publish(report, {})
             return report
         t.success()
-        report = TickReport(t=now, decision=decision, asked=asked)
+        report = TickReport(t=now, decision=decision, asked=asked, capacity=bounds)
         self.last = report
         self._publish(report, nodes)
         return report

@@ -115,7 +115,7 @@ def rank(runtimes: list[Runtime], model: str, role: str, need_bytes: int = 0,
 
 def pool_config(config, roles: tuple[str, ...], floors: Mapping[str, int] | None = None) -> PoolConfig:
     """The pool's settings from an AutoscalerConfig: its pool_size (1 where it has none) standby runtimes per
-    role within at most {role}_max_replicas runtimes, and at least ``floors[role]`` (``pdserve up``: the plan's
+    role within at most {role}_max_replicas runtimes (on top of them where min = max: a fixed count), and at least ``floors[role]`` (``pdserve up``: the plan's
     counts) or {role}_min_replicas runtimes kept up (standby when nothing is held)."""
     size = int(getattr(config, "pool_size", 1))
     caps, lows = {}, {}
@@ -126,4 +126,6 @@ def pool_config(config, roles: tuple[str, ...], floors: Mapping[str, int] | None
             lo, hi = 0, 8 + size
         lows[role] = max(int(lo), int((floors or {}).get(role, 0)))
         caps[role] = max(int(hi), lows[role], 1)
+        if int(lo) == int(hi) and (floors or {}).get(role, hi) == hi:  # a fixed count (`pdserve up` without
+            caps[role] += size  # --autoscale): its standby runtimes on top, so a dead replica is replaced by a claim
     return PoolConfig(pool_size=size, max_runtimes=caps, min_runtimes=lows)

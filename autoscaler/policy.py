@@ -43,6 +43,12 @@ every key is sized independently, through the same stages, in order:
               decision. A key with a replica still loading is not cut at all (only scale
               to zero and the max bound cut it): its load would be cancelled and started
               again. Scale-up is never delayed; scale to zero skips this stage.
+ 6. capacity  the actuator's bounds (capacity.py: the machine's cores and memory locally, what can be
+              scheduled on Kubernetes): the scale-ups of every key a bound covers add at most its room
+              (limit - serving nodes) this tick, the keys with the most load per replica first; a key
+              held back says so ("bounds: machine: 2 cores, 1 thread per node → at most 2 serving
+              nodes (load wants 5: …)"). Activation from zero is never held back (a held request
+              needs one replica; the pool places it on a runtime with room or evicts an idle model).
 
 Each stage is a small function; the one that decided the number writes the reason
 `pdserve status` prints ("panic: 6s load 3.1x capacity", "cooldown: 12s left").
@@ -54,6 +60,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
+from .capacity import CapacityBound
 from .config import ROLES, AutoscalerConfig
 from .slo import Breach, breaches, busy, core_load
 
@@ -126,6 +133,7 @@ class PolicyContext:
     config: AutoscalerConfig
     loads: Mapping[Key, RoleLoad]  # per (model, role); a key left out is not decided this tick
     now: float  # decision time on the loop's clock
+    capacity: tuple[CapacityBound, ...] = ()  # the actuator's bounds on serving nodes this tick (stage 6)
 
 
 @dataclass(slots=True, frozen=True)
@@ -312,7 +320,33 @@ def decide(ctx: PolicyContext, state: PolicyState) -> tuple[Decision, PolicyStat
         for key in keys:
             decisions[key], states[key] = _decide_key(key, loads[key], state.roles.get(key), cfg, now,
                                                       key in wake, zero)  # fmt: skip
+    for bound in ctx.capacity:
+        held_back(bound, decisions, states, state.roles, loads)
     return Decision(t=now, roles=decisions), PolicyState(roles=states)
+
+
+# --- stage 6: capacity -------------------------------------------------------------------------
+
+
+def held_back(bound: CapacityBound, decisions: dict, states: dict, before: Mapping[Key, RoleState],
+              loads: Mapping[Key, RoleLoad]) -> None:  # fmt: skip
+    """Cut the scale-ups of the keys `bound` covers to its room, the most loaded first (in place)."""
+    ups = [k for k, d in decisions.items() if bound.covers(d.role) and d.replicas > d.current]
+    woken = sum(decisions[k].replicas - decisions[k].current for k in ups if decisions[k].activation)
+    ups = sorted((k for k in ups if not decisions[k].activation),  # activations first: never held back
+                 key=lambda k: (-decisions[k].panic_load / max(loads[k].ready, 1), _order(*split_key(k))))
+    room = max(0, bound.room - woken)
+    for key in ups:
+        d = decisions[key]
+        add = min(d.replicas - d.current, room)
+        room -= add
+        if add == d.replicas - d.current:
+            continue
+        n = d.current + add
+        decisions[key] = replace(d, replicas=n, reason=f"bounds: {bound.why} (load wants {d.replicas}: {d.reason})")
+        rs = states[key]
+        last = rs.last_change_t if n != d.current else (before.get(key) or rs).last_change_t
+        states[key] = replace(rs, panic_peak=min(rs.panic_peak, max(n, d.current)), last_change_t=last)
 
 
 def _order(model: str, role: str) -> tuple:

@@ -34,7 +34,8 @@ One tick (the loop calls ``current()`` first, then ``prepare`` / ``scale`` per k
                a spare (beyond the minimum and the claims waiting) starts only once no runtime of the
                role is loading: a process start beside a load slows it on a small box (measured, 2
                cores: a claimed SmolLM2 load 0.3 s alone, 0.56-0.79 s beside a node's start;
-               thread niceness does not help across sessions, each its own autogroup); the surplus
+               thread niceness does not help across sessions, each its own autogroup: the local actuator
+               keeps its nodes in its own session); the surplus
                leaves starting runtimes first, then standby ones (``scale(role, n, prefer_remove=urls)``,
                the least cached first). New runtimes are the runtime actuator's to start (LocalActuator:
                ``--import-nice``, so a refill's imports yield the CPU to the nodes that serve).
@@ -118,6 +119,17 @@ class RuntimePool(Actuator):
             self._desired[key] = replicas
         self._reconcile()
         self._refill()
+
+    def capacity(self, serving: tuple[str, ...] | None = None) -> tuple:
+        """The runtime actuator's bounds on serving nodes (autoscaler/capacity.py), counted over the runtimes
+        that hold a model or are still starting (a start is a claim waiting for it, or a refill that will use
+        cores the same); a standby runtime is not serving: claiming one is what the bound allows or not."""
+        fn = getattr(self.runtimes, "capacity", None)
+        if fn is None:
+            return ()
+        with self._lock:
+            serving = tuple(rt.url for rt in self.view.values() if rt.busy or not rt.up)
+        return tuple(fn(serving))
 
     def prepare(self, key: Key, replicas: int) -> None:
         """Nothing: a claim loads through the chosen runtime's node cache, and the ranking prefers the runtime

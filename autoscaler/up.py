@@ -148,6 +148,8 @@ def main(args) -> int:
             actuator.scale(role, n)  # the plan's runtimes, standby; the pool places the models on them
         pool.place(models, roles)
         control = autoscale_in_process(gw, pool, roles, auto)
+        gone = actuator.on_gone  # a runtime that died: the next tick (the pool's claim of a standby) now
+        actuator.on_gone = lambda node: (gone(node), control.wake())
         announce(gw, args.host)
         split = " + ".join(f"{n} {r}" for r, n in roles.items())
         print(f"pdserve up: starting {split} node(s) for {', '.join(models)}; logs in {args.log_dir}/\n"

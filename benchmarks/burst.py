@@ -8,7 +8,10 @@ Each run is the real `pdserve up --prefill 1 --decode 1 --autoscale` in a proces
 windows, 15 s cooldown, at most --max-replicas per role; the targets are the policy's own, from
 what the nodes measure) and differing only in ``pool_size``: 1 standby runtime per role (``pool``:
 scale-up claims it and injects the model) or 0 (``cold``: scale-up starts a `pdserve node` process).
-Both runs happen in one invocation, one after the other, on the same box.
+Both runs happen in one invocation, one after the other, on the same box; then, beside them, the run
+with the defaults (``defaults``, benchmarks/burst_defaults.py): `pdserve up --autoscale` on a store of
+``--defaults-models`` models with no config table at all, ``--defaults-clients`` concurrent streaming chats
+of one of them.
 
 First, once: the capacity probe, on a `pdserve up --prefill 1 --decode 1` of its own without
 --autoscale (so 1 + 1 stay 1 + 1 and no SLO window of the probe holds a measured run back):
@@ -37,6 +40,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks import burst_defaults
 from benchmarks.common import cpu_flags, ensure_model, loadavg
 from benchmarks.loadgen import Sample, chat_stream, closed_loop, pct, summarize
 from benchmarks.service import (
@@ -50,7 +54,7 @@ from benchmarks.service import (
 
 PROMPT = "Give me one tip for learning Python."
 ROLES = ("prefill", "decode")
-RUNS = ("pool", "cold")
+RUNS = ("pool", "cold", "defaults")  # defaults: benchmarks/burst_defaults.py
 
 
 def autoscaler_table(max_replicas: int, pool_size: int) -> dict:
@@ -67,7 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_store_arguments(p)
     p.add_argument("--model", default="smollm2", help="model in the store (imported from the real GGUF if absent)")
-    p.add_argument("--runs", default="pool,cold", help="which runs, in this order: pool, cold (comma-separated)")
+    p.add_argument("--runs", default="pool,cold,defaults",
+                   help="which runs, in this order: pool, cold, defaults (comma-separated)")
+    burst_defaults.add_arguments(p)
     p.add_argument("--burst-x", type=float, default=3.0, help="burst rate = this x the measured capacity")
     p.add_argument("--steady-x", type=float, default=0.25, help="rate before and after = this x the capacity")
     p.add_argument("--rate", type=float, default=None, help="capacity in req/s (skips the probe)")
@@ -99,14 +105,18 @@ def main(args: argparse.Namespace) -> int:
               "cpu_flags": cpu_flags(), "load_avg_start": loadavg(), "runs": {}, "capacity": None}  # fmt: skip
     capacity = None if args.rate is None else {"req_per_s": args.rate, "source": "--rate"}
     plots = {}
-    if capacity is None:
+    tuned = [m for m in runs if m != "defaults"]
+    if capacity is None and tuned:
         capacity = _probe_service(args, locations, os.path.join(log_root, "probe"))
         print(f"capacity of 1 + 1: {capacity['req_per_s']} req/s (probe)", file=sys.stderr, flush=True)
-    for mode in runs:
+    for mode in tuned:
         print(f"--- run {mode!r} (logs in {log_root}/{mode}) ---", file=sys.stderr, flush=True)
         result, capacity, samples = _run(args, mode, locations, os.path.join(log_root, mode), capacity)
         report["runs"][mode] = result
         plots[mode] = samples
+    if "defaults" in runs:
+        print(f"--- run 'defaults' (logs in {log_root}/defaults) ---", file=sys.stderr, flush=True)
+        report["defaults"] = burst_defaults.run(args, store_config(args), os.path.join(log_root, "defaults"))
     report["capacity"] = capacity
     report["load_avg_end"] = loadavg()
     pool, cold = (report["runs"].get(k, {}).get("onset_to_first_served_s") for k in ("pool", "cold"))
@@ -118,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}")
     if "pool" in plots and _plot(report["runs"]["pool"], plots["pool"], args.plot, f"{args.model}, warm pool"):
         print(f"wrote {args.plot}")
-    failed = sum(r["requests_failed"] for r in report["runs"].values())
+    failed = sum(r["requests_failed"] for r in [*report["runs"].values(), *filter(None, [report.get("defaults")])])
     return 1 if failed else 0
 
 
@@ -297,6 +307,7 @@ def _result(args, mode, svc, sampler: Sampler, samples, marks, t0, rate, pool_si
 def _table(r: dict) -> str:
     f = lambda x: "-" if x is None else f"{x}"
     cap = r["capacity"] or {}
+    lines_d = burst_defaults.table(r["defaults"]) if r.get("defaults") else ""
     lines = [(f"capacity of 1 prefill + 1 decode: {f(cap.get('req_per_s'))} req/s ({cap.get('source', '-')}); "
               f"CPU flags: {' '.join(r['cpu_flags']) or '-'}; load avg {f(r['load_avg_start'])}"), ""]
     head = f"{'run':<5} {'phase':<7} {'req/s':>6} {'secs':>5} {'reqs':>5} {'failed':>6} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}"
@@ -322,6 +333,8 @@ def _table(r: dict) -> str:
                      f"the decision: {run['scale_up_reason'] or '-'}")  # fmt: skip
     if r.get("cold_over_pool"):
         lines.append(f"cold process / warm pool (onset -> first served): {r['cold_over_pool']}x")
+    if lines_d:
+        lines += ["", lines_d]
     return "\n".join(lines)
 
 

@@ -122,13 +122,14 @@ async def node_stream(client, url: str, token: str, prompt_ids: list[int], max_t
     return _finish(s, first, last, tokens)
 
 
-async def closed_loop(make, concurrency: int, requests: int) -> tuple[list[Sample], float]:
-    """`concurrency` clients share `requests` requests; -> (samples, wall seconds)."""
+async def closed_loop(make, concurrency: int, requests: int, until: float | None = None) -> tuple[list[Sample], float]:
+    """`concurrency` clients share `requests` requests (none started after `until`, monotonic time, when given);
+    -> (samples, wall seconds)."""
     left = [requests]
     out: list[Sample] = []
 
     async def client():
-        while left[0] > 0:
+        while left[0] > 0 and (until is None or time.monotonic() < until):
             left[0] -= 1
             out.append(await make())
 

@@ -1,7 +1,8 @@
 """`pdserve status`: per model, the gateway's traffic, its nodes by role and state with their load
 and the autoscaler's last decision and reason for its keys; the standby runtimes (no model) apart;
 the local nodes' restarts and crash loops (`pdserve up`: the actuator's supervised slots, with a
-crashing node's last log lines), and the autoscaler's last report."""
+crashing node's last log lines), and the autoscaler's last report with the bound its machine or cluster
+puts on serving nodes (machine cores, memory, what Kubernetes can schedule) — why the service did not grow."""
 
 from __future__ import annotations
 
@@ -53,7 +54,18 @@ def main(args) -> int:
     age = f", {time.time() - a['received']:.0f} s ago" if isinstance(a.get("received"), (int, float)) else ""
     print(f"autoscaler ({a.get('actuator', '?')}{age}): {a.get('reason') or a.get('note') or 'no decision yet'}"
           + (f"; error: {a['error']} ({a.get('failures', 0)} in a row)" if a.get("error") else ""))  # fmt: skip
+    for line in capacity_lines(a):
+        print(line)
     return 0
+
+
+def capacity_lines(report: dict) -> list[str]:
+    """The bounds the autoscaler's machine or cluster put on serving nodes (autoscaler/capacity.py), one a line."""
+    out = []
+    for b in report.get("capacity") or []:
+        full = b.get("limit", 0) <= b.get("serving", 0)
+        out.append(f"  capacity: {b.get('why')}; {b.get('serving')} serving now" + (": held at the bound" if full else ""))
+    return out
 
 
 NODE_HEADER = f"  {'ROLE':8} {'STATE':10} {'URL':28} {'RUN':>4} {'QUEUED_TOK':>10} {'KV_USED':>8}"

@@ -35,8 +35,9 @@ P, D = (M, "prefill"), (M, "decode")
 class Sim:
     """A fake clock and a cluster whose replicas follow the decision at once (all ready), per (model, role)."""
 
-    def __init__(self, cfg: AutoscalerConfig, prefill: int = 1, decode: int = 1, **more: int):
-        self.cfg, self.t, self.state = cfg, 0.0, PolicyState()
+    def __init__(self, cfg: AutoscalerConfig, prefill: int = 1, decode: int = 1, capacity=None, **more: int):
+        """`capacity(replicas) -> (CapacityBound, ...)`: the actuator's bounds each tick (none by default)."""
+        self.cfg, self.t, self.state, self.capacity = cfg, 0.0, PolicyState(), capacity
         self.replicas = {P: prefill, D: decode}  # more: {"model__role": n} for other models
         self.replicas.update({tuple(k.split("__")): n for k, n in more.items()})
         self.history: list = []
@@ -49,7 +50,8 @@ class Sim:
             kw = (loads or {}).get(key)
             kw = kw(n) if callable(kw) else kw  # load may depend on the replicas serving it
             ctx[key] = RoleLoad(model=key[0], replicas=n, ready=n, t=self.t, **(kw or {}))
-        d, self.state = decide(PolicyContext(self.cfg, ctx, self.t), self.state)
+        bounds = tuple(self.capacity(dict(self.replicas))) if self.capacity else ()
+        d, self.state = decide(PolicyContext(self.cfg, ctx, self.t, bounds), self.state)
         self.replicas.update(d.replicas)
         self.history.append(d)
         return d

@@ -113,6 +113,21 @@ def test_contract_nodes_from_endpointslices(api, actuator):
     assert ("prefill", "http://10.0.0.6:8001", False) in actuator.endpoints()
 
 
+def test_contract_pods_pending_past_their_time_bound_the_role_at_the_pods_placed(api, actuator):
+    now = [100.0]
+    actuator._clock = lambda: now[0]
+    actuator.scale("decode", 4)  # 2 placed (a third is terminating): 2 pending
+    assert actuator.capacity() == ()  # pending for less than pending_after_s: still being scheduled
+    now[0] += 12.0
+    (bound,) = actuator.capacity(serving=("http://10.0.1.7:8001",))
+    assert (bound.kind, bound.roles, bound.limit, bound.serving, bound.room) == ("schedulable", ("decode",), 2, 1, 1)
+    assert bound.why == "schedulable: 2 decode pods placed, 2 pending 12s → at most 2 serving decode nodes"
+    assert {(m, p.replace("prefill", "decode")) for m, p in only(api)} <= {("GET", SCALE_PATH), ("GET", SLICES_PATH),
+                                                                           ("PATCH", SCALE_PATH)}  # no new call
+    actuator.scale("decode", 2)  # asked no more than placed: no bound, and the pending clock starts again
+    assert actuator.capacity() == () and "decode" not in actuator._pending_since
+
+
 def pod_patches(api) -> list[tuple[str, dict]]:
     return [(r["path"].rsplit("/", 1)[1], r["body"]["metadata"]["annotations"]) for r in api.requests
             if kubeapi.PODS.match(r["path"])]  # fmt: skip

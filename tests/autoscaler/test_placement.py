@@ -69,6 +69,9 @@ def test_pool_config_floors_runtimes_at_the_plan_and_caps_them_at_max_replicas()
     assert (cfg.floor("prefill"), cfg.cap("prefill"), cfg.floor("decode"), cfg.cap("decode")) == (1, 1, 1, 3)
     cfg = pool_config(dataclasses.replace(auto, decode_min_replicas=2), ("prefill", "decode"))  # pdserve autoscale
     assert (cfg.floor("prefill"), cfg.floor("decode"), cfg.cap("decode")) == (0, 2, 3)
+    fixed = dataclasses.replace(auto, prefill_min_replicas=2, prefill_max_replicas=2)  # pdserve up --prefill 2
+    cfg = pool_config(fixed, ("prefill", "decode"), floors={"prefill": 2, "decode": 1})
+    assert (cfg.floor("prefill"), cfg.cap("prefill")) == (2, 3)  # its standby on top: a dead node is replaced by a claim
 
 
 def test_a_claim_ranks_evicting_a_wanted_model_last_and_never_evicts_a_kept_one():
