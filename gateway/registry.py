@@ -69,6 +69,7 @@ class NodeState:
     source: str = "static"
     draining: bool = False  # told by the actuator before it drains the node: stop routing at once
     proven: bool = False  # answered the challenge: holds the internal token and is the node at `url`
+    proving: asyncio.Future | None = field(default=None, repr=False)  # the challenge in flight (one per node)
 
     def view(self, model: str | None = None) -> NodeView:
         """This node as the router sees it: as a whole (`model` None), or as it serves `model`."""
@@ -236,6 +237,13 @@ class NodeRegistry:
             return f"it answered the challenge with {r.status_code}{': ' + detail if detail else ''}"
         return "its proof does not match: it does not hold this deployment's internal token, or is not the node at this URL"
 
+    async def _proof(self, n: NodeState) -> str | None:
+        """``_prove``, one challenge in flight per node: a registration's check and a poll share it."""
+        if n.proving is None:
+            n.proving = asyncio.ensure_future(self._prove(n))
+            n.proving.add_done_callback(lambda _: setattr(n, "proving", None))
+        return await asyncio.shield(n.proving)
+
     def _refuse(self, n: NodeState, why: str) -> None:
         self.nodes.pop(n.url, None)
         self.refused[n.url] = why
@@ -246,7 +254,7 @@ class NodeRegistry:
     async def _check(self, n: NodeState) -> None:
         try:
             if not n.proven:
-                why = await self._prove(n)
+                why = await self._proof(n)
                 if why is not None:
                     return self._refuse(n, why)
                 n.proven = True

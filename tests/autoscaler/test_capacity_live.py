@@ -21,11 +21,10 @@ import httpx
 import pytest
 
 from tests.procs import alive, children, kill_left, started
-from tests.services import wait_for
+from tests.services import admin_headers, wait_for
 
 pytestmark = [pytest.mark.slow]
 TOKEN = "capacity-test-token"
-HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.mark.timeout(420)
@@ -42,7 +41,7 @@ def test_a_burst_never_runs_more_serving_nodes_than_the_machine_allows(tmp_path,
                                     log_dir=str(tmp_path / "logs"), ready_timeout_s=240, stop_timeout_s=5,
                                     drain_timeout_s=10, import_nice=10, cores=2.0))  # fmt: skip
     act._cpu = types.SimpleNamespace(sample=lambda **kw: None)  # the static count: N = 2 cores / 1 thread
-    pool = RuntimePool(act, HEADERS, PoolConfig(pool_size=1, max_runtimes={"decode": 8}, unload_timeout_s=10),
+    pool = RuntimePool(act, TOKEN, PoolConfig(pool_size=1, max_runtimes={"decode": 8}, unload_timeout_s=10),
                        roles=("decode",))  # fmt: skip
     cfg = AutoscalerConfig(tick_s=0.5, target_running_streams_per_replica=4, stable_window_s=10.0, panic_window_s=2.0,
                            decode_min_replicas=1, decode_max_replicas=8, scale_to_zero_after_s=0)  # fmt: skip
@@ -97,7 +96,7 @@ def test_a_killed_node_under_load_is_back_sooner_than_its_own_restart(tmp_path, 
 
     def status() -> dict:
         seen.update(children(up.p.pid))
-        return http.get(up.url + "/admin/status").json()
+        return http.get(up.url + "/admin/status", headers=admin_headers(up.url)).json()
 
     def ready_on(st: dict) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
