@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
+from compute.sampling import SamplingParams
+
 from . import tools
 from .activator import Activator
 from .admission import Admission
@@ -165,18 +167,20 @@ class Gateway:
         takes_tools = any(tools.supported(t.bundle) for t in texts) or not texts  # none read: left open
         return min(self.config.max_tokens_limit or ctx, ctx), vocab, takes_tools
 
-    def node_params(self, req) -> dict:
+    def node_params(self, req) -> SamplingParams:
+        """The engine's parameters of an API request (max_tokens is set per attempt by the relay)."""
         seed = None if req.seed is None else req.seed % 2**63
-        return {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(0, req.top_k), "min_p": req.min_p,
-                "seed": seed, "ignore_eos": req.ignore_eos, "presence_penalty": req.presence_penalty,
-                "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
-                "min_tokens": req.min_tokens, "logit_bias": req.logit_bias or {}, "stop_token_ids": list(req.stop_token_ids or ()),
-                "logprobs": req.num_logprobs(),
-                "prompt_logprobs": req.num_logprobs() if getattr(req, "echo", False) else None,
-                "grammar": grammar_spec(req.response_format)}  # fmt: skip
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k), min_p=req.min_p, seed=seed,
+            ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, logit_bias=req.logit_bias or {},
+            stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=req.num_logprobs(),
+            prompt_logprobs=req.num_logprobs() if getattr(req, "echo", False) else None,
+            grammar=grammar_spec(req.response_format),
+        )  # fmt: skip
 
     # --- generation ------------------------------------------------------------------
-    async def generate(self, text: Text, prompt: list[int], max_tokens: int, params: dict, stops: list[str],
+    async def generate(self, text: Text, prompt: list[int], max_tokens: int, params: SamplingParams, stops: list[str],
                        timing: dict, affinity: Affinity | None = None) -> AsyncIterator[Delta]:  # fmt: skip
         """Held (no node holds the model yet), admitted, relayed, detokenized deltas; the last one
         carries finish_reason. One bound on the whole wait before the start (queue_timeout_s):

@@ -33,7 +33,7 @@ from compute.loader import LoadProgress, transient_bytes
 
 from .config import NodeConfig
 from .held import Held, estimate_bytes, free, mem_available, rss_bytes
-from .service import BadNodeRequest, NodeBusy, NodeService
+from .service import BadNodeRequest, ModelNotLoaded, NodeBusy, NodeService
 
 log = logging.getLogger("pdserve.node")
 PREFETCH = 2  # shards a load keeps in flight when the budget has room for them (ReaderConfig's default)
@@ -212,22 +212,21 @@ class ModelHost:
         self.cached[h.name] = self.cached_fraction(h.manifest)
 
     # --- requests ------------------------------------------------------------------------
-    def service(self, body: dict) -> NodeService:
-        """The ready service a request's ``model`` names (absent: the only model); marks it used."""
-        name = body.get("model")
+    def service(self, name: str | None) -> NodeService:
+        """The ready service a request's ``model`` names (None: the only model); marks it used."""
         if name is None:
             live = [h for h in self.models.values() if h.state != "failed"]
             if len(live) > 1:
                 raise BadNodeRequest(f"this node holds several models ({', '.join(self.models)}): name one in 'model'")
             if not live:
-                raise NodeBusy("node is draining" if self.draining else "no model is loaded on this node")
+                raise ModelNotLoaded("node is draining" if self.draining else "no model is loaded on this node")
             h = live[0]
         elif not isinstance(name, str):
             raise BadNodeRequest("model must be a string")
         elif (h := self.models.get(name)) is None:
-            raise NodeBusy(f"model {name!r} is not held by this node")
+            raise ModelNotLoaded(f"model {name!r} is not held by this node")
         if h.state != "ready" or h.svc is None:
-            raise NodeBusy(f"model {h.name!r} is {h.state} on this node" + (f": {h.error}" if h.error else ""))
+            raise ModelNotLoaded(f"model {h.name!r} is {h.state} on this node" + (f": {h.error}" if h.error else ""))
         h.last_used = time.time()
         return h.svc
 

@@ -94,7 +94,7 @@ def test_standby_is_ready_at_once_and_holds_nothing(multi):
 
 
 @pytest.mark.parametrize("body, code, words", [
-    ({}, 400, "model must be"), ({"model": 5}, 400, "model must be"), ({"model": "tiny-a", "weights": "fp8"}, 400,
+    ({}, 400, "missing required field `model`"), ({"model": 5}, 400, "`$.model`"), ({"model": "tiny-a", "weights": "fp8"}, 400,
     "invalid weights"), ({"model": "nope"}, 404, "not in the store"), ({"model": "tiny-a@v9"}, 404, "not in the store"),
     ({"model": "bad@@name"}, 400, "bad model reference"),
 ])  # fmt: skip
