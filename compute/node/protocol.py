@@ -18,10 +18,10 @@ talk to a node only through ``compute.node.client``. Routes (every one but /heal
 dataclass's fields (``SamplingWire``), so a field added there reaches the node with no other file
 changing, and a field the node does not know is refused (400 naming it), as the gateway refuses one.
 
-Why msgspec (measured by benchmarks/protocol_codec.py, one CPU core, µs per message): a stream line
-encodes in 0.09 (json.dumps of a dict: 2.0, pydantic: 1.0) and decodes in 0.16 (2.1, 1.3); a
-generate request of 200 prompt tokens encodes in 1.6 (14, 5.4) and decodes in 3.0 (12, 8.7). The
-stream line is paid once per token per request on both sides; pydantic stays at the public API.
+Why msgspec (measured by ``python -m benchmarks.protocol_codec``, one CPU core, µs per message, encode /
+decode): a stream line 0.12 / 0.23 (a dict through json: 2.0 / 2.1; pydantic: 1.1 / 1.3); a generate
+request of 200 prompt tokens, decoded to ``SamplingParams``, 1.3 / 5.7 (15 / 15; 5.0 / 10.7). The stream
+line is paid once per token per request on both sides; pydantic stays at the public API.
 """
 
 from __future__ import annotations
@@ -212,10 +212,7 @@ def encode(msg) -> bytes:
 
 def encode_line(msg: StreamLine) -> bytes:
     """One NDJSON line."""
-    buf = bytearray()
-    encoder.encode_into(msg, buf)
-    buf += b"\n"
-    return bytes(buf)
+    return encoder.encode(msg) + b"\n"
 
 
 def decode(buf: bytes | str, type_: type):
