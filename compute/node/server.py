@@ -3,7 +3,8 @@
 Requests (``/internal/generate|prefill|decode``) carry ``"model"`` (absent: the node's only model)
 and go to that model's ``NodeService``; a model not held or not ready here -> 503 (the gateway tries
 elsewhere). Models are loaded and unloaded with ``/internal/models/load|unload`` (``models.ModelHost``).
-See gateway/nodes.py for the request protocol and issue 12's contract A for the shapes.
+Every body is decoded as its message type (compute/node/protocol.py; a field not in it is refused, 400);
+every refusal is a ``NodeError`` whose kind says what the caller should do.
 """
 
 from __future__ import annotations
