@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from compute.node.auth import SignedAuth
+from compute.node.client import NodeFailed, RequestRejected, SyncNodeClient
 from compute.node.launcher import free_port
 from compute.node.lifeline import spawn_kwargs
 
@@ -117,7 +117,6 @@ class LocalActuator(Actuator):
         self._closing, self._hurry = threading.Event(), threading.Event()
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="pdserve-spawn")  # the nodes' parent thread
         self._supervisor: threading.Thread | None = None
-        self._auth = SignedAuth(self.config.internal_token)  # signs requests to the nodes; the token is never sent
         self._cpu = CpuMeter(window_s=1.0)
         os.makedirs(self.config.log_dir, exist_ok=True)
 
@@ -338,17 +337,14 @@ class LocalActuator(Actuator):
 
     def _watch(self, p: LocalNode) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
-        with httpx.Client(timeout=2.0) as client:  # /ready is open
+        with SyncNodeClient(None, timeout_s=2.0) as client:  # /ready is open
             while time.monotonic() < deadline and p.proc.poll() is None and p.state != "stopping":
-                try:
-                    if client.get(p.url + "/ready").status_code == 200:
-                        p.ready, p.state, p.ready_at = True, "ready", time.monotonic()
-                        log.info("%s node %s ready in %.1f s", p.role, p.url, p.ready_at - p.started)
-                        if self.on_ready:
-                            self.on_ready(p.info())
-                        return
-                except httpx.HTTPError:
-                    pass
+                if client.ready(p.url):
+                    p.ready, p.state, p.ready_at = True, "ready", time.monotonic()
+                    log.info("%s node %s ready in %.1f s", p.role, p.url, p.ready_at - p.started)
+                    if self.on_ready:
+                        self.on_ready(p.info())
+                    return
                 time.sleep(0.1)
         if not p.ready and p.state != "stopping" and p.proc.poll() is None:
             log.error("%s node %s not ready after %.0f s: killing it", p.role, p.url, self.config.ready_timeout_s)
@@ -373,9 +369,9 @@ class LocalActuator(Actuator):
 
     def _drain(self, p: LocalNode, timeout: float) -> None:
         try:
-            httpx.post(p.url + "/internal/drain", params={"timeout_s": timeout}, auth=self._auth,
-                       timeout=timeout + 5)  # fmt: skip
-        except httpx.HTTPError as e:
+            with SyncNodeClient(self.config.internal_token) as client:
+                client.drain(p.url, timeout)
+        except (httpx.HTTPError, NodeFailed, RequestRejected) as e:
             log.warning("drain of %s failed: %s", p.url, e)
 
     def _drain_all(self, procs: list[LocalNode], timeout: float) -> None:

@@ -57,7 +57,8 @@ from collections.abc import Mapping
 
 import httpx
 
-from compute.node.auth import SignedAuth
+from compute.node.client import NodeFailed, RequestRejected, SyncNodeClient
+from compute.node.protocol import ModelLoadRequest, ModelUnloadRequest
 
 from .actuator import Actuator, NodeInfo
 from .placement import HOLDING, Key, PoolConfig, Runtime, pool_config, rank
@@ -74,7 +75,7 @@ class RuntimePool(Actuator):
                  roles: tuple[str, ...] = ("prefill", "decode")):  # fmt: skip
         """`token`: the internal token, which signs the pool's requests to the runtimes (never sent)."""
         self.runtimes, self.config, self.roles = runtimes, config or PoolConfig(), tuple(roles)
-        self._http = httpx.Client(auth=SignedAuth(token) if token else None, timeout=self.config.http_timeout_s)
+        self._http = SyncNodeClient(token, timeout_s=self.config.http_timeout_s)
         self._lock = threading.Lock()  # the records below (status() reads them from other threads)
         self.view: dict[str, Runtime] = {}  # url -> runtime, as of the last observe
         self._desired: dict[Key, int] = {}  # keys scale() was asked about
@@ -176,9 +177,7 @@ class RuntimePool(Actuator):
 
     def _read(self, rt: Runtime) -> None:
         try:
-            r = self._http.get(rt.url + "/load")
-            r.raise_for_status()
-            body = r.json()
+            body = self._http.load(rt.url).as_dict()
         except (httpx.HTTPError, ValueError):
             rt.state = "unreachable"
             return
@@ -224,30 +223,29 @@ class RuntimePool(Actuator):
             try:
                 # wait_s: the node starts the load within half our timeout or refuses it (503) and does nothing;
                 # a load left waiting behind an unload's drain would land after this claim went elsewhere
-                r = self._http.post(rt.url + "/internal/models/load", json={
-                    "model": model, "keep": sorted(keep[rt.url]), "wait_s": self.config.http_timeout_s / 2})
-            except httpx.HTTPError as e:
-                log.warning("pool: load %s on %s failed: %s", model, rt.url, e)
-                continue
-            if r.status_code == 404:
-                log.error("pool: %s is not in the store (%s): not placing it", model, _detail(r))
+                body = self._http.load_model(rt.url, ModelLoadRequest(
+                    model, keep=sorted(keep[rt.url]), wait_s=self.config.http_timeout_s / 2))
+            except RequestRejected as e:
+                if e.status != 404:
+                    log.info("pool: %s refused %s (%d: %s); next runtime", rt.url, model, e.status, e)
+                    continue
+                log.error("pool: %s is not in the store (%s): not placing it", model, e)
                 with self._lock:
                     self._desired[key] = len(self._holders(key))
-                self._record(key, rt, why, t, f"not in the store: {_detail(r)}")
+                self._record(key, rt, why, t, f"not in the store: {e}")
                 return True  # nothing to wait for
-            if r.status_code not in (200, 202):
-                log.info("pool: %s refused %s (%d: %s); next runtime", rt.url, model, r.status_code, _detail(r))
+            except NodeFailed as e:
+                log.info("pool: load %s on %s failed: %s; next runtime", model, rt.url, e)
                 continue
-            body = r.json()
             with self._lock:
-                rt.models[model] = {"state": body.get("state", "loading")}
-                for gone in body.get("evicted") or []:
+                rt.models[model] = {"state": body.state}
+                for gone in body.evicted:
                     rt.models.pop(gone, None)
                     k = (gone, role)
                     if k in self._desired:  # at 0 at once where this was its only replica
                         self._desired[k] = max(0, min(self._desired[k], len(self._holders(k))))
                     self._ready_at.pop((gone, rt.url), None)
-            self._record(key, rt, why, t, "", evicted=list(body.get("evicted") or []))
+            self._record(key, rt, why, t, "", evicted=list(body.evicted))
             log.info("pool: claimed %s (%s) for %s: %s", rt.url, rt.name, model, why)
             return True
         return False
@@ -288,10 +286,9 @@ class RuntimePool(Actuator):
     def _unload_now(self, model: str, url: str) -> None:
         timeout = self.config.unload_timeout_s
         try:
-            r = self._http.post(url + "/internal/models/unload", json={"model": model, "timeout_s": timeout},
-                                timeout=timeout + 10)  # fmt: skip
-            log.info("pool: unloaded %s from %s (%d %s)", model, url, r.status_code, _detail(r) or "")
-        except httpx.HTTPError as e:
+            r = self._http.unload_model(url, ModelUnloadRequest(model, timeout))
+            log.info("pool: unloaded %s from %s (drained: %s)", model, url, r.drained)
+        except (NodeFailed, RequestRejected) as e:
             log.warning("pool: unload of %s from %s failed: %s", model, url, e)
         finally:
             with self._lock:
@@ -337,10 +334,3 @@ class RuntimePool(Actuator):
                     "max_runtimes": {r: self.config.cap(r) for r in self.roles},
                     "claims": list(self._claims), "last_placement": self.last_placement,
                     "desired": {f"{m}/{r}": n for (m, r), n in sorted(self._desired.items())}}  # fmt: skip
-
-
-def _detail(r: httpx.Response) -> str:
-    try:
-        return str(r.json().get("detail", ""))
-    except ValueError:
-        return r.text[:200]

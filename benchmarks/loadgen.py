@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from compute.node import protocol as P
 from compute.node.auth import SignedAuth
 
 
@@ -92,30 +93,30 @@ async def chat_stream(client, url: str, model: str, prompt: str, max_tokens: int
 
 async def node_stream(client, url: str, token: str, prompt_ids: list[int], max_tokens: int) -> Sample:
     """The same request straight to a node's /internal/generate (NDJSON)."""
-    body = {"request_id": uuid.uuid4().hex, "prompt_token_ids": prompt_ids,
-            "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    body = P.encode(P.GenerateRequest(uuid.uuid4().hex, prompt_ids,
+                                      P.SamplingWire(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
     s = Sample(start=time.monotonic())
     first = last = None
     tokens = 0
     try:
-        async with client.stream("POST", url + "/internal/generate", json=body,
-                                 auth=SignedAuth(token)) as r:  # fmt: skip
+        async with client.stream("POST", url + "/internal/generate", content=body, auth=SignedAuth(token),
+                                 headers={"content-type": "application/json"}) as r:  # fmt: skip
             if r.status_code != 200:
                 s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return _finish(s, None, None, 0)
             async for line in r.aiter_lines():
                 if not line:
                     continue
-                msg = json.loads(line)
-                if msg.get("token_ids"):
+                msg = P.decode(line, P.StreamLine)
+                if msg.token_ids:
                     now = time.monotonic()
                     first = first if first is not None else now
                     last = now
-                    tokens += len(msg["token_ids"])
-                if msg.get("finish_reason"):
-                    s.ok = msg["finish_reason"] in ("stop", "length", "eos")
+                    tokens += len(msg.token_ids)
+                if msg.finish_reason:
+                    s.ok = msg.finish_reason in ("stop", "length", "eos")
                     if not s.ok:
-                        s.error = msg.get("error") or msg["finish_reason"]
+                        s.error = msg.error or msg.finish_reason
                     break
     except Exception as e:  # noqa: BLE001
         s.error = f"{type(e).__name__}: {e}"[:200]

@@ -43,7 +43,10 @@ from benchmarks.mixed_workload import (
     summary,
     workload,
 )
+from compute.node import protocol as P
 from compute.node.launcher import ServiceProc, Services
+
+JSON = {"content-type": "application/json"}  # the node API's messages go as msgspec-encoded bytes
 
 SCRATCH_STORE = os.path.join(".pdserve", "bench-pd-store")
 
@@ -87,26 +90,24 @@ def _handoff_times(prefill: ServiceProc, decode: ServiceProc, auth, prompt: list
     with httpx.Client(auth=auth, timeout=120) as c:
         for i in range(reps + 1):
             rid = f"bench-handoff-{i}-{secrets.token_hex(4)}"
-            params = {"max_tokens": 2, "temperature": 0.0}
-            body = {"request_id": rid, "prompt_token_ids": prompt, "params": params}
+            body = P.GenerateRequest(rid, prompt, P.SamplingWire(max_tokens=2, temperature=0.0))
             t0 = time.perf_counter()
-            r = c.post(prefill.url + "/internal/prefill", json=body)
+            r = c.post(prefill.url + "/internal/prefill", content=P.encode(body), headers=JSON)
             t1 = time.perf_counter()
             r.raise_for_status()
-            first = r.json()
-            if not first.get("kv"):
+            first = P.decode(r.content, P.PrefillReply)
+            if not first.kv:
                 raise RuntimeError(f"prefill returned no KV handle: {r.text[:300]}")
-            dbody = {**body, "first_token_id": first["token_ids"][-1], "kv": first["kv"],
-                     "params": {**params, "max_tokens": 1}}  # fmt: skip
-            with c.stream("POST", decode.url + "/internal/decode", json=dbody) as s:
+            dbody = P.DecodeRequest(rid, prompt, P.SamplingWire(max_tokens=1, temperature=0.0),
+                                    first_token_id=first.token_ids[-1], kv=first.kv)  # fmt: skip
+            with c.stream("POST", decode.url + "/internal/decode", content=P.encode(dbody), headers=JSON) as s:
                 if s.status_code != 200:
                     s.read()
                     raise RuntimeError(f"decode answered {s.status_code}: {s.text[:300]}")
                 reason = None
                 for line in s.iter_lines():
                     if line:
-                        msg = json.loads(line)
-                        reason = msg.get("finish_reason") or reason
+                        reason = P.decode(line, P.StreamLine).finish_reason or reason
                         if reason:
                             break
             t2 = time.perf_counter()
@@ -318,13 +319,13 @@ def _generate_first(node: ServiceProc, auth, prompt: list[int], reps: int) -> fl
     times = []
     with httpx.Client(auth=auth, timeout=120) as c:
         for i in range(reps + 1):
-            body = {"request_id": f"bench-gen-{i}-{secrets.token_hex(4)}", "prompt_token_ids": prompt,
-                    "params": {"max_tokens": 1, "temperature": 0.0}}  # fmt: skip
+            body = P.GenerateRequest(f"bench-gen-{i}-{secrets.token_hex(4)}", prompt,
+                                     P.SamplingWire(max_tokens=1, temperature=0.0))  # fmt: skip
             t0 = time.perf_counter()
-            with c.stream("POST", node.url + "/internal/generate", json=body) as s:
+            with c.stream("POST", node.url + "/internal/generate", content=P.encode(body), headers=JSON) as s:
                 s.raise_for_status()
                 for line in s.iter_lines():
-                    if line and json.loads(line).get("finish_reason"):
+                    if line and P.decode(line, P.StreamLine).finish_reason:
                         break
             if i:
                 times.append(time.perf_counter() - t0)

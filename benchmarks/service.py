@@ -44,6 +44,7 @@ from benchmarks.observe import (  # noqa: F401 - re-exported: burst.py, swap.py 
     status_nodes,
 )
 from compute.node.auth import SignedAuth
+from compute.node.client import SyncNodeClient
 from compute.node.launcher import free_port, service_env
 from compute.node.lifeline import spawn_kwargs
 
@@ -113,7 +114,8 @@ class UpService:
         self.cmd = cmd
         self.p: subprocess.Popen | None = None
         self.started = 0.0
-        self._client = httpx.Client(timeout=5.0, auth=self.auth)
+        self._client = httpx.Client(timeout=5.0, auth=self.auth)  # the gateway's own routes
+        self._nodes = SyncNodeClient(None, timeout_s=5.0, auth=self.auth)
         self._peak: dict[int, dict] = {}  # pid -> last memory sample (kept after the node exits)
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -150,6 +152,7 @@ class UpService:
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL to the group; -> its exit code."""
         self._client.close()
+        self._nodes.close()
         if self.p is None:
             return None
         if self.p.poll() is None:
@@ -179,7 +182,11 @@ class UpService:
         return self._get("/internal/status")
 
     def load(self, node_url: str) -> dict | None:
-        return self._get("/load", base=node_url)
+        """A node's /load (``protocol.LoadReport``) as a dict; None if it does not answer."""
+        try:
+            return self._nodes.load(node_url).as_dict()
+        except (httpx.HTTPError, ValueError):
+            return None
 
     def node_pids(self) -> dict[str, int]:
         """Node url -> pid, for the node processes among this service's descendants."""

@@ -8,8 +8,8 @@ Lifecycle of a request through ``TextStream``:
    with its new token ids and the text they completed (``TextBundle.detokenizer``:
    a delta never ends inside a UTF-8 character).
 3. Stop strings: the text of a request is searched for its stop strings as it
-   grows; the last ``len(longest stop) - 1`` characters are held back so a stop
-   string split across deltas is never partly emitted. On a match the text is cut
+   grows; an end that may begin a stop string is held back so a stop string split
+   across deltas is never partly emitted (the rule: ``compute.stops.visible_end``). On a match the text is cut
    *before* the stop string, the request is aborted in the engine (its KV blocks
    freed) and finishes with reason ``stop``.
 4. The event with ``finished=True`` is the request's last; ``result(id)`` then
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from compute.engine import Engine
 from compute.sampling import SamplingParams
+from compute.stops import visible_end
 from compute.tokenizer import IncrementalDetokenizer, TextBundle
 
 
@@ -65,11 +66,10 @@ class StreamResult:
 
 
 class _Request:
-    __slots__ = ("detok", "hold", "pending", "result", "stop")
+    __slots__ = ("detok", "pending", "result", "stop")
 
     def __init__(self, result: StreamResult, detok: IncrementalDetokenizer, stop: tuple[str, ...]):
         self.result, self.detok, self.stop = result, detok, stop
-        self.hold = max((len(s) for s in stop), default=1) - 1  # characters held back for a split stop
         self.pending = ""  # decoded, not yet emitted
 
 
@@ -155,18 +155,12 @@ class TextStream:
     def _apply_stop(self, req: _Request, delta: str, final: bool) -> tuple[str, str | None]:
         """New text -> (text to emit now, the stop string found or None); keeps a hold-back."""
         buf = req.pending + delta
-        if req.stop:
-            hits = [(i, s) for s in req.stop if (i := buf.find(s)) >= 0]
-            if hits:
-                i, s = min(hits)
-                req.pending = ""
-                return buf[:i], s
-        if final:
+        end, hit = visible_end(buf, req.stop)
+        if hit is not None or final:
             req.pending = ""
-            return buf, None
-        cut = max(0, len(buf) - req.hold)
-        req.pending = buf[cut:]
-        return buf[:cut], None
+            return (buf[:end] if hit is not None else buf), hit
+        req.pending = buf[end:]
+        return buf[:end], None
 
     def _finish(self, req: _Request, reason: str) -> None:
         r = req.result

@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -247,9 +248,9 @@ def create_app(gw: Gateway) -> FastAPI:
         ``plan``: the tools offered (gateway/tools.py: their grammar, the calls parsed out of the answer)."""
         rid = rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = created or int(time.time())
-        params, stops = gw.node_params(req) | (extra or {}), req.stop_list()
+        params, stops = replace(gw.node_params(req), **(extra or {})), req.stop_list()
         if plan is not None and plan.grammar is not None:
-            params["grammar"] = plan.grammar
+            params = replace(params, grammar=plan.grammar)
         timing: dict = {}
         t0 = time.monotonic()
         gen = gw.generate(text, prompt, max_tokens, params, stops, timing, affinity)
@@ -266,8 +267,9 @@ def create_app(gw: Gateway) -> FastAPI:
             return _err(503, str(e), "server_error")
         except RequestRejected as e:  # the node refused the request itself: its message, not a 500
             await gen.aclose()
-            return _err(400 if e.status in (400, 413, 422) else 503, f"the node refused the request: {e}",
-                        "invalid_request_error" if e.status in (400, 413, 422) else "server_error")  # fmt: skip
+            bad = e.kind == "bad_request"
+            return _err(400 if bad else 503, f"the node refused the request: {e}",
+                        "invalid_request_error" if bad else "server_error")  # fmt: skip
         except StopAsyncIteration:
             return _err(503, "no output from the nodes", "server_error")
         echo = text.bundle.decode(prompt) if getattr(req, "echo", False) else ""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from compute.node import auth
+from compute.node.client import AsyncNodeClient
 
 from .router import NodeView
 
@@ -179,8 +180,7 @@ class NodeRegistry:
             n.healthy = False
 
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0),
-                                         auth=auth.SignedAuth(self.token) if self.token else None)
+        self._client = AsyncNodeClient(self.token, timeout_s=2.0, max_connections=64)
         await self.poll_once()
         self._task = asyncio.create_task(self._loop())
 
@@ -192,7 +192,7 @@ class NodeRegistry:
             except asyncio.CancelledError:
                 pass
         if self._client:
-            await self._client.aclose()
+            await self._client.close()
 
     async def _loop(self) -> None:
         while True:
@@ -223,18 +223,12 @@ class NodeRegistry:
         if not self.token:
             return "this gateway has no internal token to check a proof against (set $PDSERVE_INTERNAL_TOKEN)"
         nonce = auth.challenge()
-        r = await self._client.post(n.url + "/prove", json={"nonce": nonce, "url": n.url}, auth=None)
-        if r.status_code >= 500:
-            r.raise_for_status()
-        try:
-            proof = r.json().get("proof") if r.status_code == 200 else None
-        except (ValueError, AttributeError):
-            proof = None
+        status, proof, text = await self._client.prove(n.url, nonce)
         if auth.check_proof(self.token, nonce, n.url, proof):
             return None
-        if r.status_code != 200:
-            detail = r.text[:200].strip()
-            return f"it answered the challenge with {r.status_code}{': ' + detail if detail else ''}"
+        if status != 200:
+            detail = text[:200].strip()
+            return f"it answered the challenge with {status}{': ' + detail if detail else ''}"
         return "its proof does not match: it does not hold this deployment's internal token, or is not the node at this URL"
 
     async def _proof(self, n: NodeState) -> str | None:
@@ -258,11 +252,7 @@ class NodeRegistry:
                 if why is not None:
                     return self._refuse(n, why)
                 n.proven = True
-            r = await self._client.get(n.url + "/load")
-            r.raise_for_status()
-            body = r.json()
-            if not isinstance(body, dict):
-                raise ValueError("/load is not a JSON object")  # noqa: TRY004 - handled as a bad answer, with JSON errors
+            body = (await self._client.load(n.url)).as_dict()
             was_routable, before = n.view().routable, n.routable_models()
             n.load, n.healthy, n.failures, n.seen = body, True, 0, time.monotonic()
             new = n.routable_models() - before

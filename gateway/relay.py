@@ -23,11 +23,14 @@ import asyncio
 import logging
 import random
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
-from urllib.parse import urlsplit
 
+import msgspec
 from prometheus_client import Counter
+
+from compute.node.protocol import DecodeRequest, GenerateRequest, KVHandle, SamplingWire, StreamLine
+from compute.sampling import SamplingParams
 
 from .activator import Activator
 from .nodes import NodeClient, NodeFailed
@@ -47,7 +50,7 @@ class GenRequest:
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
-    params: dict = field(default_factory=dict)  # temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
+    params: SamplingParams = field(default_factory=SamplingParams)  # max_tokens set per attempt
     model: str = ""  # the served model name ("": any node, and no "model" in the node bodies)
     deadline: float = 0.0  # monotonic; for waiting on capacity
     produced: list[int] = field(default_factory=list)
@@ -89,15 +92,12 @@ class Relay:
             aff.route.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even if no one waits
         return await asyncio.shield(aff.route)  # one member gone does not cancel the others' route
 
-    def _body(self, req: GenRequest, node_rid: str) -> dict:
+    def _body(self, req: GenRequest, node_rid: str) -> GenerateRequest:
         n = len(req.produced)  # earlier output, now part of the prompt: replayed, and counted as output
-        params = dict(req.params, max_tokens=req.max_tokens - n, replay_tokens=n, output_tokens=n)
-        if n:
-            params.pop("prompt_logprobs", None)  # the client has them since the first tokens
-        body = {"request_id": node_rid, "prompt_token_ids": req.prompt_ids + req.produced, "params": params}
-        if req.model:
-            body["model"] = req.model
-        return body
+        params = replace(req.params, max_tokens=req.max_tokens - n,
+                         prompt_logprobs=None if n else req.params.prompt_logprobs)  # a retry has them already
+        return GenerateRequest(node_rid, req.prompt_ids + req.produced, wire(params), req.model or None,
+                               replay_tokens=n, output_tokens=n)  # fmt: skip
 
     async def run(self, req: GenRequest) -> AsyncIterator[Chunk]:
         """Yields ``Chunk``s (new token ids, finish_reason or None, logprobs) until a finish reason."""
@@ -134,7 +134,7 @@ class Relay:
     async def _attempt(self, req: GenRequest, route: Route, rid: str, holding: list[str]):
         if not route.split:
             holding.append(route.both)
-            async for msg in self.client.stream(route.both, "generate", self._body(req, rid)):
+            async for msg in self.client.generate(route.both, self._body(req, rid)):
                 yield _unpack(route.both, msg)
             return
         holding.append(route.prefill)
@@ -142,17 +142,18 @@ class Relay:
         first = await self.client.prefill(route.prefill, body)
         chunk = _unpack(route.prefill, first)
         toks = chunk.token_ids
-        if chunk.finish_reason or not first.get("kv"):
+        if chunk.finish_reason or not first.kv:
             holding.clear()
             yield chunk._replace(finish_reason=chunk.finish_reason or "stop")
             return
         yield chunk
         route = req.route = self._decode_still_live(route, req.model or None)
         holding.append(route.decode)
-        dbody = {**body, "first_token_id": toks[-1], "kv": _reachable(first["kv"], route.prefill),
-                 "params": {**body["params"], "max_tokens": body["params"]["max_tokens"] - len(toks),
-                            "replay_tokens": 0, "prompt_logprobs": None}}  # fmt: skip
-        async for msg in self.client.stream(route.decode, "decode", dbody):
+        params = msgspec.structs.replace(body.params, max_tokens=body.params.max_tokens - len(toks), prompt_logprobs=None)
+        dbody = DecodeRequest(body.request_id, body.prompt_token_ids, params, body.model,
+                              output_tokens=body.output_tokens, first_token_id=toks[-1],
+                              kv=KVHandle(first.kv).reachable_from(route.prefill))  # fmt: skip
+        async for msg in self.client.decode(route.decode, dbody):
             holding[:] = [route.decode]  # the decode side confirmed the KV: prefill has freed it
             yield _unpack(route.decode, msg)
 
@@ -170,11 +171,16 @@ class Relay:
         return Route(prefill=route.prefill, decode=decode)
 
 
-def _unpack(url: str, msg: dict) -> Chunk:
-    reason = msg.get("finish_reason")
+def _unpack(url: str, msg: StreamLine) -> Chunk:
+    reason = msg.finish_reason
     if reason in ("error", "abort"):  # the gateway never asked for it: the node failed or is leaving
-        raise NodeFailed(url, msg.get("error") or f"request ended by the node ({reason})")
-    return Chunk(list(msg.get("token_ids") or []), reason, msg.get("logprobs"), msg.get("prompt_logprobs"))
+        raise NodeFailed(url, msg.error or f"request ended by the node ({reason})")
+    return Chunk(msg.token_ids, reason, msg.logprobs, msg.prompt_logprobs)
+
+
+def wire(sp: SamplingParams) -> SamplingWire:
+    """The engine's parameters as they go to a node."""
+    return SamplingWire(**{f: getattr(sp, f) for f in SamplingWire.__struct_fields__})
 
 
 async def _shielded(coro) -> None:
@@ -182,13 +188,3 @@ async def _shielded(coro) -> None:
         await asyncio.shield(coro)
     except (asyncio.CancelledError, Exception):  # noqa: BLE001 - best effort on the way out
         pass
-
-
-def _reachable(kv: dict, prefill_url: str) -> dict:
-    """A prefill node listening on every interface (0.0.0.0 in a pod) offers its KV at that wildcard
-    address, which means "this host" to whoever dials it: the decode node must dial the host the
-    gateway reached the prefill node at instead."""
-    addr = kv.get("address")
-    if isinstance(addr, list) and len(addr) == 2 and addr[0] in ("0.0.0.0", "::", ""):
-        return {**kv, "address": [urlsplit(prefill_url).hostname, addr[1]]}
-    return kv

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -20,6 +21,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
+
+from compute.sampling import SamplingParams
 
 from . import tools
 from .activator import Activator
@@ -41,6 +44,11 @@ REQUEST_SECONDS = Histogram("pdserve_gateway_request_seconds", "Whole-request la
 TTFT = Histogram("pdserve_gateway_ttft_seconds", "Time to first token at the gateway",
                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))  # fmt: skip
 
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+# sampling fields the API spells or bounds otherwise (or the relay sets): translated in node_params
+_TRANSLATED = {"max_tokens", "top_k", "seed", "logit_bias", "stop_token_ids", "logprobs", "prompt_logprobs",
+               "grammar", "fork_group"}  # fmt: skip
 
 class BadRequest(ValueError):
     """The request is invalid (HTTP 400); `param` names the offending field."""
@@ -165,18 +173,21 @@ class Gateway:
         takes_tools = any(tools.supported(t.bundle) for t in texts) or not texts  # none read: left open
         return min(self.config.max_tokens_limit or ctx, ctx), vocab, takes_tools
 
-    def node_params(self, req) -> dict:
+    def node_params(self, req) -> SamplingParams:
+        """The engine's parameters of an API request: every field of the request named as one of
+        ``SamplingParams`` is taken as it is (a field added to both needs nothing here); the rest are
+        translated below. max_tokens is set per attempt by the relay."""
+        same = {f: getattr(req, f) for f in _SAMPLING_FIELDS if f not in _TRANSLATED and getattr(req, f, None) is not None}
         seed = None if req.seed is None else req.seed % 2**63
-        return {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(0, req.top_k), "min_p": req.min_p,
-                "seed": seed, "ignore_eos": req.ignore_eos, "presence_penalty": req.presence_penalty,
-                "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
-                "min_tokens": req.min_tokens, "logit_bias": req.logit_bias or {}, "stop_token_ids": list(req.stop_token_ids or ()),
-                "logprobs": req.num_logprobs(),
-                "prompt_logprobs": req.num_logprobs() if getattr(req, "echo", False) else None,
-                "grammar": grammar_spec(req.response_format)}  # fmt: skip
+        return SamplingParams(
+            **same, top_k=max(0, req.top_k), seed=seed, logit_bias=req.logit_bias or {},
+            stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=req.num_logprobs(),
+            prompt_logprobs=req.num_logprobs() if getattr(req, "echo", False) else None,
+            grammar=grammar_spec(req.response_format),
+        )  # fmt: skip
 
     # --- generation ------------------------------------------------------------------
-    async def generate(self, text: Text, prompt: list[int], max_tokens: int, params: dict, stops: list[str],
+    async def generate(self, text: Text, prompt: list[int], max_tokens: int, params: SamplingParams, stops: list[str],
                        timing: dict, affinity: Affinity | None = None) -> AsyncIterator[Delta]:  # fmt: skip
         """Held (no node holds the model yet), admitted, relayed, detokenized deltas; the last one
         carries finish_reason. One bound on the whole wait before the start (queue_timeout_s):

@@ -25,6 +25,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, StringConstraints
 
+from compute.stops import held_back
+
 FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # OpenAI's rule (and '.')
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # Hermes' call markers
 
@@ -193,7 +195,7 @@ class CallParser:
             if not self.inside:
                 i = self.buf.find(OPEN)
                 if i < 0:
-                    cut = len(self.buf) - _partial(self.buf, OPEN)
+                    cut = len(self.buf) - held_back(self.buf, (OPEN,))
                     out, self.buf = out + self._content(self.buf[:cut]), self.buf[cut:]
                     return out, calls
                 out, self.buf, self.inside = out + self._content(self.buf[:i]), self.buf[i + len(OPEN) :], True
@@ -233,14 +235,6 @@ class CallParser:
         cut = len(text.rstrip())
         text, self.held = text[:cut], text[cut:]
         return text
-
-
-def _partial(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker`` (it may be completed by what follows)."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def _call(body: str) -> dict | None:

@@ -21,13 +21,15 @@ import time
 from compute.errors import CacheFull, RequestTooLarge
 from compute.sequence import Sequence
 
+from .protocol import DecodeRequest
 from .service import (
     Active,
     BadNodeRequest,
     NodeBusy,
     NodeService,
+    TransferFailed,
+    check_request,
     constrain,
-    parse,
     prompt_len,
     sampling_params,
 )
@@ -41,16 +43,16 @@ def make_receiver(svc: NodeService, layout, cache_tensor) -> None:
                                  hold_s=cfg.kv_hold_s, timeout_s=cfg.kv_timeout_s)  # fmt: skip
 
 
-async def decode(svc: NodeService, body: dict):
+async def decode(svc: NodeService, msg: DecodeRequest):
     """-> (request id, output queue) once the KV has landed; raises NodeBusy/BadNodeRequest."""
     svc.check_accepting()
-    rid, prompt, params = parse(body)
-    first, handle = body.get("first_token_id"), body.get("kv")
-    if not isinstance(first, int) or not isinstance(handle, dict):
+    check_request(msg)
+    rid, prompt, first, handle = msg.request_id, msg.prompt_token_ids, msg.first_token_id, msg.kv
+    if not handle:
         raise BadNodeRequest("decode needs first_token_id (int) and kv (the prefill handle)")
     svc.check_tokens(prompt + [first])
-    seq = Sequence(prompt + [first], sampling_params(params))
-    seq.prompt_len = prompt_len(prompt, params)  # the first token (from the prefill node) is output
+    seq = Sequence(prompt + [first], sampling_params(msg))
+    seq.prompt_len = prompt_len(msg)  # the first token (from the prefill node) is output
     seq.matcher = constrain(svc.grammars, seq.params, seq.token_ids[seq.prompt_len :])
     if rid in svc.active:
         raise BadNodeRequest(f"duplicate request_id {rid!r}")
@@ -79,7 +81,7 @@ async def _receive(svc: NodeService, handle: dict, blocks: list[int], rid: str) 
     except ValueError as e:
         raise BadNodeRequest(f"bad KV handle: {e}") from None
     except Exception as e:  # noqa: BLE001 - TransferFailed (expired...) : retry elsewhere
-        raise NodeBusy(f"KV transfer could not start: {e}") from None
+        raise TransferFailed(f"KV transfer could not start: {e}") from None
     deadline = time.monotonic() + svc.config.kv_timeout_s + 1.0
     try:
         while True:
@@ -87,9 +89,9 @@ async def _receive(svc: NodeService, handle: dict, blocks: list[int], rid: str) 
             if state is TransferState.DONE:
                 return
             if state is TransferState.FAILED:
-                raise NodeBusy(f"KV transfer failed: {svc.receiver.failure(tid)}")
+                raise TransferFailed(f"KV transfer failed: {svc.receiver.failure(tid)}")
             if time.monotonic() > deadline:
-                raise NodeBusy("KV transfer timed out")
+                raise TransferFailed("KV transfer timed out")
             await asyncio.sleep(0.001)
     except BaseException:
         svc.receiver.abort(tid)

@@ -70,9 +70,11 @@ class ServiceProc:
         raise TimeoutError(f"{self.name} not ready in {timeout:g} s: {self.log()[-2000:]}")
 
     def load(self) -> dict:
-        import httpx
+        """The node's /load (``protocol.LoadReport``) as a dict."""
+        from .client import SyncNodeClient
 
-        return httpx.get(self.url + "/load", auth=self.auth, timeout=5).json()
+        with SyncNodeClient(None, auth=self.auth) as client:
+            return client.load(self.url).as_dict()
 
     def log(self) -> str:
         with open(self.log_path, "rb") as f:

@@ -33,7 +33,8 @@ from compute.loader import LoadProgress, transient_bytes
 
 from .config import NodeConfig
 from .held import Held, estimate_bytes, free, mem_available, rss_bytes
-from .service import BadNodeRequest, NodeBusy, NodeService
+from .protocol import ModelLoadReply, ModelUnloadReply
+from .service import BadNodeRequest, ModelNotLoaded, NodeBusy, NodeService
 
 log = logging.getLogger("pdserve.node")
 PREFETCH = 2  # shards a load keeps in flight when the budget has room for them (ReaderConfig's default)
@@ -63,8 +64,8 @@ class ModelHost:
         self._retiring: set[str] = set()  # models draining now (unload or eviction): the lock is held meanwhile
 
     # --- load / unload -------------------------------------------------------------------
-    async def load(self, name, weights=None, keep=(), wait_s=None) -> tuple[int, dict]:
-        """-> (202 | 200, {"model", "state", "evicted"}); ModelUnknown, BadNodeRequest, NodeBusy.
+    async def load(self, name, weights=None, keep=(), wait_s=None) -> tuple[int, ModelLoadReply]:
+        """-> (202 | 200, the reply); ModelUnknown, BadNodeRequest, NodeBusy.
         ``keep``: models not to evict for this load (the pool's: a request is on its way to them);
         ``wait_s``: the longest wait for the host's turn (an unload draining holds it): past it, NodeBusy
         and nothing done (None: as long as it takes)."""
@@ -89,13 +90,13 @@ class ModelHost:
         finally:
             self._lock.release()
 
-    async def _load_locked(self, name: str, weights: str, keep) -> tuple[int, dict]:
+    async def _load_locked(self, name: str, weights: str, keep) -> tuple[int, ModelLoadReply]:
         """``load`` with the host's turn held."""
         if self.draining:
             raise NodeBusy("node is draining")
         h = self.models.get(name)
         if h is not None and h.state != "failed":
-            return 200, {"model": name, "state": h.state, "evicted": []}
+            return 200, ModelLoadReply(name, h.state)
         manifest = await asyncio.to_thread(self._manifest, name)
         self.cached[name] = await asyncio.to_thread(self.cached_fraction, manifest)
         wb, kb = estimate_bytes(manifest, weights, self.cfg)
@@ -111,10 +112,10 @@ class ModelHost:
         h.start(self.cfg, self.store, self.cache, self.loop, on_ready=self._on_ready)
         if evicted:
             log.info("evicted %s to load %s", ", ".join(evicted), name)
-        return 202, {"model": name, "state": h.state, "evicted": evicted}
+        return 202, ModelLoadReply(name, h.state, evicted)
 
-    async def unload(self, name, timeout_s=30.0) -> dict:
-        """Drain ``name`` (bounded), then free it -> {"unloaded": True, "drained": bool}; ModelNotHeld."""
+    async def unload(self, name, timeout_s=30.0) -> ModelUnloadReply:
+        """Drain ``name`` (bounded), then free it; ModelNotHeld."""
         if not isinstance(name, str) or name not in self.models:
             raise ModelNotHeld(f"model {name!r} is not held here")
         try:
@@ -128,7 +129,7 @@ class ModelHost:
             if h is None:
                 raise ModelNotHeld(f"model {name!r} is not held here")
             drained = await self._retire(h, timeout_s)
-        return {"unloaded": True, "drained": drained}
+        return ModelUnloadReply(True, drained)
 
     async def drain(self, timeout_s: float) -> bool:
         """The whole node: refuse new requests and loads, wait (bounded) for every model's active ones."""
@@ -212,22 +213,21 @@ class ModelHost:
         self.cached[h.name] = self.cached_fraction(h.manifest)
 
     # --- requests ------------------------------------------------------------------------
-    def service(self, body: dict) -> NodeService:
-        """The ready service a request's ``model`` names (absent: the only model); marks it used."""
-        name = body.get("model")
+    def service(self, name: str | None) -> NodeService:
+        """The ready service a request's ``model`` names (None: the only model); marks it used."""
         if name is None:
             live = [h for h in self.models.values() if h.state != "failed"]
             if len(live) > 1:
                 raise BadNodeRequest(f"this node holds several models ({', '.join(self.models)}): name one in 'model'")
             if not live:
-                raise NodeBusy("node is draining" if self.draining else "no model is loaded on this node")
+                raise ModelNotLoaded("node is draining" if self.draining else "no model is loaded on this node")
             h = live[0]
         elif not isinstance(name, str):
             raise BadNodeRequest("model must be a string")
         elif (h := self.models.get(name)) is None:
-            raise NodeBusy(f"model {name!r} is not held by this node")
+            raise ModelNotLoaded(f"model {name!r} is not held by this node")
         if h.state != "ready" or h.svc is None:
-            raise NodeBusy(f"model {h.name!r} is {h.state} on this node" + (f": {h.error}" if h.error else ""))
+            raise ModelNotLoaded(f"model {h.name!r} is {h.state} on this node" + (f": {h.error}" if h.error else ""))
         h.last_used = time.time()
         return h.svc
 

@@ -20,15 +20,8 @@ import logging
 import time
 
 from .metrics import TTFT
-from .service import (
-    BadNodeRequest,
-    NodeBusy,
-    NodeService,
-    new_sequence,
-    output_json,
-    parse,
-    sampling_params,
-)
+from .protocol import GenerateRequest, KVHandle, PrefillReply
+from .service import BadNodeRequest, NodeService, TransferFailed, check_request, new_sequence, output_line, sampling_params
 
 log = logging.getLogger("pdserve.node")
 
@@ -47,12 +40,13 @@ def make_sender(svc: NodeService, layout, cache_tensor) -> None:
                                compression=cfg.kv_compression)  # fmt: skip
 
 
-async def prefill(svc: NodeService, body: dict) -> dict:
+async def prefill(svc: NodeService, msg: GenerateRequest) -> PrefillReply:
     svc.check_accepting()
-    rid, prompt, params = parse(body)
+    check_request(msg)
+    rid, prompt = msg.request_id, msg.prompt_token_ids
     svc.check_tokens(prompt)
-    want = sampling_params(params)  # the whole request's limits (validated here)
-    seq = new_sequence(prompt, params, sampling_params(params, max_tokens=1), svc.grammars)
+    want = sampling_params(msg)  # the whole request's limits (validated here)
+    seq = new_sequence(msg, sampling_params(msg, max_tokens=1), svc.grammars)
     seq.hold_kv = True
     # the context check must cover the whole request, not just this first token
     if len(prompt) + want.max_tokens > svc.scheduler.max_len:
@@ -66,18 +60,20 @@ async def prefill(svc: NodeService, body: dict) -> dict:
     if out.new_token_ids:  # the request's first token: its TTFT is measured here (the decode node's is its own)
         TTFT.labels(svc.config.model).observe(time.monotonic() - started)
     if out.finish_reason in ("error", "abort"):
-        return {"token_ids": [], "finish_reason": out.finish_reason, "error": out.error, "kv": None}
-    line = output_json(out)  # the first token, its logprobs and the prompt's, if asked
+        return PrefillReply([], out.finish_reason, error=out.error)
+    line = output_line(out)  # the first token, its logprobs and the prompt's, if asked
+    reply = PrefillReply(line.token_ids, None, line.logprobs, line.prompt_logprobs, line.error)
     ended = out.finish_reason == "stop" or want.max_tokens == 1
     if ended:
         svc.worker.post(lambda e: e.scheduler.release(seq.seq_id))
-        return line | {"finish_reason": out.finish_reason if out.finish_reason == "stop" else "length", "kv": None}
+        reply.finish_reason = out.finish_reason if out.finish_reason == "stop" else "length"
+        return reply
     blocks = await svc.worker.call(lambda e: list(e.scheduler.held.get(seq.seq_id, [])))
     svc.held[rid] = seq.seq_id
     try:
-        handle = svc.sender.offer(rid, blocks, len(prompt))
+        reply.kv = KVHandle(svc.sender.offer(rid, blocks, len(prompt)))
     except Exception as e:  # noqa: BLE001 - TransferFailed/TransportDead: this request only
         svc.held.pop(rid, None)
         svc.worker.post(lambda e: e.scheduler.release(seq.seq_id))
-        raise NodeBusy(f"cannot offer KV: {e}") from None
-    return line | {"finish_reason": None, "kv": handle}
+        raise TransferFailed(f"cannot offer KV: {e}") from None
+    return reply

@@ -3,7 +3,8 @@
 Requests (``/internal/generate|prefill|decode``) carry ``"model"`` (absent: the node's only model)
 and go to that model's ``NodeService``; a model not held or not ready here -> 503 (the gateway tries
 elsewhere). Models are loaded and unloaded with ``/internal/models/load|unload`` (``models.ModelHost``).
-See gateway/nodes.py for the request protocol and issue 12's contract A for the shapes.
+Every body is decoded as its message type (compute/node/protocol.py; a field not in it is refused, 400);
+every refusal is a ``NodeError`` whose kind says what the caller should do.
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import auth
+from . import protocol as P
 from . import decode as decode_role
 from . import prefill as prefill_role
 from .metrics import host_registry
 from .models import ModelHost, ModelNotHeld, ModelUnknown
-from .service import BadNodeRequest, NodeBusy, new_sequence, parse, sampling_params
+from .service import BadNodeRequest, NodeBusy, check_request, new_sequence, sampling_params
 
 log = logging.getLogger("pdserve.node")
 # without credentials: what a kubelet probes (no state beyond ready/draining) and what Prometheus scrapes, open as
@@ -36,6 +39,15 @@ async def _json_object(request: Request) -> dict | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return body if isinstance(body, dict) else None
+
+
+def raw(msg, status: int = 200) -> Response:
+    """A message (a protocol Struct or plain data) as a JSON response, encoded by msgspec."""
+    return Response(P.encode(msg), status_code=status, media_type="application/json")
+
+
+def refuse(detail: str, kind: str, status: int | None = None) -> Response:
+    return raw(P.NodeError(detail, kind), status or P.STATUS[kind])
 
 
 def create_app(host: ModelHost) -> FastAPI:
@@ -64,73 +76,73 @@ def create_app(host: ModelHost) -> FastAPI:
             return JSONResponse({"detail": f"{url[:200]!r} does not name this node"}, status_code=403)
         return {"proof": auth.prove(cfg.internal_token, nonce, url)}
 
-    def guard(fn):
+    def guard(fn, type_):
+        """A route taking a ``type_`` message; every refusal a NodeError whose kind says what to do."""
+
         async def run(request: Request):
             try:
-                body = await request.json()
-            except (ValueError, UnicodeDecodeError):
-                return JSONResponse({"detail": "body is not valid JSON"}, status_code=400)
-            if not isinstance(body, dict):
-                return JSONResponse({"detail": "body must be a JSON object"}, status_code=400)
+                msg = P.decode(await request.body(), type_)
+            except msgspec.DecodeError as e:
+                return refuse(f"body is not valid JSON: {e}", "bad_request")
+            except msgspec.ValidationError as e:
+                return refuse(f"invalid {type_.__name__}: {e}", "bad_request")
             try:
-                return await fn(body)
-            except BadNodeRequest as e:
-                return JSONResponse({"detail": str(e)}, status_code=400)
-            except (ModelUnknown, ModelNotHeld) as e:
-                return JSONResponse({"detail": str(e)}, status_code=404)
-            except NodeBusy as e:
-                return JSONResponse({"detail": str(e)}, status_code=503)
+                return await fn(msg)
+            except (BadNodeRequest, NodeBusy) as e:
+                return refuse(str(e), e.kind)
+            except ModelUnknown as e:
+                return refuse(str(e), "bad_request", 404)
+            except ModelNotHeld as e:
+                return refuse(str(e), "model_not_loaded", 404)
 
         return run
 
-    async def generate(body: dict):
-        svc = host.service(body)
+    async def generate(msg: P.GenerateRequest):
+        svc = host.service(msg.model)
         svc.check_accepting()
-        rid, prompt, params = parse(body)
-        svc.check_tokens(prompt)
-        q = await svc.add(rid, new_sequence(prompt, params, sampling_params(params), svc.grammars), "generate")
+        check_request(msg)
+        svc.check_tokens(msg.prompt_token_ids)
+        seq = new_sequence(msg, sampling_params(msg), svc.grammars)
+        q = await svc.add(msg.request_id, seq, "generate")
+        return StreamingResponse(svc.relay(msg.request_id, q), media_type="application/x-ndjson")
+
+    async def prefill(msg: P.GenerateRequest):
+        return raw(await prefill_role.prefill(host.service(msg.model), msg))
+
+    async def decode(msg: P.DecodeRequest):
+        svc = host.service(msg.model)
+        rid, q = await decode_role.decode(svc, msg)
         return StreamingResponse(svc.relay(rid, q), media_type="application/x-ndjson")
 
-    async def prefill(body: dict):
-        return JSONResponse(await prefill_role.prefill(host.service(body), body))
+    async def load_model(msg: P.ModelLoadRequest):
+        code, out = await host.load(msg.model, msg.weights, msg.keep, msg.wait_s)
+        return raw(out, code)
 
-    async def decode(body: dict):
-        svc = host.service(body)
-        rid, q = await decode_role.decode(svc, body)
-        return StreamingResponse(svc.relay(rid, q), media_type="application/x-ndjson")
-
-    async def load_model(body: dict):
-        code, out = await host.load(body.get("model"), body.get("weights"), body.get("keep", ()), body.get("wait_s"))
-        return JSONResponse(out, status_code=code)
-
-    async def unload_model(body: dict):
-        return JSONResponse(await host.unload(body.get("model"), body.get("timeout_s", 30.0)))
+    async def unload_model(msg: P.ModelUnloadRequest):
+        return raw(await host.unload(msg.model, msg.timeout_s))
 
     if role in ("both", "prefill", "decode"):
-        app.post("/internal/generate")(guard(generate))  # any node can serve a whole request
+        app.post("/internal/generate")(guard(generate, P.GenerateRequest))  # any node can serve a whole request
     if role == "prefill":
-        app.post("/internal/prefill")(guard(prefill))
+        app.post("/internal/prefill")(guard(prefill, P.GenerateRequest))
     if role == "decode":
-        app.post("/internal/decode")(guard(decode))
-    app.post("/internal/models/load")(guard(load_model))
-    app.post("/internal/models/unload")(guard(unload_model))
+        app.post("/internal/decode")(guard(decode, P.DecodeRequest))
+    app.post("/internal/models/load")(guard(load_model, P.ModelLoadRequest))
+    app.post("/internal/models/unload")(guard(unload_model, P.ModelUnloadRequest))
 
     @app.get("/internal/models")
     async def models():
         return host.models_view()
 
-    @app.post("/internal/abort")
-    async def abort(request: Request):
-        body = await _json_object(request)
-        if body is None:
-            return JSONResponse({"detail": "body must be a JSON object"}, status_code=400)
-        rid = str(body.get("request_id", ""))
-        aborted = [svc.abort(rid) for svc in host.services()]  # on every model (the id is unique to one)
-        return {"aborted": any(aborted)}
+    async def abort(msg: P.AbortRequest):
+        aborted = [svc.abort(msg.request_id) for svc in host.services()]  # on every model (the id is unique to one)
+        return raw(P.AbortReply(any(aborted)))
+
+    app.post("/internal/abort")(guard(abort, P.AbortRequest))
 
     @app.post("/internal/drain")
     async def drain(timeout_s: float = 60.0):
-        return {"drained": await host.drain(timeout_s)}
+        return raw(P.DrainReply(await host.drain(timeout_s)))
 
     @app.get("/health")
     async def health():
@@ -144,7 +156,7 @@ def create_app(host: ModelHost) -> FastAPI:
 
     @app.get("/load")
     async def load():
-        return host.view()
+        return raw(host.view())
 
     held_gauges = host_registry(host.view)
 

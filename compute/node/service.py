@@ -13,16 +13,16 @@ relayed as NDJSON lines -> finished; a client that goes away aborts the sequence
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from compute.errors import RequestTooLarge
 from compute.sampling import SamplingParams
 from compute.sequence import Sequence, Status
 
 from .config import NodeConfig
+from .protocol import GenerateRequest, StreamLine, encode_line
 from .metrics import FINISHED, REQUEST_SECONDS, TPOT, TTFT, start_series
 from .worker import EngineWorker
 
@@ -30,9 +30,25 @@ from .worker import EngineWorker
 class BadNodeRequest(ValueError):
     """The request itself is invalid (HTTP 400): retrying elsewhere will not help."""
 
+    kind = "bad_request"
+
 
 class NodeBusy(Exception):
     """The node cannot take the request now (draining, cache full): HTTP 503, retry elsewhere."""
+
+    kind = "overloaded"
+
+
+class ModelNotLoaded(NodeBusy):
+    """The model named is not held (or not ready) here: HTTP 503, retry on a node that holds it."""
+
+    kind = "model_not_loaded"
+
+
+class TransferFailed(NodeBusy):
+    """The KV could not be offered or pulled: HTTP 503, re-prefill on a healthy pair."""
+
+    kind = "transfer_failed"
 
 
 @dataclass(slots=True)
@@ -42,30 +58,19 @@ class Active:
     kind: str  # generate | prefill | decode
 
 
-def sampling_params(params: dict, max_tokens: int | None = None) -> SamplingParams:
+def sampling_params(msg: GenerateRequest, max_tokens: int | None = None) -> SamplingParams:
+    """The engine's parameters of a request (``max_tokens`` overrides its own); BadNodeRequest if out of range."""
     try:
-        lp, plp = params.get("logprobs"), params.get("prompt_logprobs")
-        return SamplingParams(
-            max_tokens=int(max_tokens if max_tokens is not None else params.get("max_tokens", 16)),
-            temperature=float(params.get("temperature", 1.0)), top_p=float(params.get("top_p", 1.0)),
-            top_k=int(params.get("top_k", 0) or 0), min_p=float(params.get("min_p", 0.0)), seed=params.get("seed"),
-            stop_token_ids=tuple(params.get("stop_token_ids") or ()), ignore_eos=bool(params.get("ignore_eos", False)),
-            presence_penalty=float(params.get("presence_penalty", 0.0)),
-            frequency_penalty=float(params.get("frequency_penalty", 0.0)),
-            repetition_penalty=float(params.get("repetition_penalty", 1.0)),
-            logit_bias={int(t): float(b) for t, b in (params.get("logit_bias") or {}).items()},
-            min_tokens=int(params.get("min_tokens", 0)), logprobs=None if lp is None else int(lp),
-            prompt_logprobs=None if plp is None else int(plp), grammar=params.get("grammar"),
-            fork_group=None if params.get("fork_group") is None else str(params["fork_group"]),
-        )  # fmt: skip
-    except (TypeError, ValueError, AttributeError) as e:
+        sp = msg.sampling()
+        return sp if max_tokens is None else replace(sp, max_tokens=max_tokens)
+    except (TypeError, ValueError) as e:
         raise BadNodeRequest(f"invalid sampling params: {e}") from None
 
 
-def prompt_len(prompt: list[int], params: dict) -> int:
-    """Where the request's own prompt ends: ``params.output_tokens`` trailing tokens are earlier output."""
-    n = params.get("output_tokens") or 0
-    if not isinstance(n, int) or not 0 <= n < len(prompt):
+def prompt_len(msg: GenerateRequest) -> int:
+    """Where the request's own prompt ends: ``output_tokens`` trailing tokens are earlier output."""
+    n, prompt = msg.output_tokens, msg.prompt_token_ids
+    if not 0 <= n < len(prompt):
         raise BadNodeRequest("output_tokens must be an int in [0, len(prompt))")
     return len(prompt) - n
 
@@ -85,31 +90,26 @@ def constrain(grammars, sp: SamplingParams, output: list[int]):
 
 
 def logprobs_json(lps: list | None) -> list | None:
-    """Logprobs as NDJSON: per token ``[logprob, [[id, logprob], ...]]`` or null (None if there are none)."""
+    """Logprobs on the wire: per token ``[logprob, [[id, logprob], ...]]`` or null (None if there are none)."""
     if not lps:
         return None
     return [None if lp is None else [lp.logprob, [list(t) for t in lp.top]] for lp in lps]
 
 
-def output_json(o) -> dict:
-    """One step output as an NDJSON line (prompt logprobs ride on the first token's line)."""
-    line = {"token_ids": o.new_token_ids, "finish_reason": o.finish_reason}
-    if o.logprobs:
-        line["logprobs"] = logprobs_json(o.logprobs)
-    if o.prompt_logprobs is not None:
-        line["prompt_logprobs"] = logprobs_json(o.prompt_logprobs)
-    if o.error:
-        line["error"] = o.error
-    return line
+def output_line(o) -> StreamLine:
+    """One step output as a stream line (prompt logprobs ride on the first token's line)."""
+    return StreamLine(o.new_token_ids, o.finish_reason, logprobs_json(o.logprobs) if o.logprobs else None,
+                      None if o.prompt_logprobs is None else logprobs_json(o.prompt_logprobs), o.error or None)
 
 
-def new_sequence(prompt: list[int], params: dict, sp: SamplingParams, grammars=None) -> Sequence:
-    """A sequence whose last ``params.replay_tokens`` prompt tokens are replayed output (failover); with a
+def new_sequence(msg: GenerateRequest, sp: SamplingParams, grammars=None) -> Sequence:
+    """A sequence whose last ``msg.replay_tokens`` prompt tokens are replayed output (failover); with a
     grammar, its matcher (``grammars``: the model's ``compute.grammar.Grammars``) past the output so far."""
+    prompt = msg.prompt_token_ids
     seq = Sequence(prompt, sp)
-    seq.prompt_len = prompt_len(prompt, params)
+    seq.prompt_len = prompt_len(msg)
     seq.matcher = constrain(grammars, sp, prompt[seq.prompt_len :])
-    replay = int(params.get("replay_tokens") or 0)
+    replay = msg.replay_tokens
     if replay:
         if not 0 < replay < len(prompt):
             raise BadNodeRequest("replay_tokens must be in [0, len(prompt))")
@@ -117,15 +117,11 @@ def new_sequence(prompt: list[int], params: dict, sp: SamplingParams, grammars=N
     return seq
 
 
-def parse(body: dict) -> tuple[str, list[int], dict]:
-    rid, prompt, params = body.get("request_id"), body.get("prompt_token_ids"), body.get("params") or {}
-    if not isinstance(rid, str) or not rid:
+def check_request(msg: GenerateRequest) -> None:
+    if not msg.request_id:
         raise BadNodeRequest("request_id must be a non-empty string")
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+    if not msg.prompt_token_ids:
         raise BadNodeRequest("prompt_token_ids must be a non-empty list of ints")
-    if not isinstance(params, dict):
-        raise BadNodeRequest("params must be an object")
-    return rid, prompt, params
 
 
 class NodeService:
@@ -206,7 +202,7 @@ class NodeService:
                 elif last is not None and o.new_token_ids:
                     TPOT.labels(model).observe(now - last)
                 last, n = now, n + len(o.new_token_ids)
-                yield (json.dumps(output_json(o)) + "\n").encode()
+                yield encode_line(output_line(o))
                 if o.finished:
                     done = True
                     REQUEST_SECONDS.labels(model).observe(now - a.started)

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from compute.node.auth import SignedAuth
+from compute.sampling import SamplingParams
 from tests.services import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -88,7 +89,7 @@ def test_scale_down_drains_without_losing_a_request(tmp_path, tiny_model_store):
 
             async def run(rid: str, max_tokens: int) -> tuple[GenRequest, int, str | None]:
                 req = GenRequest(rid, [5 + i % 200 for i in range(8)], max_tokens,
-                                 {"temperature": 0, "ignore_eos": True}, deadline=time.monotonic() + 30)  # fmt: skip
+                                 SamplingParams(temperature=0, ignore_eos=True), deadline=time.monotonic() + 30)  # fmt: skip
                 got, reason = [], None
                 async for toks, r, *_ in relay.run(req):
                     got += toks

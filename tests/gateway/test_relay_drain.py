@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from compute.node.protocol import PrefillReply, StreamLine
+from compute.sampling import SamplingParams
 from gateway.relay import GenRequest, Relay
 from gateway.router import NodeView
 
@@ -32,11 +34,11 @@ class Client:
         if self.drain:  # scale-down begins meanwhile: the gateway marks the node draining
             old = self.registry.v[self.drain]
             self.registry.v[self.drain] = NodeView(old.url, old.role, draining=True, kv_blocks_free=old.kv_blocks_free)
-        return {"token_ids": [7], "finish_reason": None, "kv": {"handle": "h"}}
+        return PrefillReply([7], None, kv={"handle": "h"})
 
-    async def stream(self, url, route, body):
-        self.calls.append((route, url))
-        yield {"token_ids": [8, 9], "finish_reason": "length"}
+    async def decode(self, url, body):
+        self.calls.append(("decode", url))
+        yield StreamLine([8, 9], "length")
 
     async def abort(self, url, rid):
         self.calls.append(("abort", url))
@@ -47,7 +49,7 @@ def _run(drain):
                     NodeView("d2", "decode", kv_blocks_free=5)])  # fmt: skip
     client = Client(reg, drain)
     relay = Relay(reg, client, retry_attempts=2, backoff_base_s=0.01, backoff_max_s=0.01)
-    req = GenRequest("r", [1, 2, 3], 3, {"temperature": 0}, deadline=1e18)
+    req = GenRequest("r", [1, 2, 3], 3, SamplingParams(temperature=0), deadline=1e18)
 
     async def go():
         return [(t.token_ids, t.finish_reason) async for t in relay.run(req)]

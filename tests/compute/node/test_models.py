@@ -94,7 +94,7 @@ def test_standby_is_ready_at_once_and_holds_nothing(multi):
 
 
 @pytest.mark.parametrize("body, code, words", [
-    ({}, 400, "model must be"), ({"model": 5}, 400, "model must be"), ({"model": "tiny-a", "weights": "fp8"}, 400,
+    ({}, 400, "missing required field `model`"), ({"model": 5}, 400, "`$.model`"), ({"model": "tiny-a", "weights": "fp8"}, 400,
     "invalid weights"), ({"model": "nope"}, 404, "not in the store"), ({"model": "tiny-a@v9"}, 404, "not in the store"),
     ({"model": "bad@@name"}, 400, "bad model reference"),
 ])  # fmt: skip
@@ -111,6 +111,11 @@ def test_bad_unload_and_request_bodies(multi):
     assert r.status_code == 400 and "JSON" in r.json()["detail"]
     code, detail = generate(multi, PROMPTS[0], model="nope")
     assert code == 503 and "not held" in detail
+    r = post(multi, "/internal/generate", {"request_id": "x", "prompt_token_ids": [1], "model": "nope"})
+    assert r.status_code == 503 and r.json()["kind"] == "model_not_loaded"  # the kind says: try a node holding it
+    # SamplingParams is the wire type: a field the engine does not have is refused, by name, before any lookup
+    r = post(multi, "/internal/generate", {"request_id": "x", "prompt_token_ids": [1], "params": {"bogus_p": 1}})
+    assert r.status_code == 400 and "bogus_p" in r.json()["detail"] and r.json()["kind"] == "bad_request", r.text
 
 
 def test_two_models_on_one_node_answer_as_nodes_that_hold_only_them(multi, two_models, tmp_path):

@@ -1,0 +1,77 @@
+"""The node protocol (compute/node/protocol.py) and its one client's error mapping, without a node."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import httpx
+import msgspec
+import pytest
+
+from compute.node import protocol as P
+from compute.node.client import NodeFailed, RequestRejected, check
+from compute.sampling import SamplingParams
+
+
+def test_sampling_params_are_the_wire_type_field_for_field():
+    assert P.SamplingWire.__struct_fields__ == tuple(f.name for f in dataclasses.fields(SamplingParams))
+    sp = SamplingParams(max_tokens=5, temperature=0.5, stop_token_ids=(3,), logit_bias={7: -1.0}, seed=9,
+                        grammar={"type": "json_object"}, fork_group="g")  # fmt: skip
+    msg = P.GenerateRequest("r", [1, 2], P.SamplingWire(**{f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)}))
+    assert P.decode(P.encode(msg), P.GenerateRequest).sampling() == sp
+
+
+def test_a_field_added_to_the_dataclass_reaches_the_node_and_an_unknown_one_is_refused():
+    @dataclasses.dataclass(slots=True)
+    class Grown(SamplingParams):
+        truncate_prompt_tokens: int | None = None
+
+    wire = P._wire_of(Grown)
+    got = msgspec.json.decode(b'{"max_tokens": 3, "truncate_prompt_tokens": 8}', type=wire)
+    assert Grown(**msgspec.structs.asdict(got)).truncate_prompt_tokens == 8
+    with pytest.raises(msgspec.ValidationError, match="bogus"):
+        P.decode(b'{"request_id": "r", "prompt_token_ids": [1], "params": {"bogus": 1}}', P.GenerateRequest)
+    with pytest.raises(ValueError, match="max_tokens"):  # the dataclass's own checks run on the node
+        P.decode(b'{"request_id": "r", "prompt_token_ids": [1], "params": {"max_tokens": 0}}',
+                 P.GenerateRequest).sampling()  # fmt: skip
+
+
+def test_stream_line_always_carries_its_finish_reason():
+    assert P.encode_line(P.StreamLine([5], None)) == b'{"token_ids":[5],"finish_reason":null}\n'
+    line = P.decode(b'{"token_ids":[5],"finish_reason":"stop","logprobs":[[-0.1,[[5,-0.1]]]]}', P.StreamLine)
+    assert line.finish_reason == "stop" and line.logprobs == [[-0.1, [[5, -0.1]]]]
+
+
+def test_kv_handle_is_made_reachable_from_the_address_the_gateway_dialled():
+    h = P.KVHandle(backend="tcp", address=["0.0.0.0", 4100])
+    assert h.reachable_from("http://10.0.0.7:8001")["address"] == ["10.0.0.7", 4100]
+    assert h["address"] == ["0.0.0.0", 4100]  # a copy: the offer itself is unchanged
+    named = P.KVHandle(backend="tcp", address=["prefill-0", 4100])
+    assert named.reachable_from("http://10.0.0.7:8001") is named
+    fake = P.KVHandle(backend="fake", address="fake://x")
+    assert fake.reachable_from("http://h:1") is fake
+
+
+@pytest.mark.parametrize("kind, status, error", [
+    ("bad_request", 400, RequestRejected), ("overloaded", 503, NodeFailed), ("model_not_loaded", 503, NodeFailed),
+    ("transfer_failed", 503, NodeFailed), ("internal", 500, NodeFailed),
+])  # fmt: skip
+def test_a_refusal_maps_by_its_kind_not_its_words(kind, status, error):
+    assert P.STATUS[kind] == status
+    r = httpx.Response(status, content=P.encode(P.NodeError("anything at all", kind)))
+    with pytest.raises(error) as e:
+        check("http://n:1", r)
+    assert e.value.kind == kind
+
+
+def test_an_answer_without_a_kind_maps_by_its_status():
+    with pytest.raises(RequestRejected):
+        check("http://n:1", httpx.Response(422, text="nope"))
+    with pytest.raises(NodeFailed):
+        check("http://n:1", httpx.Response(502, text="bad gateway"))
+
+
+def test_load_report_keeps_unknown_fields_out_and_one_model_nodes_without_models():
+    rep = P.decode(b'{"role": "both", "ready": true, "model": "m", "queued": 2, "newer_field": 1}', P.LoadReport)
+    assert rep.ready and rep.model == "m" and rep.queued == 2 and rep.models is None
+    assert "newer_field" not in rep.as_dict()
