@@ -56,6 +56,8 @@ prefill_max_replicas = 1
 decode_min_replicas = 1
 decode_max_replicas = 2
 [autoscaler.local]
+cores = 3  # declared: the scale-up on measured load is this test's subject, not the capacity bound (whose own
+# tests are tests/autoscaler/test_capacity*.py): on a busy 2-core box the bound would hold it at 2 serving nodes
 log_dir = "{tmp_path / "nodes"}"
 ready_timeout_s = 180.0
 """)
