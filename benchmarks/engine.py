@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fp32", action="store_true", help="skip the HF fp32 baseline")
     p.add_argument("--no-spawn", action="store_true", help="skip the spawn -> ready measurement")
     p.add_argument("--no-served", action="store_true", help="skip the served path (pdserve up + openai client)")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the per-step breakdown (1 and 32 streams)")
+    p.add_argument("--omp", action="store_true", help="also time the 1- and 32-stream step under each OpenMP "
+                   "setting (benchmarks/step_profile.py OMP_OPTIONS), each in a fresh process")
     p.add_argument("--out", default="bench-results/engine.json")
 
 
@@ -100,7 +103,37 @@ def main(args: argparse.Namespace) -> int:
             served.stop()
     if lc is None:
         print("llama.cpp: not installed, its column is missing (make bench-deps builds it, ~10 min)")
-    return _finish(args, cfg, gguf, systems, samples, table)
+    extra = _profile(args, cfg, systems, chats)
+    return _finish(args, cfg, gguf, systems, samples, table, extra)
+
+
+def _profile(args, cfg, systems: dict, chats: list[list[int]]) -> dict:
+    """The per-step breakdown of our systems (1 and 32 streams), their weight memory, and the OpenMP options."""
+    from benchmarks.step_profile import breakdown, format_breakdown, omp_options, weight_bytes
+
+    out: dict = {"breakdown": {}, "weight_bytes": {}}
+    for name, sysm in systems.items():
+        if not isinstance(sysm, Ours):
+            continue
+        out["weight_bytes"][name] = weight_bytes(sysm.model)
+        if args.no_breakdown or name.endswith(("-invariant", "-fixed")):
+            continue
+        out["breakdown"][name] = [breakdown(sysm.model, [chats[i % len(chats)] for i in range(n)])
+                                  for n in (1, 32)]  # fmt: skip
+    for name, parts in out["breakdown"].items():
+        for b in parts:
+            print(f"{name}: " + format_breakdown(b))
+    for name, w in out["weight_bytes"].items():
+        total = sum(w.values())
+        print(f"{name}: runtime weights {total / 2**20:.1f} MiB = {total / max(1, w['int8'] + w['other']):.2f}x "
+              f"the int8 model ({w['int8'] / 2**20:.1f} MiB int8, {w['bf16 copies'] / 2**20:.1f} MiB bf16 copies, "
+              f"{w['other'] / 2**20:.1f} MiB scales/norms)")  # fmt: skip
+    if args.omp:
+        out["omp_options"] = omp_options(cfg.locations, args.model)
+        for name, r in out["omp_options"].items():
+            print(f"OpenMP {name:<38} " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                                  for k, v in r.items()))  # fmt: skip
+    return out
 
 
 def _measure(systems: dict, samples: dict, args, chats: list[list[int]], long: list[int]) -> None:
@@ -118,7 +151,7 @@ def _measure(systems: dict, samples: dict, args, chats: list[list[int]], long: l
                   file=sys.stderr, flush=True)  # fmt: skip
 
 
-def _finish(args, cfg, gguf, systems, samples, table) -> int:
+def _finish(args, cfg, gguf, systems, samples, table, extra: dict) -> int:
     if not args.no_spawn:
         with tempfile.TemporaryDirectory() as tmp:
             folder = systems["hf-bf16"].save(os.path.join(tmp, "hf"))
@@ -130,7 +163,8 @@ def _finish(args, cfg, gguf, systems, samples, table) -> int:
     med = {s: {k: statistics.median(v) for k, v in m.items()} for s, m in samples.items()}
     report = {"model": args.model, "gguf": gguf.name, "threads": args.threads, "repeat": args.repeat,
               "tokens": args.tokens, "median": med, "samples": samples,
-              "spawn_breakdown": _LAST_SPAWN, "cpu": cpu_line(), "kernel_table": table}  # fmt: skip
+              "spawn_breakdown": _LAST_SPAWN, "cpu": cpu_line(), "kernel_table": table,
+              "load_average": os.getloadavg(), **extra}  # fmt: skip
     _print_table(med, f"ours-{args.weights}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
