@@ -4,12 +4,13 @@
 
 1. an engine runs ``len(prompts)`` streams to steady decode, then ``steps`` decode steps are timed without a
    profiler: the step's wall time and the model forward's (the runner's model is wrapped by a timer);
-2. the same number of steps runs under ``torch.profiler`` (CPU): each ATen op's *self* time goes to a part by
-   its name (``PARTS``): GEMV kernels, attention, KV gather/scatter, conversions/copies, norms/RoPE/elementwise,
-   tensor metadata (views, allocations);
-3. ``python + dispatch`` is the forward's unprofiled wall time less the ATen self time (clipped at 0: the
-   profiler adds ~1 us per op, so this is a lower bound); ``engine`` (schedule, batch build, sampling) is the
-   step's wall time less the forward's;
+2. each timed step is followed by one under ``torch.profiler`` (CPU): each ATen op's *self* time goes to a
+   part by its name (``PARTS``): GEMV kernels, attention, KV gather/scatter, conversions/copies,
+   norms/RoPE/elementwise, tensor metadata (views, allocations); ``python + dispatch`` is the profiled
+   forward's wall time less its ATen self time;
+3. a part's figure is its median share of a profiled forward times the unprofiled forward's median (the
+   profiler adds ~1 us per op; shares stay put when a shared box's load changes between steps, sums do not);
+   ``engine`` (schedule, batch build, sampling) is the step's wall time less the forward's;
 4. ``gemv floor``: every int8 linear's kernel called alone in a warm loop on its shape at this M, input already
    in bf16 and aligned (min of runs), summed over the step: what the GEMVs cost without anything around them.
 
@@ -92,32 +93,36 @@ def breakdown(model, prompts, steps: int = 10) -> dict:
 
     eng = _decode_engine(model, prompts, steps)
     timed = eng.runner.model = _TimedModel(model)
-    walls = []
-    for _ in range(steps):
+    walls, shares, calls = [], [], []
+    for _ in range(steps):  # a timed step, then a profiled one: both see the same moments of a shared box
         t0 = time.perf_counter()
         eng.step()
         walls.append(time.perf_counter() - t0)
-    step_ms, fwd_ms = statistics.median(walls) * 1e3, statistics.median(timed.times) * 1e3
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
+        n = len(timed.times)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
             eng.step()
+        fwd = timed.times[n] * 1e6  # us: this profiled step's forward
+        part = dict.fromkeys([*PARTS, "other aten"], 0.0)
+        count = 0
+        for e in prof.key_averages():
+            if e.key.startswith("aten::"):
+                part[_PART_OF.get(e.key, "other aten")] += e.self_cpu_time_total
+                count += e.count
+        part["python + dispatch"] = max(0.0, fwd - sum(part.values()))
+        shares.append({k: v / fwd for k, v in part.items()})
+        calls.append(count)
     eng.runner.model = model
-    parts = dict.fromkeys([*PARTS, "other aten"], 0.0)
-    calls = 0
-    for e in prof.key_averages():
-        if not e.key.startswith("aten::"):
-            continue
-        parts[_PART_OF.get(e.key, "other aten")] += e.self_cpu_time_total / 1e3 / steps
-        calls += e.count
-    aten = sum(parts.values())
-    parts["python + dispatch"] = max(0.0, fwd_ms - aten)
+    step_ms = statistics.median(walls) * 1e3
+    fwd_ms = statistics.median(timed.times[0::2]) * 1e3  # the unprofiled steps' forwards
+    # each part: its median share of a profiled forward, times the unprofiled forward (the profiler adds ~1 us
+    # per op; a share is robust to the box's load changing between steps, a sum of times is not)
+    parts = {k: statistics.median(s[k] for s in shares) * fwd_ms for k in shares[0]}
     parts["engine (schedule, batch, sampling)"] = max(0.0, step_ms - fwd_ms)
-    floor = gemv_floor(model, len(prompts))
     return {"streams": len(prompts), "step_ms": step_ms, "forward_ms": fwd_ms, "parts": parts,
-            "aten_calls": calls // steps, "gemv_floor_ms": floor}  # fmt: skip
+            "aten_calls": int(statistics.median(calls)), "gemv_floor_ms": gemv_floor(model, len(prompts))}  # fmt: skip
 
 
-def gemv_floor(model, m: int, runs: int = 20) -> float:
+def gemv_floor(model, m: int, runs: int = 30) -> float:
     """ms per step of every int8 linear's planned kernel alone (warm loop, bf16 aligned input, min of runs)."""
     import torch
 
