@@ -109,31 +109,10 @@ def main(args: argparse.Namespace) -> int:
 
 def _profile(args, cfg, systems: dict, chats: list[list[int]]) -> dict:
     """The per-step breakdown of our systems (1 and 32 streams), their weight memory, and the OpenMP options."""
-    from benchmarks.step_profile import breakdown, format_breakdown, omp_options, weight_bytes
+    from benchmarks.step_profile import report
 
-    out: dict = {"breakdown": {}, "weight_bytes": {}}
-    for name, sysm in systems.items():
-        if not isinstance(sysm, Ours):
-            continue
-        out["weight_bytes"][name] = weight_bytes(sysm.model)
-        if args.no_breakdown or name.endswith(("-invariant", "-fixed")):
-            continue
-        out["breakdown"][name] = [breakdown(sysm.model, [chats[i % len(chats)] for i in range(n)])
-                                  for n in (1, 32)]  # fmt: skip
-    for name, parts in out["breakdown"].items():
-        for b in parts:
-            print(f"{name}: " + format_breakdown(b))
-    for name, w in out["weight_bytes"].items():
-        total = sum(w.values())
-        print(f"{name}: runtime weights {total / 2**20:.1f} MiB = {total / max(1, w['int8'] + w['other']):.2f}x "
-              f"the int8 model ({w['int8'] / 2**20:.1f} MiB int8, {w['bf16 copies'] / 2**20:.1f} MiB bf16 copies, "
-              f"{w['other'] / 2**20:.1f} MiB scales/norms)")  # fmt: skip
-    if args.omp:
-        out["omp_options"] = omp_options(cfg.locations, args.model)
-        for name, r in out["omp_options"].items():
-            print(f"OpenMP {name:<38} " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                                                  for k, v in r.items()))  # fmt: skip
-    return out
+    ours = {name: s.model for name, s in systems.items() if isinstance(s, Ours)}
+    return report(ours, chats, cfg.locations, args.model, steps=not args.no_breakdown, omp=args.omp)
 
 
 def _measure(systems: dict, samples: dict, args, chats: list[list[int]], long: list[int]) -> None:

@@ -29,9 +29,10 @@ import time
 
 # ATen op (self time) -> part of the step; anything else is "other aten"
 PARTS = {
-    "gemv kernels": ("aten::_weight_int8pack_mm", "aten::mm", "aten::addmm", "aten::_int_mm", "aten::bmm"),
-    "attention (sdpa)": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
-                         "aten::_scaled_dot_product_attention_math"),  # fmt: skip
+    "gemv kernels": ("aten::_weight_int8pack_mm", "aten::mm", "aten::addmm", "aten::_int_mm"),
+    "attention (bmm/softmax, sdpa)": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm",
+                                      "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_attention_math",
+                                      "aten::_softmax", "aten::softmax", "aten::masked_fill_"),  # fmt: skip
     "kv gather/scatter": ("aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_"),
     "conversions/copies": ("aten::_to_copy", "aten::copy_", "aten::clone", "aten::to", "aten::contiguous"),
     "norms/rope/elementwise": ("aten::mul", "aten::add", "aten::pow", "aten::mean", "aten::rsqrt", "aten::cat",
@@ -212,4 +213,29 @@ def weight_bytes(model) -> dict[str, int]:
             seen.add((t.data_ptr(), t.nbytes))
             kind = "int8" if t.dtype == torch.int8 else "bf16 copies" if t is getattr(mod, "w_bf16", None) else "other"
             out[kind] += t.nbytes
+    return out
+
+
+def report(models: dict, chats: list[list[int]], locations, ref: str, steps: bool = True, omp: bool = False) -> dict:
+    """What `pdserve bench engine` adds per system of ours (``models``: name -> model): the breakdown at 1 and 32
+    streams (``steps``; not for the ``-invariant`` / ``-fixed`` variants), runtime weight bytes, the OpenMP options
+    (``omp``); printed."""
+    out: dict = {"breakdown": {}, "weight_bytes": {}}
+    for name, model in models.items():
+        out["weight_bytes"][name] = weight_bytes(model)
+        if steps and not name.endswith(("-invariant", "-fixed")):
+            out["breakdown"][name] = [breakdown(model, [chats[i % len(chats)] for i in range(n)]) for n in (1, 32)]
+    for name, parts in out["breakdown"].items():
+        for b in parts:
+            print(f"{name}: " + format_breakdown(b))
+    for name, w in out["weight_bytes"].items():
+        total = sum(w.values())
+        print(f"{name}: runtime weights {total / 2**20:.1f} MiB = {total / max(1, w['int8'] + w['other']):.2f}x "
+              f"the int8 model ({w['int8'] / 2**20:.1f} MiB int8, {w['bf16 copies'] / 2**20:.1f} MiB bf16 copies, "
+              f"{w['other'] / 2**20:.1f} MiB scales/norms)")  # fmt: skip
+    if omp:
+        out["omp_options"] = omp_options(locations, ref)
+        for name, r in out["omp_options"].items():
+            print(f"OpenMP {name:<38} " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                                  for k, v in r.items()))  # fmt: skip
     return out

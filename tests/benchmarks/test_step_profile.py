@@ -39,3 +39,13 @@ def test_weight_bytes_counts_each_tensor_once():
     model.use_kernels({"shapes": {f"{n}x{k}": {"choice": ["int8mm", "bf16", "bf16", "bf16"], "invariant": None}
                                   for n, k in model.int8_shapes()}})  # fmt: skip
     assert weight_bytes(model)["bf16 copies"] == 2 * expect
+
+
+def test_report_prints_memory_and_skips_the_variants(capsys):
+    from benchmarks.step_profile import report
+
+    model = _tiny_int8()
+    out = report({"ours-int8": model, "ours-int8-fixed": model}, [[1, 2, 3]], [], "tiny")
+    assert set(out["breakdown"]) == {"ours-int8"} and len(out["breakdown"]["ours-int8"]) == 2
+    assert set(out["weight_bytes"]) == {"ours-int8", "ours-int8-fixed"}
+    assert "runtime weights" in capsys.readouterr().out
