@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fp32", action="store_true", help="skip the HF fp32 baseline")
     p.add_argument("--no-spawn", action="store_true", help="skip the spawn -> ready measurement")
     p.add_argument("--no-served", action="store_true", help="skip the served path (pdserve up + openai client)")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the per-step breakdown (1 and 32 streams)")
+    p.add_argument("--omp", action="store_true", help="also time the 1- and 32-stream step under each OpenMP "
+                   "setting (benchmarks/step_profile.py OMP_OPTIONS), each in a fresh process")
     p.add_argument("--out", default="bench-results/engine.json")
 
 
@@ -100,7 +103,16 @@ def main(args: argparse.Namespace) -> int:
             served.stop()
     if lc is None:
         print("llama.cpp: not installed, its column is missing (make bench-deps builds it, ~10 min)")
-    return _finish(args, cfg, gguf, systems, samples, table)
+    extra = _profile(args, cfg, systems, chats)
+    return _finish(args, cfg, gguf, systems, samples, table, extra)
+
+
+def _profile(args, cfg, systems: dict, chats: list[list[int]]) -> dict:
+    """The per-step breakdown of our systems (1 and 32 streams), their weight memory, and the OpenMP options."""
+    from benchmarks.step_profile import report
+
+    ours = {name: s.model for name, s in systems.items() if isinstance(s, Ours)}
+    return report(ours, chats, cfg.locations, args.model, steps=not args.no_breakdown, omp=args.omp)
 
 
 def _measure(systems: dict, samples: dict, args, chats: list[list[int]], long: list[int]) -> None:
@@ -118,7 +130,7 @@ def _measure(systems: dict, samples: dict, args, chats: list[list[int]], long: l
                   file=sys.stderr, flush=True)  # fmt: skip
 
 
-def _finish(args, cfg, gguf, systems, samples, table) -> int:
+def _finish(args, cfg, gguf, systems, samples, table, extra: dict) -> int:
     if not args.no_spawn:
         with tempfile.TemporaryDirectory() as tmp:
             folder = systems["hf-bf16"].save(os.path.join(tmp, "hf"))
@@ -130,7 +142,8 @@ def _finish(args, cfg, gguf, systems, samples, table) -> int:
     med = {s: {k: statistics.median(v) for k, v in m.items()} for s, m in samples.items()}
     report = {"model": args.model, "gguf": gguf.name, "threads": args.threads, "repeat": args.repeat,
               "tokens": args.tokens, "median": med, "samples": samples,
-              "spawn_breakdown": _LAST_SPAWN, "cpu": cpu_line(), "kernel_table": table}  # fmt: skip
+              "spawn_breakdown": _LAST_SPAWN, "cpu": cpu_line(), "kernel_table": table,
+              "load_average": os.getloadavg(), **extra}  # fmt: skip
     _print_table(med, f"ours-{args.weights}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

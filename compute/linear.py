@@ -291,9 +291,9 @@ class FusedLinear(_KernelPlan, nn.Module):
         dst.copy_(t)
         return dst
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [M, K] -> [M, N_0 + N_1 + ...]
-        return matmul(x, self.w, self.scale, self.scale_bf16, self.b, self.int8mm_max_m, True, self.plan, self.w_bf16)
+    def forward(self, x: torch.Tensor, cast: bool = True) -> torch.Tensor:
+        # x: [M, K] -> [M, N_0 + N_1 + ...] (cast=False: see ``matmul``)
+        return matmul(x, self.w, self.scale, self.scale_bf16, self.b, self.int8mm_max_m, cast, self.plan, self.w_bf16)
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return (self.w, self.scale) if self.w is not None and self.w.dtype == torch.int8 else None
