@@ -4,7 +4,6 @@ health, readiness, metrics; admin routes in ``admin``, internal ones in ``intern
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -24,7 +23,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from compute.node.auth import SignedOnly
 from compute.tokenizer import TemplateError
 
 from . import choices, tools
@@ -33,6 +31,7 @@ from . import protocol as p
 from .activator import NotPlaced
 from .admin import add_admin_routes
 from .admission import Overloaded
+from .auth import authorized, install_auth
 from .internal import add_internal_routes
 from .model_card import add_model_card_route
 from .models import UnknownModel
@@ -45,7 +44,6 @@ from .service import REQUEST_SECONDS, REQUESTS, BadRequest, Delta, Gateway
 from .tokens import add_token_routes
 
 LEGACY_FIELDS = ("functions", "function_call")  # refused with their own message
-ADMIN_KEY_HINT = ".pdserve/keys/admin-PORT.key (read by `pdserve status`)"
 
 
 class _JSON(JSONResponse):
@@ -62,13 +60,6 @@ def _err(status: int, message: str, type_: str = "invalid_request_error", param=
     return _JSON(error_body(message, type_, param, status), status_code=status, headers=headers)
 
 
-def _authorized(request: Request, keys) -> bool:
-    auth = request.headers.get("authorization", "")
-    token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-    ok = False
-    for k in keys:  # constant time per key, and every key is compared
-        ok |= hmac.compare_digest(token.encode(), k.encode())
-    return ok
 
 
 def create_app(gw: Gateway) -> FastAPI:
@@ -93,23 +84,7 @@ def create_app(gw: Gateway) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
-    # /internal/*: signed with the internal token (compute/node/auth.py), as requests to nodes are
-    app.add_middleware(SignedOnly, token=cfg.internal_token or "", protected=lambda path: path.startswith("/internal/"),
-                       refusal=lambda status, message: json.dumps(error_body(message, "authentication_error", None,
-                                                                             status)).encode())  # fmt: skip
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1/") and cfg.api_keys and not _authorized(request, cfg.api_keys):
-            return _err(401, "missing or invalid API key", "authentication_error")
-        if path.startswith("/admin/") and cfg.admin_closed:
-            return _err(401, "the admin API is closed: no admin key is set. `pdserve up` writes one to "
-                        f"{ADMIN_KEY_HINT}; else set $PDSERVE_ADMIN_KEY (or start with --open-admin)",
-                        "authentication_error")  # fmt: skip
-        if path.startswith("/admin/") and cfg.admin_key and not _authorized(request, [cfg.admin_key]):
-            return _err(401, "missing or invalid admin key", "authentication_error")
-        return await call_next(request)
+    install_auth(app, cfg, _err)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -190,7 +165,7 @@ def create_app(gw: Gateway) -> FastAPI:
 
     add_responses_routes(app, chat)  # /v1/responses, translated onto chat (gateway/responses/)
     add_model_card_route(app, gw)  # /v1/models/{model}
-    add_token_routes(app, gw, lambda request: _authorized(request, cfg.api_keys))  # /tokenize, /detokenize
+    add_token_routes(app, gw, lambda request: authorized(request, cfg.api_keys))  # /tokenize, /detokenize
 
     @app.post("/v1/completions", responses={200: {"model": p.Completion, "content": SSE}, **generation_errors})
     async def completions(req: CompletionRequest):
