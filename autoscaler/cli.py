@@ -9,7 +9,7 @@ when that subcommand runs:
     pdserve up [...]                                               the local service: nodes + gateway (autoscaler.up)
     pdserve autoscale --actuator local|kubernetes [...]            the control loop as a process (autoscaler.main)
     pdserve chat "question" / pdserve status                       clients of a running gateway
-    pdserve generate --model NAME (--prompt T | --chat T) [...]    offline generation (compute.generate)
+    pdserve generate --model NAME (--prompt T | --chat T) [...]    offline generation (compute.engine.generate)
     pdserve bench NAME [...]                                       benchmarks (print a table, write JSON)
 
 Every command that runs a component reads the one config file (--config FILE or
@@ -27,7 +27,7 @@ import sys
 
 # subcommand -> (module providing add_arguments(parser) and main(args) -> int, help)
 COMMANDS = {
-    "generate": ("compute.generate", "offline one-shot generation from the store"),
+    "generate": ("compute.engine.generate", "offline one-shot generation from the store"),
     "node": ("compute.node.main", "run a compute node (prefill, decode or both)"),
     "gateway": ("gateway.main", "run the OpenAI-compatible gateway"),
     "up": ("autoscaler.up", "start the local service: nodes + gateway"),

@@ -56,7 +56,7 @@ class AutoscalerConfig:
     #   0 replicas of every role, whatever the min; 0 = never. Coming back costs a claim from the warm pool
     #   (weights injected in ~0.5 s here) plus the first prefill, ~1-2 s; 5 minutes (Ollama's keep_alive
     #   default) keeps a model through pauses of a conversation and frees its memory after.
-    slo_window_s: float = 60.0  # the window of the gateway's p99s (gateway/traffic.py WINDOW_S): for this long
+    slo_window_s: float = 60.0  # the window of the gateway's p99s (gateway/admission/traffic.py WINDOW_S): for this long
     #   after a key comes from 0 ready replicas its p99s hold samples from before it was placed (the wait of
     #   requests the activator held), which say nothing of its capacity: they neither push nor veto
     pool_size: int = 1  # standby runtimes kept per role by the warm pool (autoscaler/pool.py); 0 = none

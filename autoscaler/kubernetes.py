@@ -45,7 +45,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from gateway.discovery import slice_endpoints
+from gateway.routing.discovery import slice_endpoints
 
 from .actuator import Actuator, NodeInfo, PermanentActuatorError, TemporaryActuatorError
 from .backoff import Backoff, retry

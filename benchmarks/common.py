@@ -56,7 +56,7 @@ def cpu_seconds(pid: int) -> float:
 
 def bundle(locations: list[str], model: str):
     """The model's text bundle (tokenizer, chat template) from the store."""
-    from compute.tokenizer import TextBundle
+    from compute.modeling.tokenizer import TextBundle
     from paramstore import ParamStore, StoreConfig
 
     with ParamStore(StoreConfig(locations=locations)) as ps, ps.reader(model) as r:

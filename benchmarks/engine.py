@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
     systems = {f"ours-{args.weights}": Ours(store, args.model, args.weights)}
     table = systems[f"ours-{args.weights}"].injector.kernel_table
     if table is not None:  # int8 weights: this machine's kernel choice, and the fixed rule beside it
-        from compute.kernels import format_table
+        from compute.kernels.int8 import format_table
 
         print(format_table(table), flush=True)
         systems[f"ours-{args.weights}-invariant"] = Ours(store, args.model, args.weights, kernels="invariant")
@@ -159,20 +159,20 @@ class Ours:
     batched = True
 
     def __init__(self, store, ref: str, weights: str, kernels: str = "measured") -> None:
-        from compute.loader import WeightInjector
+        from compute.modeling.loader import WeightInjector
 
         self.injector = WeightInjector(store, ref, weights=weights, kernels=kernels, measure="blocking").start()
         self.injector.wait()
         self.model, self.bundle = self.injector.model, self.injector.bundle
 
     def _engine(self, n_tokens: int, **kw):
-        from compute.engine import Engine
+        from compute.engine.engine import Engine
 
         return Engine.for_model(self.model, num_blocks=-(-n_tokens // 16) + 64, **kw)
 
     def _run(self, prompts, tokens: int, **kw) -> list[float]:
         """Step timestamps (one per step that produced tokens)."""
-        from compute.sampling import SamplingParams
+        from compute.engine.sampling import SamplingParams
 
         eng = self._engine(sum(len(p) + tokens + 16 for p in prompts), **kw)
         for p in prompts:
@@ -308,9 +308,9 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch
 torch.set_num_threads({threads})
-from compute.engine import Engine
-from compute.loader import WeightInjector
-from compute.sampling import SamplingParams
+from compute.engine.engine import Engine
+from compute.modeling.loader import WeightInjector
+from compute.engine.sampling import SamplingParams
 from paramstore import ParamStore, StoreConfig
 t_import = time.perf_counter()
 store = ParamStore(StoreConfig(locations={locations!r}))
@@ -365,7 +365,7 @@ def _spawn_hf(folder: str, threads: int) -> float:
 
 def cpu_line() -> str:
     """The CPU model, the ISA flags its kernels depend on and torch's dispatch level (beside every figure)."""
-    from compute.kernels import machine
+    from compute.kernels.int8 import machine
 
     return machine()
 

@@ -43,10 +43,11 @@ def _warm_home(home: str, locations: list[str], model: str, threads: int, env: d
     torch loads); -> seconds it took (what a first start cost before plans were kept off the request path)."""
     code = (
         "import sys, time, torch; torch.set_num_threads(int(sys.argv[3]))\n"
-        "from compute import kernels; from compute.config import ModelConfig; from compute.model import linear_shapes\n"
+        "from compute.kernels import int8; from compute.modeling.config import ModelConfig\n"
+        "from compute.modeling.model import linear_shapes\n"
         "from paramstore import ParamStore, StoreConfig\n"
         "with ParamStore(StoreConfig(sys.argv[1].split(','))) as s: cfg = ModelConfig.from_hf(s.manifest(sys.argv[2]).config)\n"
-        "t = time.perf_counter(); kernels.plan_for(linear_shapes(cfg), int(sys.argv[3])); print(time.perf_counter() - t)\n"
+        "t = time.perf_counter(); int8.plan_for(linear_shapes(cfg), int(sys.argv[3])); print(time.perf_counter() - t)\n"
     )  # fmt: skip
     env = {**env, "HOME": home, "XDG_CACHE_HOME": os.path.join(home, ".cache")}
     out = subprocess.run([sys.executable, "-c", code, ",".join(locations), model, str(threads)], env=env,

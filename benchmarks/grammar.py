@@ -7,9 +7,9 @@ For 1 and 32 streams, interleaved (each repeat runs every case in turn), medians
 
 - ms per decode step (steps where every stream decodes, prefill excluded) of free text (the baseline)
   and of the same streams each under a grammar: ``json_schema`` (response_format), ``regex`` (the
-  extension) and ``tool call`` (gateway/tools.py's grammar for tool_choice required); each grammar is
+  extension) and ``tool call`` (gateway/api/tools.py's grammar for tool_choice required); each grammar is
   sized so that no stream reaches its end within ``--tokens``: every step masks every row;
-- the mask alone: ``compute.grammar.mask_logits`` (the sampler's own call: llguidance's bitmask of
+- the mask alone: ``compute.engine.grammar.mask_logits`` (the sampler's own call: llguidance's bitmask of
   every row, unpacked and applied), timed inside those steps, in us per step.
 
 Ratios: grammar step / free step, and the mask's share of a free step (steadier on a shared box than
@@ -30,7 +30,7 @@ LONG = 1000  # characters a grammar needs before it may end: more than --tokens 
 
 
 def grammars_to_run() -> dict[str, dict]:
-    from gateway.tools import Tool, calls_grammar
+    from gateway.api.tools import Tool, calls_grammar
 
     query = {"type": "object", "properties": {"query": {"type": "string", "minLength": LONG}}, "required": ["query"],
              "additionalProperties": False}  # fmt: skip
@@ -59,8 +59,8 @@ def main(args: argparse.Namespace) -> int:
 
     from benchmarks.common import ensure_model
     from benchmarks.engine import QUESTIONS, cpu_line
-    from compute.grammar import Grammars
-    from compute.loader import WeightInjector
+    from compute.engine.grammar import Grammars
+    from compute.modeling.loader import WeightInjector
     from paramstore import ParamStore
     from paramstore.config import store_config
 
@@ -102,10 +102,10 @@ def main(args: argparse.Namespace) -> int:
 def _run(model, grammars, prompts: list[list[int]], spec: dict | None, tokens: int) -> tuple[float, float | None]:
     """(median ms of the engine's steps in which every stream decodes, each under ``spec`` or free;
     median us of the sampler's mask call for all rows in those steps, timed where it runs)."""
-    import compute.grammar as cg
-    from compute.engine import Engine
-    from compute.sampling import SamplingParams
-    from compute.sequence import Sequence
+    import compute.engine.grammar as cg
+    from compute.engine.engine import Engine
+    from compute.engine.sampling import SamplingParams
+    from compute.engine.sequence import Sequence
 
     eng = Engine.for_model(model, num_blocks=sum(-(-(len(p) + tokens) // 16) for p in prompts) + 64)
     for p in prompts:

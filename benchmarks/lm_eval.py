@@ -44,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
     from benchmarks.engine import _gguf_tensors, hf_llama
     from benchmarks.quality import license_text, logprobs
     from benchmarks.service import UpService
-    from compute.loader import WeightInjector
+    from compute.modeling.loader import WeightInjector
     from paramstore import NotFound, ParamStore
     from paramstore.config import store_config
     from paramstore.realmodel import gguf_path

@@ -15,7 +15,7 @@ import timeit
 import pydantic
 
 from compute.node import protocol as P
-from compute.sampling import SamplingParams
+from compute.engine.sampling import SamplingParams
 
 
 class _Line(pydantic.BaseModel):

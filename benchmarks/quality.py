@@ -53,8 +53,8 @@ def reference_texts() -> dict[str, str]:
 def logprobs(model, ids: list[int], chunk: int) -> torch.Tensor:
     """Next-token log-probabilities ``[len(ids), V]`` through our model, ``chunk`` tokens per forward, over
     the KV cache dtype a node serves it with (``auto``: bf16 for int8 weights, fp32 for fp32 weights)."""
-    from compute.batch import ForwardBatch
-    from compute.kv_cache import KVCache, kv_dtype
+    from compute.modeling.batch import ForwardBatch
+    from compute.modeling.kv_cache import KVCache, kv_dtype
 
     bs = 16
     dtype = kv_dtype("auto", model.dtype, bool(model.kernel_modules()))
@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from benchmarks.common import ensure_model
-    from compute.loader import WeightInjector
+    from compute.modeling.loader import WeightInjector
     from paramstore import ParamStore, StoreConfig
     from paramstore.config import store_config
 

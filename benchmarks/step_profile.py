@@ -75,8 +75,8 @@ class _TimedModel:
 
 def _decode_engine(model, prompts, steps: int):
     """An engine with every prompt prefilled and a few decode steps done (steady state)."""
-    from compute.engine import Engine
-    from compute.sampling import SamplingParams
+    from compute.engine.engine import Engine
+    from compute.engine.sampling import SamplingParams
 
     eng = Engine.for_model(model, num_blocks=sum(-(-(len(p) + 3 * steps + 16) // 16) for p in prompts) + 8)
     for p in prompts:
@@ -127,7 +127,7 @@ def gemv_floor(model, m: int, runs: int = 30) -> float:
     """ms per step of every int8 linear's planned kernel alone (warm loop, bf16 aligned input, min of runs)."""
     import torch
 
-    from compute import kernels
+    from compute.kernels import int8
 
     total = 0.0
     with torch.inference_mode():
@@ -135,13 +135,13 @@ def gemv_floor(model, m: int, runs: int = 30) -> float:
             w, scale = mod.int8_weight()
             sb = getattr(mod, "scale_bf16", None)
             sb = sb if sb is not None else mod._scale_act
-            plan = mod.plan or ("int8mm",) * len(kernels.BUCKETS)
+            plan = mod.plan or ("int8mm",) * len(int8.BUCKETS)
             x = torch.randn(m, w.shape[1]).to(torch.bfloat16)
-            name = plan[kernels.bucket(m)]
+            name = plan[int8.bucket(m)]
             best = float("inf")
             for _ in range(runs):
                 t0 = time.perf_counter()
-                kernels.run(name, x, w, scale, sb, mod.w_bf16)
+                int8.run(name, x, w, scale, sb, mod.w_bf16)
                 best = min(best, time.perf_counter() - t0)
             total += best
     return total * 1e3
@@ -160,7 +160,7 @@ _OMP_CHILD = r"""
 import json, statistics, time, torch
 torch.set_num_threads({threads})
 from benchmarks.step_profile import _decode_engine
-from compute.loader import WeightInjector
+from compute.modeling.loader import WeightInjector
 from paramstore import ParamStore, StoreConfig
 inj = WeightInjector(ParamStore(StoreConfig(locations={locations!r})), {model!r}, weights="int8").start()
 inj.wait()
@@ -200,7 +200,7 @@ def weight_bytes(model) -> dict[str, int]:
     (scales, norms, float weights); each tensor once (fused buffers and their parts' views, tied weights)."""
     import torch
 
-    from compute.linear import LinearPart
+    from compute.kernels.linear import LinearPart
 
     seen, out = set(), {"int8": 0, "bf16 copies": 0, "other": 0}
     for mod in model.modules():

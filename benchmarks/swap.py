@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _models(args) -> tuple[list[str], dict[str, dict]]:
     """Import what is missing; -> (store locations, model -> {kind, weights_bytes, kv_bytes})."""
-    from compute.loader import transient_bytes
+    from compute.modeling.loader import transient_bytes
     from compute.node.config import NodeConfig
     from compute.node.held import estimate_bytes
     from paramstore import ParamStore

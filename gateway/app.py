@@ -23,25 +23,25 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from compute.tokenizer import TemplateError
+from compute.modeling.tokenizer import TemplateError
 
-from . import choices, tools
-from . import logprobs as lg
-from . import protocol as p
-from .activator import NotPlaced
-from .admin import add_admin_routes
-from .admission import Overloaded
-from .auth import authorized, install_auth
-from .internal import add_internal_routes
-from .model_card import add_model_card_route
-from .models import UnknownModel
-from .nodes import RequestRejected
-from .openapi import SSE, describe, errors
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body
-from .relay import Unavailable
-from .responses import add_responses_routes
-from .service import REQUEST_SECONDS, REQUESTS, BadRequest, Delta, Gateway
-from .tokens import add_token_routes
+from gateway.api import choices, tools
+from gateway.api import logprobs as lg
+from gateway.api import protocol as p
+from gateway.routing.activator import NotPlaced
+from gateway.api.admin import add_admin_routes
+from gateway.admission.control import Overloaded
+from gateway.api.auth import authorized, install_auth
+from gateway.api.internal import add_internal_routes
+from gateway.api.model_card import add_model_card_route
+from gateway.models import UnknownModel
+from gateway.routing.nodes import RequestRejected
+from gateway.api.openapi import SSE, describe, errors
+from gateway.api.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from gateway.routing.relay import Unavailable
+from gateway.api.responses import add_responses_routes
+from gateway.service import REQUEST_SECONDS, REQUESTS, BadRequest, Delta, Gateway
+from gateway.api.tokens import add_token_routes
 
 LEGACY_FIELDS = ("functions", "function_call")  # refused with their own message
 
@@ -163,7 +163,7 @@ def create_app(gw: Gateway) -> FastAPI:
             return await _respond_many(text, req, [prompt], [max_tokens], chat=True, plan=plan)
         return await _respond(text, req, prompt, max_tokens, chat=True, plan=plan)
 
-    add_responses_routes(app, chat)  # /v1/responses, translated onto chat (gateway/responses/)
+    add_responses_routes(app, chat)  # /v1/responses, translated onto chat (gateway/api/responses/)
     add_model_card_route(app, gw)  # /v1/models/{model}
     add_token_routes(app, gw, lambda request: authorized(request, cfg.api_keys))  # /tokenize, /detokenize
 
@@ -183,7 +183,7 @@ def create_app(gw: Gateway) -> FastAPI:
         return await _respond_many(text, req, prompts, limits, chat=False)
 
     async def _respond_many(text, req, prompts: list[list[int]], limits: list[int], chat: bool, plan=None):
-        """Several choices (gateway/choices.py): a list of prompts, ``n`` per prompt, ``best_of``; each
+        """Several choices (gateway/api/choices.py): a list of prompts, ``n`` per prompt, ``best_of``; each
         its own request, all at once; streamed, the choices' chunks interleave (each carries its index)."""
         rid, created, counts = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), {}
         best_of = req.generated() if not chat else req.n
@@ -220,7 +220,7 @@ def create_app(gw: Gateway) -> FastAPI:
         """One choice. ``counts`` given: part of several (``_respond_many``): a stream comes back as its
         generator of SSE events (no usage, no [DONE]; its token count lands in ``counts[index]``);
         ``extra``: node params of this choice (seed, fork group); ``affinity``: its group's route;
-        ``plan``: the tools offered (gateway/tools.py: their grammar, the calls parsed out of the answer)."""
+        ``plan``: the tools offered (gateway/api/tools.py: their grammar, the calls parsed out of the answer)."""
         rid = rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = created or int(time.time())
         params, stops = replace(gw.node_params(req), **(extra or {})), req.stop_list()

@@ -45,7 +45,7 @@ def wait_ready(url: str, timeout: float) -> None:
 def main(args) -> int:
     from paramstore.config import config_path, env_secret, read_config
 
-    from .main import gateway_url
+    from gateway.main import gateway_url
 
     args.url = gateway_url(read_config(config_path(args.config)), args.url)
     wait_ready(args.url, args.wait)

@@ -61,7 +61,7 @@ def gateway_config(args, tables: dict, path: str | None, **fixed):
     """GatewayConfig from flags (`args`, `fixed`) > environment > [gateway] > defaults."""
     from paramstore.config import resolve
 
-    from .config import GatewayConfig, keys_from_env
+    from gateway.config import GatewayConfig, keys_from_env
 
     g = tables.get("gateway", {})
     flags = {"host": getattr(args, "host", None),
@@ -95,8 +95,8 @@ def open_gateway(cfg, store_cfg):
     with none listed, the store's models are listed now."""
     from paramstore import ParamStore
 
-    from .models import ModelCatalogue
-    from .service import Gateway
+    from gateway.models import ModelCatalogue
+    from gateway.service import Gateway
 
     cfg.store = list(store_cfg.locations)
     ps = ParamStore(store_cfg)
@@ -119,7 +119,7 @@ def build_gateway(model, store: list[str], store_cfg=None, **kw):
     or None/empty (every model in the store)."""
     from paramstore import StoreConfig
 
-    from .config import GatewayConfig, keys_from_env
+    from gateway.config import GatewayConfig, keys_from_env
 
     models = [model] if isinstance(model, str) else list(model or [])
     cfg = GatewayConfig(models=models, store=store, **keys_from_env(), **kw)
@@ -129,15 +129,15 @@ def build_gateway(model, store: list[str], store_cfg=None, **kw):
 
 
 def add_discovery(gw, tables: dict, path: str | None) -> None:
-    """[gateway.discovery] (gateway.discovery.DiscoveryConfig): the registry source that finds the nodes."""
+    """[gateway.discovery] (gateway.routing.discovery.DiscoveryConfig): the registry source that finds the nodes."""
     from paramstore.config import ConfigError, table_kwargs
 
-    from .discovery import DiscoveryConfig, make_source
+    from gateway.routing.discovery import DiscoveryConfig, make_source
 
     table = tables.get("gateway", {}).get("discovery", {})
     if not isinstance(table, dict):
         raise ConfigError(f"config {path}: [gateway] discovery must be a table [gateway.discovery]")
-    kw = table_kwargs(DiscoveryConfig, table, "gateway.discovery", path)  # unknown keys, wrong types: one line
+    kw = table_kwargs(DiscoveryConfig, table, "gateway.routing.discovery", path)  # unknown keys, wrong types: one line
     try:
         source = make_source(DiscoveryConfig(**kw), gw.registry)
     except (TypeError, ValueError) as e:
@@ -180,7 +180,7 @@ def main(args) -> int:
     from compute.node.lifeline import hold
     from paramstore.config import config_path, read_config, store_config
 
-    from .app import create_app
+    from gateway.app import create_app
 
     hold()  # started by pdserve up, a launcher or a test: end with that parent, even on SIGKILL
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

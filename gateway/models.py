@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from compute.tokenizer import TextBundle
+from compute.modeling.tokenizer import TextBundle
 
 log = logging.getLogger("pdserve.gateway")
 MISS_RELIST_S = 2.0  # a request for an unknown name lists the store again at most this often

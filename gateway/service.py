@@ -22,19 +22,19 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
-from compute.sampling import SamplingParams
+from compute.engine.sampling import SamplingParams
 
-from . import tools
-from .activator import Activator
-from .admission import Admission
-from .config import GatewayConfig
-from .formats import grammar_spec
-from .models import ModelCatalogue, Text
-from .nodes import NodeClient
-from .registry import NodeRegistry
-from .relay import Affinity, GenRequest, Relay
-from .stops import StopMatcher
-from .traffic import Traffic
+from gateway.api import tools
+from gateway.routing.activator import Activator
+from gateway.admission.control import Admission
+from gateway.config import GatewayConfig
+from gateway.api.formats import grammar_spec
+from gateway.models import ModelCatalogue, Text
+from gateway.routing.nodes import NodeClient
+from gateway.routing.registry import NodeRegistry
+from gateway.routing.relay import Affinity, GenRequest, Relay
+from gateway.api.stops import StopMatcher
+from gateway.admission.traffic import Traffic
 
 log = logging.getLogger("pdserve.gateway")
 PRELOAD_MAX = 16  # at start, the texts of this many served models are read in the background
@@ -82,7 +82,7 @@ class Gateway:
         self.traffic = Traffic()
         self.autoscaler_status: dict = {}
         self.supervisor = None  # () -> dict: the local actuator's status() (`pdserve up`: restarts, crash loops)
-        self.sources: list = []  # registry sources beyond static nodes, started with the gateway (gateway.discovery)
+        self.sources: list = []  # registry sources beyond static nodes, started with the gateway (gateway.routing.discovery)
         self._refresher: asyncio.Task | None = None
 
     @property

@@ -24,8 +24,8 @@ def main(args) -> int:
 
     from paramstore.config import config_path, env_secret, read_config
 
-    from . import keyfile
-    from .main import gateway_url
+    from gateway import keyfile
+    from gateway.main import gateway_url
 
     args.url = gateway_url(read_config(config_path(args.config)), args.url)
     headers = {}

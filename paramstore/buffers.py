@@ -1,7 +1,7 @@
 """Shard buffers: fresh, writable, and 64-byte aligned (page-aligned when large).
 
 Tensors are ``torch.frombuffer`` views of these buffers, and CPU kernels need their data
-64-byte aligned (see ``compute.linear.aligned``): a packed shard puts tensor data at 64-byte
+64-byte aligned (see ``compute.kernels.linear.aligned``): a packed shard puts tensor data at 64-byte
 offsets, so an aligned buffer gives aligned tensors without a copy. Neither a large
 ``bytearray`` (glibc puts a 16-byte header before an mmap'd chunk) nor a small one (malloc
 aligns to 16) is 64-byte aligned: small buffers are a 64-byte aligned window of a slightly
@@ -14,7 +14,7 @@ import ctypes
 import mmap
 
 # bytes: the start of every buffer ``alloc`` returns, of tensor data in a packed shard
-# (``shards.pack``) and of every tensor a CPU kernel gets (``compute.linear.aligned``)
+# (``shards.pack``) and of every tensor a CPU kernel gets (``compute.kernels.linear.aligned``)
 ALIGN = 64
 _MMAP_MIN = 2**20  # from this size on, an anonymous mmap
 

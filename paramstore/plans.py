@@ -1,6 +1,6 @@
 """Kernel plans in the store: one measured plan per class of machine, beside the models.
 
-A kernel plan (``compute.kernels``' table: the int8 kernel per weight shape and M bucket) belongs to a
+A kernel plan (``compute.kernels.int8``' table: the int8 kernel per weight shape and M bucket) belongs to a
 class of machine — CPU model, ISA flags, torch's dispatch level, torch version, threads — not to a node.
 The first node of a class that measures publishes its plan here; every other node or pod of that class
 reads it and does not measure (a node holds no state the pool cannot give back).
@@ -34,7 +34,7 @@ _ID = re.compile(r"^[0-9a-f]{16}$")
 
 
 def plan_id(key: str) -> str:
-    """The object id of a machine key (``compute.kernels.machine_key``: '<16 hex> <description>')."""
+    """The object id of a machine key (``compute.kernels.int8.machine_key``: '<16 hex> <description>')."""
     pid = key.split(" ", 1)[0]
     if not _ID.match(pid):
         raise InvalidRequest(f"not a machine key or plan id: {key[:60]!r} (16 hex digits first)")

@@ -182,9 +182,9 @@ def tiny_model_store(tmp_path_factory, tiny_hf):
 
 @pytest.fixture(scope="session")
 def real_grammars():
-    """(compute.grammar.Grammars, TextBundle) over the real SmolLM2 tokenizer (from the GGUF, no import)."""
-    from compute.grammar import Grammars
-    from compute.tokenizer import TextBundle
+    """(compute.engine.grammar.Grammars, TextBundle) over the real SmolLM2 tokenizer (from the GGUF, no import)."""
+    from compute.engine.grammar import Grammars
+    from compute.modeling.tokenizer import TextBundle
     from paramstore.realmodel import gguf_path
     from paramstore.sources import open_source
 

@@ -7,7 +7,7 @@ Tests that compare numbers (greedy text, token ids, logprobs) between two reques
 alone and in a batch, colocated and split, before and after a failover, start their nodes with
 ``kernels="invariant"``: under the default ``measured`` plan a request's numbers may depend on its batch
 (the fastest kernel differs per batch size on some CPUs, by design) and on when the node swapped in its
-measured plan (``compute/kernel_plans.py``). The helpers then wait until every node runs its final plan
+measured plan (``compute/kernels/plans.py``). The helpers then wait until every node runs its final plan
 (``wait_kernels_settled``) before the first request: a node under ``invariant`` keeps the plan it served
 its first request with, and two nodes compared must run the same one.
 """
@@ -28,7 +28,7 @@ Proc = ServiceProc
 
 
 INVARIANT = ("--kernels", "invariant")  # `pdserve node` flags: one row-invariant int8 kernel per shape at every M
-PLAN_PENDING = ("waiting", "measuring")  # compute.kernel_plans.BackgroundMeasure.state while a plan may still come
+PLAN_PENDING = ("waiting", "measuring")  # compute.kernels.plans.BackgroundMeasure.state while a plan may still come
 
 
 def admin_headers(url: str) -> dict[str, str]:

@@ -6,6 +6,9 @@ import itself and the packages below it; the benchmarks (benchmarks/, outside th
 import every package, and no library package imports them. The CLI reaches the benchmarks only by
 name, through autoscaler/cli.py's BENCHES table (importlib at run time): not an import.
 
+Inside compute and gateway the same rule holds between their rooms (``ROOMS``, lowest first; a module
+at the package's top is a room of its own): the engine sits below the node, routing below the API.
+
 Also: every first-party module an import names exists (a move that left a stale import behind,
 even one inside a function that only runs in a long benchmark, fails here), and every
 `pdserve bench NAME` row points into benchmarks/ and starts (`--help`, run as the user runs it).
@@ -24,6 +27,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RANK = {"paramstore": 0, "compute": 1, "gateway": 2, "autoscaler": 3, "benchmarks": 4}
 LIBRARY = ("paramstore", "compute", "gateway", "autoscaler")
 FIRST_PARTY = (*RANK, "tests")
+
+# the rooms of a package, lowest first: a room may import itself and the rooms before it
+ROOMS = {
+    "compute": ("errors", "kernels", "modeling", "engine", "kv_transfer", "node"),
+    "gateway": ("config", "keyfile", "models", "routing", "admission", "api", "service", "app", "main", "status",
+                "chat"),
+}  # fmt: skip
 
 # (file, package it may import against the rule): each one is a debt with a name, not a rule.
 KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
@@ -81,9 +91,44 @@ def violations() -> tuple[list[str], set[tuple[str, str]]]:
     return bad, seen
 
 
+def room_violations() -> list[str]:
+    """Imports between the rooms of one package that run up its ``ROOMS`` order (file:line: module -> target)."""
+    root, bad = ROOT, []
+    for pkg, rooms in ROOMS.items():
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if len(parts) < 2 or parts[1] == "__init__":
+                continue
+            room = parts[1]
+            assert room in rooms, f"{path.relative_to(root)}: room {room!r} is not in ROOMS[{pkg!r}]"
+            for line, mod in imports(path):
+                target = mod.split(".")
+                if target[0] == pkg and len(target) > 1 and target[1] in rooms:
+                    if rooms.index(target[1]) > rooms.index(room):
+                        bad.append(f"{path.relative_to(root).as_posix()}:{line}: {mod} ({room} is below {target[1]})")
+    return bad
+
+
 def test_packages_import_only_downwards():
     bad, _ = violations()
     assert not bad, "imports that run up the stack:\n" + "\n".join(bad)
+
+
+def test_rooms_inside_a_package_import_only_downwards():
+    bad = room_violations()
+    assert not bad, "imports that run up a package's rooms:\n" + "\n".join(bad)
+
+
+def test_the_room_rule_catches_an_upward_import(tmp_path, monkeypatch):
+    """The check itself can fail: the engine importing the node is reported, the node importing the engine is not."""
+    for pkg in ROOMS:
+        (tmp_path / pkg).mkdir()
+    for room in ("engine", "node"):
+        (tmp_path / "compute" / room).mkdir()
+    (tmp_path / "compute" / "engine" / "x.py").write_text("def f():\n    from compute.node.y import g\n")
+    (tmp_path / "compute" / "node" / "y.py").write_text("from compute.engine import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert room_violations() == ["compute/engine/x.py:2: compute.node.y (engine is below node)"]
 
 
 def test_known_exceptions_are_still_needed():
@@ -109,11 +154,11 @@ def test_the_rule_catches_an_upward_import(tmp_path, monkeypatch):
     """The check itself can fail: a paramstore module importing compute is reported."""
     (tmp_path / "paramstore").mkdir()
     (tmp_path / "paramstore" / "__init__.py").write_text("")
-    (tmp_path / "paramstore" / "x.py").write_text("def f():\n    from compute.engine import Engine\n")
+    (tmp_path / "paramstore" / "x.py").write_text("def f():\n    from compute.engine.engine import Engine\n")
     (tmp_path / "paramstore" / "y.py").write_text("from . import x\nfrom .x import f\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     bad, _ = violations()
-    assert bad == ["paramstore/x.py:2: paramstore.x imports compute.engine (paramstore is below compute)"]
+    assert bad == ["paramstore/x.py:2: paramstore.x imports compute.engine.engine (paramstore is below compute)"]
     assert imports(tmp_path / "paramstore" / "y.py") == [(1, "paramstore"), (1, "paramstore.x"), (2, "paramstore.x")]
 
 

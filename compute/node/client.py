@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 import httpx
 import msgspec
 
-from . import protocol as P
-from .auth import SignedAuth
+from compute.node import protocol as P
+from compute.node.auth import SignedAuth
 
 JSON = {"content-type": "application/json"}
 

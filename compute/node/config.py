@@ -59,11 +59,11 @@ class NodeConfig:
             raise ValueError("need 0 < kv_timeout_s < kv_hold_s")
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise ValueError("model must be a non-empty NAME[@vN] (or unset: start standby)")
-        if self.kv_dtype not in ("auto", "bfloat16", "float32"):  # compute.kv_cache.KV_DTYPES (no torch import here)
+        if self.kv_dtype not in ("auto", "bfloat16", "float32"):  # compute.modeling.kv_cache.KV_DTYPES (no torch import here)
             raise ValueError(f"invalid kv_dtype {self.kv_dtype!r}: auto, bfloat16 or float32")
         if self.device != "cpu" and self.role != "both":
             raise ValueError(f"role {self.role!r} hands its KV over host memory: it needs device 'cpu'")
-        if self.kernels not in ("measured", "invariant", "fixed"):  # compute.kernels.MODES (no torch import here)
+        if self.kernels not in ("measured", "invariant", "fixed"):  # compute.kernels.int8.MODES (no torch import here)
             raise ValueError(f"invalid kernels {self.kernels!r}: measured, invariant or fixed")
         if self.memory_gb < 0 or self.tpot_target_s <= 0:
             raise ValueError("need memory_gb >= 0 (0: half of MemAvailable) and tpot_target_s > 0")

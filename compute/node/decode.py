@@ -19,10 +19,10 @@ import asyncio
 import time
 
 from compute.errors import CacheFull, RequestTooLarge
-from compute.sequence import Sequence
+from compute.engine.sequence import Sequence
 
-from .protocol import DecodeRequest
-from .service import (
+from compute.node.protocol import DecodeRequest
+from compute.node.service import (
     Active,
     BadNodeRequest,
     NodeBusy,

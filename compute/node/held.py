@@ -25,10 +25,10 @@ import time
 
 import torch
 
-from compute.config import ModelConfig
-from compute.engine import Engine, StepOutput
-from compute.kv_cache import KVCache, kv_dtype
-from compute.loader import (
+from compute.modeling.config import ModelConfig
+from compute.engine.engine import Engine, StepOutput
+from compute.modeling.kv_cache import KVCache, kv_dtype
+from compute.modeling.loader import (
     DEFAULT_KERNEL_CACHE,
     RUNTIME,
     LoadProgress,
@@ -36,10 +36,10 @@ from compute.loader import (
     runtime_weights,
 )
 
-from .capacity import CapacityMeter
-from .config import NodeConfig
-from .service import NodeService
-from .worker import EngineWorker
+from compute.node.capacity import CapacityMeter
+from compute.node.config import NodeConfig
+from compute.node.service import NodeService
+from compute.node.worker import EngineWorker
 
 log = logging.getLogger("pdserve.node")
 LOAD_TIMEOUT_S = 600.0  # a load not done by then fails
@@ -183,11 +183,11 @@ def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeSe
                       cache_t.dtype)  # fmt: skip
     try:
         if cfg.role == "prefill":
-            from .prefill import make_sender
+            from compute.node.prefill import make_sender
 
             make_sender(svc, layout, cache_t.kv)
         elif cfg.role == "decode":
-            from .decode import make_receiver
+            from compute.node.decode import make_receiver
 
             make_receiver(svc, layout, cache_t.kv)
         worker.start()
@@ -237,7 +237,7 @@ def trim() -> None:
 
 def kernel_cache(cfg: NodeConfig) -> str:
     """Where this node keeps the machine's kernel table: its cache dir, else the user's default."""
-    return os.path.join(cfg.cache_dir, "kernels.json") if cfg.cache_dir else DEFAULT_KERNEL_CACHE
+    return os.path.join(cfg.cache_dir, "int8.json") if cfg.cache_dir else DEFAULT_KERNEL_CACHE
 
 
 def tensor_bytes(model: torch.nn.Module) -> int:
@@ -259,11 +259,11 @@ def estimate_bytes(manifest, weights: str, cfg: NodeConfig) -> tuple[int, int]:
     wbytes = int(sum(s.size for s in manifest.weight_shards()) * held / stored)
     config = ModelConfig.from_hf(manifest.config)
     if w == "int8" and cfg.kernels != "fixed" and cfg.device == "cpu":  # the kernel table's bf16 copies
-        from compute import kernels
-        from compute.model import linear_shapes
+        from compute.kernels import int8
+        from compute.modeling.model import linear_shapes
 
-        table = kernels.cached_table(torch.get_num_threads(), kernel_cache(cfg))  # as the loader will read it
-        wbytes += kernels.copy_bytes(linear_shapes(config), table, cfg.kernels)
+        table = int8.cached_table(torch.get_num_threads(), kernel_cache(cfg))  # as the loader will read it
+        wbytes += int8.copy_bytes(linear_shapes(config), table, cfg.kernels)
     dtype, int8 = RUNTIME[w]
     kv = KVCache.bytes_per_block(config, cfg.block_size, kv_dtype(cfg.kv_dtype, dtype, int8)) * cfg.kv_blocks
     return wbytes, kv

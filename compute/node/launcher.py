@@ -20,8 +20,8 @@ import sys
 import threading
 import time
 
-from .auth import SignedAuth
-from .lifeline import spawn_kwargs
+from compute.node.auth import SignedAuth
+from compute.node.lifeline import spawn_kwargs
 
 SERVICE_ENV = {"PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN",
                "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
@@ -71,7 +71,7 @@ class ServiceProc:
 
     def load(self) -> dict:
         """The node's /load (``protocol.LoadReport``) as a dict."""
-        from .client import SyncNodeClient
+        from compute.node.client import SyncNodeClient
 
         with SyncNodeClient(None, auth=self.auth) as client:
             return client.load(self.url).as_dict()

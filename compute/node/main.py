@@ -78,7 +78,7 @@ def node_config(args):
         store_config,
     )
 
-    from .config import NodeConfig
+    from compute.node.config import NodeConfig
 
     path = config_path(args.config)
     tables = read_config(path)
@@ -122,11 +122,11 @@ def heavy_imports(cfg) -> None:
     import torch  # noqa: F401
     import uvicorn  # noqa: F401
 
-    import compute.engine
-    import compute.loader  # noqa: F401
+    import compute.engine.engine
+    import compute.modeling.loader  # noqa: F401
     import paramstore.cache  # noqa: F401
 
-    from . import held, server  # noqa: F401
+    from compute.node import held, server  # noqa: F401
 
     if cfg.role != "both":
         from compute.kv_transfer.factory import BACKENDS
@@ -165,8 +165,8 @@ def build(cfg, loop, store_cfg):
     from paramstore import ParamStore
     from paramstore.cache import CacheConfig, NodeCache
 
-    from .models import ModelHost
-    from .server import create_app
+    from compute.node.models import ModelHost
+    from compute.node.server import create_app
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -182,7 +182,7 @@ def build(cfg, loop, store_cfg):
 
         threading.Thread(target=host.survey, name="cache-survey", daemon=True).start()
     if cfg.model:
-        from .service import NodeBusy
+        from compute.node.service import NodeBusy
 
         store.manifest(cfg.model)  # a missing model or a bad signature: one line, exit 2, before listening
         try:
@@ -205,7 +205,7 @@ def _nixl_agent() -> None:
 def main(args) -> int:
     import uvicorn
 
-    from .lifeline import hold
+    from compute.node.lifeline import hold
 
     hold()  # first: a node whose parent (`pdserve up`, the launcher) ends, even by SIGKILL, ends too
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -49,7 +49,7 @@ PROMPT_COMPUTED = Counter("pdserve_node_prompt_tokens_computed_total",
                           "Prompt positions this node ran through the model (an n > 1 request's choices share theirs)",
                           ["model"])  # fmt: skip
 
-FINISH_REASONS = ("stop", "length", "abort", "error")  # compute.sequence.FinishReason's values
+FINISH_REASONS = ("stop", "length", "abort", "error")  # compute.engine.sequence.FinishReason's values
 
 
 def start_series(model: str) -> None:

@@ -29,12 +29,12 @@ import asyncio
 import logging
 import time
 
-from compute.loader import LoadProgress, transient_bytes
+from compute.modeling.loader import LoadProgress, transient_bytes
 
-from .config import NodeConfig
-from .held import Held, estimate_bytes, free, mem_available, rss_bytes
-from .protocol import ModelLoadReply, ModelUnloadReply
-from .service import BadNodeRequest, ModelNotLoaded, NodeBusy, NodeService
+from compute.node.config import NodeConfig
+from compute.node.held import Held, estimate_bytes, free, mem_available, rss_bytes
+from compute.node.protocol import ModelLoadReply, ModelUnloadReply
+from compute.node.service import BadNodeRequest, ModelNotLoaded, NodeBusy, NodeService
 
 log = logging.getLogger("pdserve.node")
 PREFETCH = 2  # shards a load keeps in flight when the budget has room for them (ReaderConfig's default)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 import time
 
-from .metrics import TTFT
-from .protocol import GenerateRequest, KVHandle, PrefillReply
-from .service import BadNodeRequest, NodeService, TransferFailed, check_request, new_sequence, output_line, sampling_params
+from compute.node.metrics import TTFT
+from compute.node.protocol import GenerateRequest, KVHandle, PrefillReply
+from compute.node.service import BadNodeRequest, NodeService, TransferFailed, check_request, new_sequence, output_line, sampling_params
 
 log = logging.getLogger("pdserve.node")
 

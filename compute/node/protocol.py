@@ -14,7 +14,7 @@ talk to a node only through ``compute.node.client``. Routes (every one but /heal
   GET  /load                                -> LoadReport
   any refusal                               -> NodeError {detail, kind}: what the caller should do
 
-``params`` is ``compute.sampling.SamplingParams`` as itself: the wire type is generated from the
+``params`` is ``compute.engine.sampling.SamplingParams`` as itself: the wire type is generated from the
 dataclass's fields (``SamplingWire``), so a field added there reaches the node with no other file
 changing, and a field the node does not know is refused (400 naming it), as the gateway refuses one.
 
@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from compute.sampling import SamplingParams
+from compute.engine.sampling import SamplingParams
 
 # ---- sampling parameters, as the engine's dataclass is -----------------------------------------
 

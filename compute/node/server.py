@@ -18,13 +18,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import auth
-from . import protocol as P
-from . import decode as decode_role
-from . import prefill as prefill_role
-from .metrics import host_registry
-from .models import ModelHost, ModelNotHeld, ModelUnknown
-from .service import BadNodeRequest, NodeBusy, check_request, new_sequence, sampling_params
+from compute.node import auth
+from compute.node import protocol as P
+from compute.node import decode as decode_role
+from compute.node import prefill as prefill_role
+from compute.node.metrics import host_registry
+from compute.node.models import ModelHost, ModelNotHeld, ModelUnknown
+from compute.node.service import BadNodeRequest, NodeBusy, check_request, new_sequence, sampling_params
 
 log = logging.getLogger("pdserve.node")
 # without credentials: what a kubelet probes (no state beyond ready/draining) and what Prometheus scrapes, open as

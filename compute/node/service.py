@@ -18,13 +18,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from compute.errors import RequestTooLarge
-from compute.sampling import SamplingParams
-from compute.sequence import Sequence, Status
+from compute.engine.sampling import SamplingParams
+from compute.engine.sequence import Sequence, Status
 
-from .config import NodeConfig
-from .protocol import GenerateRequest, StreamLine, encode_line
-from .metrics import FINISHED, REQUEST_SECONDS, TPOT, TTFT, start_series
-from .worker import EngineWorker
+from compute.node.config import NodeConfig
+from compute.node.protocol import GenerateRequest, StreamLine, encode_line
+from compute.node.metrics import FINISHED, REQUEST_SECONDS, TPOT, TTFT, start_series
+from compute.node.worker import EngineWorker
 
 
 class BadNodeRequest(ValueError):
@@ -81,7 +81,7 @@ def constrain(grammars, sp: SamplingParams, output: list[int]):
         return None
     if grammars is None:
         raise BadNodeRequest("structured output needs the model's tokenizer, which this node does not have")
-    from compute.grammar import InvalidGrammar
+    from compute.engine.grammar import InvalidGrammar
 
     try:
         return grammars.matcher(sp.grammar, output)
@@ -104,7 +104,7 @@ def output_line(o) -> StreamLine:
 
 def new_sequence(msg: GenerateRequest, sp: SamplingParams, grammars=None) -> Sequence:
     """A sequence whose last ``msg.replay_tokens`` prompt tokens are replayed output (failover); with a
-    grammar, its matcher (``grammars``: the model's ``compute.grammar.Grammars``) past the output so far."""
+    grammar, its matcher (``grammars``: the model's ``compute.engine.grammar.Grammars``) past the output so far."""
     prompt = msg.prompt_token_ids
     seq = Sequence(prompt, sp)
     seq.prompt_len = prompt_len(msg)
@@ -139,9 +139,9 @@ class NodeService:
 
     @property
     def grammars(self):
-        """The model's ``compute.grammar.Grammars``, built on first use (None without a tokenizer)."""
+        """The model's ``compute.engine.grammar.Grammars``, built on first use (None without a tokenizer)."""
         if self._grammars is None and self.tokenizer_json is not None:
-            from compute.grammar import Grammars
+            from compute.engine.grammar import Grammars
 
             self._grammars = Grammars(self.tokenizer_json, self.vocab_size, self.eos_token_ids)
         return self._grammars

@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 from prometheus_client import Histogram
 
-from compute.engine import Engine, StepOutput
+from compute.engine.engine import Engine, StepOutput
 
-from .metrics import GENERATED, PROMPT_COMPUTED
+from compute.node.metrics import GENERATED, PROMPT_COMPUTED
 
 log = logging.getLogger("pdserve.node")
 STEP_SECONDS = Histogram("pdserve_node_step_seconds", "One engine step",

@@ -40,7 +40,7 @@ STREAM_TOKENS = 500  # (c): seconds of a stream on the larger tiny model, well w
 def four_models(tmp_path_factory, real_model_store):
     """Four tiny Llamas (different weights) with SmolLM2's tokenizer bundle in one store: (locations, GiB that
     holds one of them on a node and never two)."""
-    from compute.loader import transient_bytes
+    from compute.modeling.loader import transient_bytes
     from compute.node.config import NodeConfig
     from compute.node.held import estimate_bytes
     from paramstore import ParamStore

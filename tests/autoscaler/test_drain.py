@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from compute.node.auth import SignedAuth
-from compute.sampling import SamplingParams
+from compute.engine.sampling import SamplingParams
 from tests.services import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -49,9 +49,9 @@ def _load(url: str) -> dict:
 
 def test_scale_down_drains_without_losing_a_request(tmp_path, tiny_model_store):
     from autoscaler.up import registry_hooks
-    from gateway.nodes import NodeClient
-    from gateway.registry import NodeRegistry
-    from gateway.relay import GenRequest, Relay
+    from gateway.routing.nodes import NodeClient
+    from gateway.routing.registry import NodeRegistry
+    from gateway.routing.relay import GenRequest, Relay
 
     seen: dict[str, dict] = {}  # what the leaving node reported when the drain began / when it was done
     drain_started = threading.Event()

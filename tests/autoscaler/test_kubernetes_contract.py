@@ -10,7 +10,7 @@ requests sent (method, path, query, content type, body) and the parsing of answe
   GET   /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=kubernetes.io/service-name=...
   PATCH /api/v1/namespaces/{ns}/pods/{name}                      (JSON merge patch of the pod-deletion-cost)
 
-and the gateway's node registry source (gateway/discovery.py), which lists and then watches the
+and the gateway's node registry source (gateway/routing/discovery.py), which lists and then watches the
 same EndpointSlices (list + watch: what the gateway's Role in deploy/base grants):
 
   GET   /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=...&watch=true&resourceVersion=...
@@ -31,8 +31,8 @@ kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client (ex
 from autoscaler import AutoscalerConfig, Backoff, ControlLoop, NodeInfo, RoleLoad
 from autoscaler.actuator import PermanentActuatorError, TemporaryActuatorError
 from autoscaler.kubernetes import KubernetesActuator, KubernetesConfig
-from gateway.discovery import DiscoveryConfig, KubernetesSource
-from gateway.registry import NodeRegistry
+from gateway.routing.discovery import DiscoveryConfig, KubernetesSource
+from gateway.routing.registry import NodeRegistry
 
 NS = "pdserve-test"
 SCALE, SLICES = kubeapi.SCALE, kubeapi.SLICES

@@ -284,7 +284,7 @@ def _first_token(url: str, model: str, t0: float, timeout: float = 120) -> tuple
 def test_a_pool_that_cannot_hold_every_model_swaps_them_on_its_runtimes(tmp_path):
     from autoscaler.local import LocalActuator, LocalConfig
     from autoscaler.pool import RuntimePool
-    from compute.loader import transient_bytes
+    from compute.modeling.loader import transient_bytes
     from compute.node.config import NodeConfig
     from compute.node.held import estimate_bytes
     from paramstore import ParamStore, StoreConfig

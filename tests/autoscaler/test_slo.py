@@ -129,7 +129,7 @@ def _burst_run(demand_signal: bool) -> list:
     """A prefill key on a 0.5 s tick fed by the gateway's own Traffic (fake clock) and a simulated queue:
     1.25 req/s of 40-token prompts for 60 s, then 14 req/s (3x what one replica measured at 188 tok/s clears).
     Returns the decisions after the onset."""
-    from gateway.traffic import Traffic
+    from gateway.admission.traffic import Traffic
 
     clock = [1000.0]
     traffic = Traffic(clock=lambda: clock[0], wall=lambda: clock[0])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks.step_profile import PARTS, breakdown, format_breakdown, weight_bytes
-from compute.model import Transformer
-from tests.compute.test_model_parity import int8_state
+from compute.modeling.model import Transformer
+from tests.compute.modeling.test_model_parity import int8_state
 from tests.compute.tiny import tiny_model
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from compute.config import ModelConfig
-from compute.model import Transformer
+from compute.modeling.config import ModelConfig
+from compute.modeling.model import Transformer
 from tests.conftest import tiny_llama_config
 
 

@@ -2,7 +2,7 @@
 
 Pure parts first (no process): routing per model from each node's /load (a node of several models,
 and an old node of one), the activator holding a request until a node holds its model (the per-model
-traffic figures: tests/gateway/test_traffic.py). Then real processes: two tiny models in one store,
+traffic figures: tests/gateway/admission/test_traffic.py). Then real processes: two tiny models in one store,
 a node holding each, gateways over them; the real `openai` client gets each model's answer,
 identical to a gateway over a node holding only that model; /v1/models lists both; a model no node
 holds is held by the activator (the test places it through the gateway's internal API, watching
@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from compute.node.launcher import Services
-from gateway.activator import Activator, NotPlaced
-from gateway.registry import NodeRegistry
+from gateway.routing.activator import Activator, NotPlaced
+from gateway.routing.registry import NodeRegistry
 from tests.conftest import import_tiny_chat_models
 from tests.services import (
     AUTH,

@@ -101,7 +101,7 @@ def tampered(tmp_path_factory, smol_files):
     """(locations, key file, {original, evil}: prompt token counts of Q through each template)."""
     import xxhash
 
-    from compute.tokenizer import TextBundle
+    from compute.modeling.tokenizer import TextBundle
     from paramstore import ParamStore, StoreConfig
 
     files = smol_files

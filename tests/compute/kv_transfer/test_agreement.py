@@ -33,11 +33,11 @@ import math
 
 import pytest
 
-from compute.batch import ForwardBatch
+from compute.modeling.batch import ForwardBatch
 from compute.kv_transfer import KVLayout
 from compute.kv_transfer.compression import CODECS
-from compute.sampling import SamplingParams
-from compute.sequence import Sequence
+from compute.engine.sampling import SamplingParams
+from compute.engine.sequence import Sequence
 from tests.prompts import QUESTIONS
 
 pytestmark = pytest.mark.slow
@@ -49,8 +49,8 @@ MORE_QUESTIONS = ["Explain what a CPU does.", "List three primary colors.", "Wha
 
 
 def _engine(real_model_store, weights: str):
-    from compute.engine import Engine
-    from compute.loader import WeightInjector
+    from compute.engine.engine import Engine
+    from compute.modeling.loader import WeightInjector
     from paramstore import ParamStore, StoreConfig
 
     locations, name = real_model_store
@@ -111,7 +111,7 @@ def _agreement(engine, codecs, questions, tokens: int, free_running: str | None 
     """codec -> teacher-forced top-1 agreement with the uncompressed KV; "n" -> tokens scored.
 
     References and free-running decodes run batched (outputs are batch-invariant: tested in
-    tests/compute/test_realmodel.py)."""
+    tests/compute/modeling/test_realmodel.py)."""
     eng, bundle, model = engine
     sch, cache = eng.scheduler, eng.runner.cache
     c = model.config

@@ -93,7 +93,7 @@ def test_node_with_the_key_serves_a_signed_manifest_and_refuses_a_tampered_one(t
 
 
 def test_injector_with_the_key_refuses_a_tampered_manifest(signed_store):
-    from compute.loader import WeightInjector
+    from compute.modeling.loader import WeightInjector
     from paramstore import IntegrityError, ParamStore, StoreConfig
 
     cfg, locs, key = signed_store

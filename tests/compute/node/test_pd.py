@@ -26,7 +26,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def prompts(real_model_store):
-    from compute.tokenizer import TextBundle
+    from compute.modeling.tokenizer import TextBundle
     from paramstore import ParamStore, StoreConfig
 
     locations, name = real_model_store

@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from compute import kernel_plans, kernels
+from compute.kernels import int8, plans
 from compute.node.launcher import Services
 from paramstore import ParamStore, StoreConfig
 from tests.services import TOKEN, wait_for
@@ -38,7 +38,7 @@ def _kernels(node) -> dict:
 
 def test_nodes_of_one_machine_measure_once_and_a_later_node_measures_nothing(tmp_path, int8_store):
     svc = Services(int8_store.locations, "tiny", str(tmp_path), TOKEN)
-    key = kernels.machine_key(1)  # the nodes run 1 thread, as the test computes the key
+    key = int8.machine_key(1)  # the nodes run 1 thread, as the test computes the key
     try:
         shared = ("--cache-dir", str(tmp_path / "machine-cache"))
         first = [svc.node("both", threads=1, kv_blocks=64, extra=shared) for _ in range(3)]
@@ -59,7 +59,7 @@ def test_nodes_of_one_machine_measure_once_and_a_later_node_measures_nothing(tmp
                     return None
 
         body = wait_for(published, 180, "the measured plan in the store", every=0.5)
-        assert kernel_plans.complete(body["table"], [tuple(map(int, s.split("x"))) for s in body["table"]["shapes"]])
+        assert plans.complete(body["table"], [tuple(map(int, s.split("x"))) for s in body["table"]["shapes"]])
         # settled: its planner is done, or it had none (it was loaded after the plan was published: the store's)
         wait_for(lambda: all(_kernels(n)["measure"] in ("done", "none") for n in first), 60, "all plans settled")
         states = [_kernels(n) for n in first]

@@ -10,7 +10,7 @@ import pytest
 
 from compute.node import protocol as P
 from compute.node.client import NodeFailed, RequestRejected, check
-from compute.sampling import SamplingParams
+from compute.engine.sampling import SamplingParams
 
 
 def test_sampling_params_are_the_wire_type_field_for_field():

@@ -1,0 +1,389 @@
+"""INT8-weight linear kernels, chosen by measurement on the machine that runs them.
+
+Machines of one kind do not share a CPU (AVX2 only; AVX-512 with bf16/VNNI; AMX): the same
+kernel wins on one and loses 10x on another (FIELD-NOTES; the table in ``compute/kernels/linear.py``).
+So nothing here assumes a CPU:
+
+1. ``plan_for(shapes, threads, cache_path)``: the machine's key (CPU model name, its ISA flags, torch's dispatch level,
+   torch version, threads) names a JSON file; if it holds a table for every shape, it is used;
+2. otherwise ``measure`` times every usable candidate on each weight shape ``[N, K]`` of the
+   model at one M per bucket (``BUCKETS``), min of ``repeats`` interleaved runs, and checks each
+   candidate's error against an fp32 reference on activations with outlier channels (as real
+   LLM activations have); the fastest within ``ERROR_GATE`` wins each bucket;
+3. each candidate is also probed for *row invariance*: every row of its output bitwise the same at
+   every M in ``INVARIANCE_M`` as computed alone. Measured on the AMX Xeon: only int8mm is (each
+   output tile's K loop is the same whatever M); oneDNN's bf16 GEMM changes its blocking at M = 33-64
+   and others, MKL's fp32 GEMM below M ~ 16-25. ``invariant`` names the row-invariant kernel within
+   the gate with the least total time over the probe Ms (None if there is none);
+4. the table is written (atomically) and each int8 linear gets its plan (``plan_of``):
+   ``measured`` (the default) the fastest per bucket; ``invariant`` the ``invariant`` kernel at
+   every M, so a request's numbers do not depend on its batch (greedy output alone == in any batch:
+   tests/compute/modeling/test_realmodel.py), at a price where another kernel is faster (prefill, batched
+   decode); a ``bf16`` plan makes one bf16 copy of that weight at that moment (memory: +2 bytes
+   per parameter of that linear, counted).
+
+Candidates (``KERNELS``), all taking x in any float dtype and returning y in ``out`` dtype:
+
+- ``int8mm``: ``torch.ops.aten._weight_int8pack_mm`` on x cast to bf16 (weight-only int8; cost
+  linear in M on x86); needs K % 16 == 0 and 64-byte aligned inputs (``compute/kernels/linear.py``);
+- ``dequant``: the weight dequantized into a reused fp32 scratch, fp32 ``F.linear``;
+- ``bf16``: a bf16 copy of the dequantized weight, bf16 ``F.linear`` (oneDNN: native on
+  avx512_bf16 / AMX CPUs, emulated and slow on AVX2);
+- ``w8a8``: x quantized per row to int8, ``torch._int_mm`` (oneDNN s8s8s32: VNNI / AMX-int8;
+  without VNNI, i.e. AVX2 dispatch, its u8s8 pairs saturate at int16 and the product is not exact:
+  6-9% error measured, out by the gate), rescaled by row and column scales. Batch-invariant by construction (each row its own scale),
+  but on SmolLM2 per-row activation int8 costs +4% perplexity (FIELD-NOTES figures re-measured:
+  CC0 1.0417, Zen 1.1215, Apache 1.0396 vs fp32): the error gate keeps it out unless a
+  machine's activations allow it; it is measured and printed so the table says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from paramstore.buffers import (
+    ALIGN,  # the int8 kernel needs aligned inputs (see ``aligned``)
+)
+from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
+
+BUCKETS = (1, 8, 64, None)  # upper bounds of M per bucket: 1 | 2-8 | 9-64 | 65+
+PROBE_M = (1, 8, 32, 256)  # the M each bucket is timed at
+KERNELS = ("int8mm", "dequant", "bf16", "w8a8")
+ERROR_GATE = 0.01  # relative RMS error vs fp32 on outlier activations: ~3x bf16 rounding (int8mm, bf16: 0.3%; w8a8: 1.8-4.4%)
+INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: compute/kernels/linear.py)
+TABLE_VERSION = 7
+# measured: the fastest per M bucket; invariant: one batch-invariant kernel per shape;
+# fixed: int8mm up to M = 64, dequant beyond, on every CPU (the rule before this)
+MODES = ("measured", "invariant", "fixed")
+INVARIANCE_M = (*range(2, 66), 96, 128, 200, 256, 300, 384, 420, 512)  # every row at these M as in the largest, whose rows are as alone
+INVARIANCE_ROWS = 8  # rows of the largest M compared with each computed alone
+# one per machine (per user): $XDG_CACHE_HOME/pdserve/kernels.json, else ~/.cache/pdserve/kernels.json
+DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                             "pdserve", "kernels.json")  # fmt: skip
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
+             "amx_bf16", "amx_int8", "amx_tile")  # fmt: skip
+
+
+_SCRATCH_MAX = 4 * 2**20  # fp32 elements (16 MiB): the largest weight dequantized into the reused buffer
+_scratch = threading.local()  # per thread: a forward runs in one thread
+
+
+def dequantize_scratch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``dequantize`` to fp32 into a reused per-thread buffer (no page faults of a fresh allocation).
+
+    Equal to ``dequantize(q, scale)``; valid until the next call in this thread.
+    """
+    n = q.numel()
+    if n > _SCRATCH_MAX or q.device.type != "cpu":  # the scratch serves the host's page-fault cost only
+        return dequantize(q, scale)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None:
+        with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
+            buf = _scratch.buf = torch.empty(_SCRATCH_MAX)
+    return torch.mul(q, scale[:, None], out=buf[:n].view(q.shape))
+
+
+def is_aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s data starts at a multiple of ``ALIGN`` (an empty tensor has no data: it is)."""
+    return t.numel() == 0 or t.data_ptr() % ALIGN == 0
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if its data is ``ALIGN``-byte aligned, else an aligned copy.
+
+    ``_weight_int8pack_mm``'s AVX-512 kernel segfaults on an int8 weight at an address
+    = 8 or 40 (mod 64), or a bf16 input not 32-byte aligned, once M > 1 (table in ``compute/kernels/linear.py``).
+    Store shards place data at 64-byte offsets (``paramstore.shards.pack``), but a view of an
+    older blob, of a tensor after one whose size is not a multiple of 64, or of a buffer with
+    weaker alignment is copied here, once, at load, in its runtime form (``_WeightSlot.load``
+    after ``prepare``: a tensor ``prepare`` converted, or a ``LinearPart``'s copied into the
+    fused buffer, is fresh memory already); ``run`` passes an int8mm input through it per call
+    (free when aligned, the usual case). PyTorch's CPU allocator returns 64-byte aligned memory.
+    """
+    if is_aligned(t):
+        return t
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    out.copy_(t)
+    return out
+
+
+def bucket(m: int) -> int:
+    """Index of the bucket of M rows."""
+    for i, hi in enumerate(BUCKETS):
+        if hi is None or m <= hi:
+            return i
+    raise AssertionError("unreachable")
+
+
+def usable(name: str, n: int, k: int) -> bool:
+    return name != "int8mm" or k % INT8MM_K_MULTIPLE == 0
+
+
+def run(name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_bf16: torch.Tensor,
+        w_bf16: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """x: [M, K] float @ (q: [N, K] int8 * scale: [N])^T -> [M, N] (bf16 for int8mm/bf16, else fp32)."""
+    if name == "int8mm":
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        return torch.ops.aten._weight_int8pack_mm(aligned(xb.contiguous()), q, scale_bf16)
+    if name == "bf16":
+        return F.linear(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), w_bf16)
+    if name == "dequant":
+        return F.linear(x.to(torch.float32), dequantize_scratch(q, scale))
+    if name == "w8a8":
+        x32 = x.to(torch.float32)
+        a = x32.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0  # [M, 1]
+        xq = torch.round(x32 / a).to(torch.int8)
+        return torch._int_mm(xq, q.t()) * a * scale  # int32 [M, N] -> fp32
+    raise ValueError(f"unknown kernel {name!r}: one of {', '.join(KERNELS)}")
+
+
+BF16_BLOCK_ELEMS = 1 << 17  # 512 KiB of fp32 per block: within L2 on the CPUs we met
+
+
+def bf16_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The dequantized weight in bf16 (the ``bf16`` kernel's copy), bitwise ``(q.float() * scale).bfloat16()``.
+    Converted in row blocks whose fp32 intermediate stays in cache: ~4x faster than the whole-tensor
+    expression (a 49152x576 head: 29 vs 115 ms, 1 thread), which is most of a model load's time."""
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    rows = max(1, BF16_BLOCK_ELEMS // max(1, q.shape[1]))
+    for i in range(0, q.shape[0], rows):
+        out[i : i + rows] = q[i : i + rows].to(torch.float32) * scale[i : i + rows, None]
+    return out
+
+
+def machine() -> str:
+    """This CPU as its kernels see it: model name, the ISA flags that decide kernel speed, and the
+    level torch dispatches at (``ATEN_CPU_CAPABILITY`` can lower it below what the flags allow)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    have = " ".join(f for f in ISA_FLAGS if f in flags)
+    return f"{model}|{have}|dispatch {torch.backends.cpu.get_cpu_capability()}"
+
+
+def machine_key(threads: int) -> str:
+    """``machine()`` + torch version + threads: a table is valid only where all of them match."""
+    raw = f"{machine()}|torch {torch.__version__}|{threads} threads"
+    return f"{hashlib.sha256(raw.encode()).hexdigest()[:16]} {raw}"
+
+
+def plan_of(entry: dict, mode: str) -> tuple[str, ...]:
+    """The kernel per M bucket a shape's table ``entry`` gives under ``mode`` (measured | invariant)."""
+    if mode == "invariant" and entry.get("invariant"):
+        return (entry["invariant"],) * len(BUCKETS)
+    return tuple(entry["choice"])  # measured, or no row-invariant kernel passed the gate on this machine
+
+
+def copy_bytes(shapes: Iterable[tuple[int, int]], table: dict | None, mode: str = "measured") -> int:
+    """Bytes of the bf16 weight copies the ``bf16`` kernel keeps for ``shapes`` (one entry per matmul)
+    under ``table``; with no table yet, as if every shape chose it (an upper bound for a budget)."""
+    def takes(n: int, k: int) -> bool:
+        e = None if table is None else table["shapes"].get(f"{n}x{k}")
+        return e is None or "bf16" in plan_of(e, mode)
+
+    return sum(2 * n * k for n, k in shapes if takes(n, k))
+
+
+def row_invariant(name: str, q: torch.Tensor, scale: torch.Tensor, sb: torch.Tensor, wb: torch.Tensor | None,
+                  gen: torch.Generator) -> bool:  # fmt: skip
+    """Every row of ``name``'s output is bitwise the same at every M in ``INVARIANCE_M`` as in the largest
+    batch, and there as computed alone (first ``INVARIANCE_ROWS`` rows): neither the batch size nor where
+    a row sits in it may matter (a GEMM may change its blocking with M, or run tail rows otherwise)."""
+    return _drain(_row_invariant_steps(name, q, scale, sb, wb, gen))
+
+
+def _row_invariant_steps(name, q, scale, sb, wb, gen):
+    """``row_invariant`` one M at a time (a generator: yields between probes, returns the answer)."""
+    x = torch.randn(max(INVARIANCE_M), q.shape[1], generator=gen)
+    big = run(name, x, q, scale, sb, wb)
+    yield
+    if not all(torch.equal(run(name, x[i : i + 1], q, scale, sb, wb)[0], big[i]) for i in range(INVARIANCE_ROWS)):
+        return False
+    for m in INVARIANCE_M:
+        yield
+        if not torch.equal(run(name, x[:m], q, scale, sb, wb), big[:m]):
+            return False
+    return True
+
+
+def _drain(steps):
+    """Run a generator of work slices to its end; -> its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def cached_table(threads: int, cache_path: str | None = DEFAULT_CACHE) -> dict | None:
+    """This machine's cached table for ``threads`` (None if none is cached yet); never measures."""
+    return _read(cache_path).get(machine_key(threads))
+
+
+def _outlier_input(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """[M, K] fp32 activations: unit normal with a few channels 30x larger (as LLM residuals have)."""
+    x = torch.randn(m, k, generator=gen)
+    x[:, torch.randperm(k, generator=gen)[: max(1, k // 100)]] *= 30.0
+    return x
+
+
+def measure(shapes: Iterable[tuple[int, int]], threads: int, repeats: int = 7,
+            kernels: Iterable[str] = KERNELS) -> dict:  # fmt: skip
+    """Time and check every usable kernel on each [N, K] at ``PROBE_M``; -> the table (see the module doc)."""
+    return _drain(measure_steps(shapes, threads, repeats, kernels))
+
+
+def measure_steps(shapes: Iterable[tuple[int, int]], threads: int, repeats: int = 7, kernels: Iterable[str] = KERNELS,
+                  on_shape=None):  # fmt: skip
+    """``measure`` in slices: a generator that yields between small pieces of work (one candidate's timing
+    round at one M, one invariance probe: milliseconds to ~0.1 s) so that a caller can pace it off the request
+    path (``compute.kernels.plans``), and returns the table. ``on_shape(table)`` gets the table so far after each
+    shape (progress that survives the process)."""
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, dict] = {}
+
+    def table() -> dict:
+        return {"version": TABLE_VERSION, "key": machine_key(threads), "probe_m": list(PROBE_M),
+                "buckets": [b or "inf" for b in BUCKETS], "error_gate": ERROR_GATE, "shapes": dict(out)}  # fmt: skip
+
+    for n, k in sorted(set(shapes)):
+        w = torch.randn(n, k, generator=gen) * 0.05
+        scale = w.abs().amax(1).clamp_min(1e-8) / 127.0
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        sb, wb, wref = scale.to(torch.bfloat16), bf16_weight(q, scale), q.to(torch.float32) * scale[:, None]
+        names = [c for c in kernels if usable(c, n, k)]
+        err, us = {}, {}
+        xe = _outlier_input(16, k, gen)
+        ref = F.linear(xe.double(), wref.double())
+        for c in names:
+            try:
+                y = run(c, xe, q, scale, sb, wb).double()
+                err[c] = float((y - ref).norm() / ref.norm())
+            except RuntimeError as e:  # a kernel this build or CPU lacks: out of the table, with why
+                err[c] = f"{type(e).__name__}: {str(e)[:80]}"
+        ok = [c for c in names if isinstance(err[c], float) and err[c] <= ERROR_GATE]
+        yield
+        for m in PROBE_M:
+            x = torch.randn(m, k, generator=gen)
+            t = {}
+            for c in ok:  # warm-up, timed: a candidate 4x behind the best here is not timed again
+                run(c, x, q, scale, sb, wb)
+                t0 = time.perf_counter()
+                run(c, x, q, scale, sb, wb)
+                t[c] = time.perf_counter() - t0
+            close = [c for c in ok if t[c] <= 4 * min(t.values())]
+            for _ in range(repeats):  # interleaved: a noisy neighbour hits every candidate alike
+                yield
+                for c in close:
+                    t0 = time.perf_counter()
+                    run(c, x, q, scale, sb, wb)
+                    t[c] = min(t[c], time.perf_counter() - t0)
+            us[str(m)] = {c: round(v * 1e6, 1) for c, v in t.items()}
+        choice = [min(us[str(m)], key=us[str(m)].get) if ok else "dequant" for m in PROBE_M]
+        inv = {}
+        for c in ok:
+            inv[c] = yield from _row_invariant_steps(c, q, scale, sb, wb, gen)
+        total = {c: sum(us[str(m)].get(c, float("inf")) for m in PROBE_M) for c in ok if inv[c]}
+        out[f"{n}x{k}"] = {"choice": choice, "us": us, "error": err, "row_invariant": inv,
+                           "invariant": min(total, key=total.get) if total else None}  # fmt: skip
+        if on_shape is not None:
+            on_shape(table())
+    return table()
+
+
+def plan_for(shapes: Iterable[tuple[int, int]], threads: int, cache_path: str | None = DEFAULT_CACHE) -> dict:
+    """The kernel table for ``shapes`` on this machine: read from ``cache_path`` if it has them, else measured
+    here and now (blocking: benchmarks and tools; a node measures off its request path, ``compute.kernels.plans``).
+
+    Processes of one machine that find no table measure one at a time (a lock beside the file): the
+    second reads the first's table, so every node of a machine runs the same kernels (and numerics).
+    """
+    shapes, key = sorted(set(shapes)), machine_key(threads)
+    with cache_lock(cache_path, block=True):
+        cached = _read(cache_path).get(key, {})  # {machine key: table}: nodes of one machine may differ in threads
+        missing = [s for s in shapes if f"{s[0]}x{s[1]}" not in cached.get("shapes", {})]
+        if cached and not missing:
+            return {**cached, "cached": True}
+        table = save_table(cache_path, measure(missing, threads))
+    return {**table, "cached": False}
+
+
+def save_table(cache_path: str | None, table: dict) -> dict:
+    """Merge ``table``'s shapes into the cached table of its machine key (atomically: never a half-written
+    file; the caller holds ``cache_lock``); -> the merged table."""
+    tables = _read(cache_path)
+    merged = {**table, "shapes": {**tables.get(table["key"], {}).get("shapes", {}), **table["shapes"]}}
+    if cache_path:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(cache_path)), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": TABLE_VERSION, "tables": {**tables, table["key"]: merged}}, f, indent=1)
+        os.replace(tmp, cache_path)
+    return merged
+
+
+@contextlib.contextmanager
+def cache_lock(cache_path: str | None, block: bool):
+    """The machine's measuring lock (a file beside the cache): yields True if held, False if another process
+    holds it and ``block`` is False. No cache path: nothing to share, always True."""
+    if not cache_path:
+        yield True
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+    with open(cache_path + ".lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read(cache_path: str | None) -> dict[str, dict]:
+    """The cached tables by machine key ({} if none, unreadable, or of another version)."""
+    if not cache_path or not os.path.exists(cache_path):
+        return {}
+    try:
+        with open(cache_path) as f:
+            t = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    ok = isinstance(t, dict) and t.get("version") == TABLE_VERSION and isinstance(t.get("tables"), dict)
+    return {k: v for k, v in t["tables"].items() if isinstance(v, dict) and v.get("key") == k} if ok else {}
+
+
+def format_table(table: dict) -> str:
+    """The table as text: one line per shape and bucket, the choice first, then every candidate's time."""
+    head = (f"kernel choice on {table['key'].split(' ', 1)[1]} (us, min of interleaved runs; error gate "
+            f"{table['error_gate']:.0%} relative RMS)")  # fmt: skip
+    lines = [head]
+    for shape, e in table["shapes"].items():
+        errs = ", ".join(f"{c} {v:.2%}" if isinstance(v, float) else f"{c} unusable" for c, v in e["error"].items())
+        inv = ", ".join(c for c, ok in e["row_invariant"].items() if ok) or "none"
+        lines.append(f"  {shape}: error {errs}; row-invariant: {inv} (kernels = \"invariant\": "
+                     f"{e['invariant'] or 'none, the fastest per bucket'} at every M)")  # fmt: skip
+        for m, choice in zip(table["probe_m"], e["choice"]):
+            times = "  ".join(f"{c} {t:g}" for c, t in sorted(e["us"][str(m)].items(), key=lambda i: i[1]))
+            lines.append(f"    M={m:<4} -> {choice:<8} ({times})")
+    return "\n".join(lines)

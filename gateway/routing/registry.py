@@ -1,0 +1,273 @@
+"""The node registry: which nodes exist, their role, health and load.
+
+Fed by static config, by the local launcher / autoscaler (``add``/``remove``,
+also over the admin API) or by Kubernetes endpoints. A node added is first challenged: it must
+prove it holds the internal token and is the node at its URL (``/prove``, compute/node/auth.py)
+before anything else is sent to it; one that answers with a wrong proof (or no proof route) is
+refused — dropped, named in ``refused`` with why, never polled again (an unreachable one is asked
+again at the next poll). Every request after that is signed, never carrying the token. A health loop polls each
+proven node's ``/load``: ``health_failures`` consecutive failures evict a node from
+routing (it stays known and is re-admitted when it answers again); a node still
+loading weights reports ready=false and is not routed to.
+
+A node may hold several models (its /load has "models": {NAME: {"state", "queued", ...}}):
+``views(model)`` sees each node as it serves that one model — routable only where that model is
+"ready", with that model's queue, streams and free KV blocks. A node whose /load has no
+"models" (a node of one model, as before) holds its top-level "model".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from compute.node import auth
+from compute.node.client import AsyncNodeClient
+
+from gateway.routing.router import NodeView
+
+log = logging.getLogger("pdserve.gateway")
+
+# A node's URL, exactly (the admin API's schema states this pattern; nothing it admits is refused):
+# http or https; a DNS name whose last label starts with a letter (labels of 1-63 letters, digits, hyphens),
+# an IPv4 address or a bracketed IPv6 one; a port 1-65535; a path of unreserved characters; no user, query
+# or fragment. ASCII only: an internationalised host name goes in its IDNA (xn--) form.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_NAME = rf"(?:{_LABEL}\.)*[A-Za-z](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?"
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_H = r"[0-9A-Fa-f]{1,4}"
+_IPV6 = "|".join((rf"(?:{_H}:){{7}}{_H}", rf"(?:{_H}:){{1,7}}:", rf"(?:{_H}:){{1,6}}:{_H}",
+                  *(rf"(?:{_H}:){{1,{6 - i}}}(?::{_H}){{1,{i + 1}}}" for i in range(1, 6)),
+                  rf":(?:(?::{_H}){{1,7}}|:)"))  # fmt: skip
+_PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+NODE_URL = rf"^https?://(?:{_NAME}|{_OCTET}(?:\.{_OCTET}){{3}}|\[(?:{_IPV6})\])(?::{_PORT})?(?:/[A-Za-z0-9._~-]*)*$"
+NODE_URL_MAX = 2048  # characters
+_NODE_URL = re.compile(NODE_URL.replace("$", r"\Z"))  # Python's $ also matches before a final newline
+
+
+def node_url(url: str) -> str:
+    """`url` as the registry keys it (no trailing slash); ValueError saying what is wrong with it."""
+    if not isinstance(url, str) or len(url) > NODE_URL_MAX or not _NODE_URL.match(url):
+        shown = url[:80] + "..." if isinstance(url, str) and len(url) > 80 else url
+        raise ValueError(f"invalid node URL {shown!r}: want http(s)://HOST[:PORT][/PATH] with an ASCII host name "
+                         "(IDNA form), an IPv4 or a bracketed IPv6 address, a port 1-65535, no user, query or fragment")
+    return url.rstrip("/")
+
+
+@dataclass(slots=True)
+class NodeState:
+    url: str
+    role: str
+    healthy: bool = False  # answered its last health checks
+    failures: int = 0
+    load: dict = field(default_factory=dict)  # last /load
+    seen: float = 0.0  # monotonic time of the last answer
+    source: str = "static"
+    draining: bool = False  # told by the actuator before it drains the node: stop routing at once
+    proven: bool = False  # answered the challenge: holds the internal token and is the node at `url`
+    proving: asyncio.Future | None = field(default=None, repr=False)  # the challenge in flight (one per node)
+
+    def view(self, model: str | None = None) -> NodeView:
+        """This node as the router sees it: as a whole (`model` None), or as it serves `model`."""
+        ld = self.load
+        draining = self.draining or bool(ld.get("draining"))
+        if model is not None:
+            m = self.model_load(model)
+            if m is None:
+                return NodeView(url=self.url, role=self.role, ready=False, draining=draining)
+            if m is not ld:  # a node of several models: that model's own state and load
+                draining = draining or m.get("state") == "draining"
+                ready = self.healthy and m.get("state") == "ready"
+                ld = m
+            else:
+                ready = self.healthy and bool(ld.get("ready"))
+        else:
+            ready = self.healthy and bool(ld.get("ready"))
+        return NodeView(
+            url=self.url, role=self.role, ready=ready, draining=draining,
+            queued_prompt_tokens=int(ld.get("queued_prompt_tokens", 0)), running=int(ld.get("running", 0)),
+            kv_blocks_free=int(ld.get("kv_blocks_free", 0)),
+        )  # fmt: skip
+
+    def model_load(self, model: str) -> dict | None:
+        """`model`'s entry of /load["models"]; the whole /load for a one-model node holding it; else None."""
+        models = self.load.get("models")
+        if isinstance(models, dict):
+            m = models.get(model)
+            return m if isinstance(m, dict) else None
+        return self.load if self.load.get("model") == model else None
+
+    def held_models(self) -> dict[str, str]:
+        """model -> its state on this node (loading, ready, draining, failed)."""
+        models = self.load.get("models")
+        if isinstance(models, dict):
+            return {k: str(v.get("state", "?")) for k, v in models.items() if isinstance(v, dict)}
+        name = self.load.get("model")
+        if not name:
+            return {}
+        return {name: "draining" if self.load.get("draining") else ("ready" if self.load.get("ready") else "loading")}
+
+    def routable_models(self) -> set[str]:
+        return {m for m in self.held_models() if self.view(m).routable}
+
+    def as_dict(self) -> dict:
+        ld = self.load
+        state = "unproven" if not self.proven else "unhealthy" if not self.healthy else ("draining" if self.draining or ld.get("draining") else
+                                                      (ld.get("state") or ("ready" if ld.get("ready") else "loading")))  # fmt: skip
+        return {"url": self.url, "role": self.role, "state": state, "models": self.held_models(), "load": ld,
+                "source": self.source}  # fmt: skip
+
+
+REFUSED_MAX = 256  # refused URLs remembered (for status and logs), oldest forgotten first
+
+
+class NodeRegistry:
+    def __init__(self, token: str | None, interval_s: float = 0.5, failures: int = 2):
+        self.nodes: dict[str, NodeState] = {}
+        self.refused: dict[str, str] = {}  # url -> why it failed the proof
+        self.token = token
+        self.interval_s = interval_s
+        self.max_failures = failures
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task | None = None
+        self.changed = asyncio.Event()  # set whenever a node (or a model on it) becomes routable
+        self._polled = 0.0  # monotonic time of the last poll of every node
+        self._poll_lock: asyncio.Lock | None = None
+
+    def add(self, url: str, role: str, source: str = "static") -> NodeState:
+        url = url.rstrip("/")
+        if url not in self.nodes:
+            self.refused.pop(url, None)  # registered again: challenged again
+            self.nodes[url] = NodeState(url, role, source=source)
+            log.info("node registered: %s (%s, %s)", url, role, source)
+        return self.nodes[url]
+
+    def remove(self, url: str) -> bool:
+        return self.nodes.pop(url.rstrip("/"), None) is not None
+
+    def mark_draining(self, url: str) -> None:
+        """The node is about to drain: no new request goes to it from now on (its streams go on)."""
+        n = self.nodes.get(url.rstrip("/"))
+        if n:
+            n.draining = True
+
+    async def refresh(self, url: str) -> str | None:
+        """Check one node now (a node just announced ready is routable without waiting a poll); why it
+        was refused, if it failed the proof (it is no longer registered then)."""
+        url = url.rstrip("/")
+        n = self.nodes.get(url)
+        if n is not None and self._client is not None:
+            await self._check(n)
+        return self.refused.get(url)
+
+    def views(self, model: str | None = None) -> list[NodeView]:
+        """Every node as it serves `model` (None: as a whole)."""
+        return [n.view(model) for n in self.nodes.values()]
+
+    def routable_models(self) -> set[str]:
+        """The models some ready node holds ready now (a split route may still lack a role)."""
+        return set().union(*(n.routable_models() for n in self.nodes.values()))
+
+    def suspect(self, url: str) -> None:
+        """A request failed on this node: stop routing to it until its next good health check."""
+        n = self.nodes.get(url)
+        if n:
+            n.healthy = False
+
+    async def start(self) -> None:
+        self._client = AsyncNodeClient(self.token, timeout_s=2.0, max_connections=64)
+        await self.poll_once()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._client:
+            await self._client.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad poll
+                log.exception("health poll failed")
+
+    async def poll_once(self) -> None:
+        self._polled = time.monotonic()
+        await asyncio.gather(*(self._check(n) for n in list(self.nodes.values())))
+
+    async def poll_stale(self, max_age_s: float) -> None:
+        """Poll every node now unless that was done in the last `max_age_s` (the activator, while it
+        holds requests, calls this from many requests at once: one poll serves them all)."""
+        if self._client is None:
+            return
+        if self._poll_lock is None:
+            self._poll_lock = asyncio.Lock()
+        async with self._poll_lock:
+            if time.monotonic() - self._polled >= max_age_s:
+                await self.poll_once()
+
+    async def _prove(self, n: NodeState) -> str | None:
+        """Challenge `n` (unsigned: nothing but a fresh nonce and its URL goes out); why it failed, or None.
+        A transport error or a 5xx raises (unreachable or starting: asked again at the next poll)."""
+        if not self.token:
+            return "this gateway has no internal token to check a proof against (set $PDSERVE_INTERNAL_TOKEN)"
+        nonce = auth.challenge()
+        status, proof, text = await self._client.prove(n.url, nonce)
+        if auth.check_proof(self.token, nonce, n.url, proof):
+            return None
+        if status != 200:
+            detail = text[:200].strip()
+            return f"it answered the challenge with {status}{': ' + detail if detail else ''}"
+        return "its proof does not match: it does not hold this deployment's internal token, or is not the node at this URL"
+
+    async def _proof(self, n: NodeState) -> str | None:
+        """``_prove``, one challenge in flight per node: a registration's check and a poll share it."""
+        if n.proving is None:
+            n.proving = asyncio.ensure_future(self._prove(n))
+            n.proving.add_done_callback(lambda _: setattr(n, "proving", None))
+        return await asyncio.shield(n.proving)
+
+    def _refuse(self, n: NodeState, why: str) -> None:
+        self.nodes.pop(n.url, None)
+        self.refused[n.url] = why
+        while len(self.refused) > REFUSED_MAX:
+            self.refused.pop(next(iter(self.refused)))
+        log.warning("node refused: %s (%s, %s): %s; it is not polled again", n.url, n.role, n.source, why)
+
+    async def _check(self, n: NodeState) -> None:
+        try:
+            if not n.proven:
+                why = await self._proof(n)
+                if why is not None:
+                    return self._refuse(n, why)
+                n.proven = True
+            body = (await self._client.load(n.url)).as_dict()
+            was_routable, before = n.view().routable, n.routable_models()
+            n.load, n.healthy, n.failures, n.seen = body, True, 0, time.monotonic()
+            new = n.routable_models() - before
+            if (n.view().routable and not was_routable) or new:
+                log.info("node ready: %s (%s)%s", n.url, n.role, f": {', '.join(sorted(new))}" if new else "")
+                self.changed.set()
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:  # InvalidURL is no HTTPError: a URL httpx
+            n.failures += 1  # refuses (a static or discovered one: the admin API checks its own) fails the check
+            if n.failures >= self.max_failures and n.healthy:
+                log.warning("node evicted after %d failed health checks: %s (%s)", n.failures, n.url, e)
+                n.healthy = False
+
+    async def wait_changed(self, timeout: float) -> None:
+        self.changed.clear()
+        try:
+            await asyncio.wait_for(self.changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass

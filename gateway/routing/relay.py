@@ -1,0 +1,190 @@
+"""The life of one request inside the gateway, with failover. No accepted request is lost.
+
+ 1. admitted (``Admission.slot``), tokenized by the API layer;
+ 2. routed: ``router.pick`` over the nodes holding the request's model ready, minus those this
+    request failed on; with none, the request is held by the ``Activator`` until its deadline
+    (then ``NotPlaced``: 503 with Retry-After). The choices of one ``n > 1`` request share an
+    ``Affinity``: their first attempts take one route, so the node computes their prompt once
+    (``fork_group``, compute/engine/scheduler.py); a retry routes on its own;
+ 3. split route: POST /internal/prefill -> first token + KV handle; POST /internal/decode
+    with the handle streams the rest. ``both`` route: POST /internal/generate. Every body
+    names the model (``"model"``): a node of several models serves that one;
+ 4. a node failing (connection error, timeout, 5xx, stream cut) -> exponential backoff with
+    full jitter, then back to 2 with prompt := prompt + tokens already streamed and
+    max_tokens reduced: the client's stream continues without repeating or skipping tokens;
+ 5. only when ``retry_attempts`` retries all fail does the caller get ``Unavailable``;
+ 6. whatever the exit (finish, client gone, error), the nodes still holding the request
+    get an abort, so their KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+import msgspec
+from prometheus_client import Counter
+
+from compute.node.protocol import DecodeRequest, GenerateRequest, KVHandle, SamplingWire, StreamLine
+from compute.engine.sampling import SamplingParams
+
+from gateway.routing.activator import Activator
+from gateway.routing.nodes import NodeClient, NodeFailed
+from gateway.routing.registry import NodeRegistry
+from gateway.routing.router import Route, decode_key
+
+log = logging.getLogger("pdserve.gateway")
+RETRIES = Counter("pdserve_gateway_retries_total", "Node failures retried on another node", ["phase"])
+
+
+class Unavailable(Exception):
+    """No node could serve the request within its attempts/deadline (HTTP 503)."""
+
+
+@dataclass(slots=True)
+class GenRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)  # max_tokens set per attempt
+    model: str = ""  # the served model name ("": any node, and no "model" in the node bodies)
+    deadline: float = 0.0  # monotonic; for waiting on capacity
+    produced: list[int] = field(default_factory=list)
+    attempts: int = 0
+    route: Route | None = None  # the route of the last attempt
+    affinity: Affinity | None = None  # shared by the choices of one n > 1 request
+
+
+class Affinity:
+    """One route for several requests' first attempts: the first to route decides, the others wait for it."""
+
+    def __init__(self) -> None:
+        self.route: asyncio.Future | None = None
+
+
+class Chunk(NamedTuple):
+    """What the relay yields: new tokens, the finish reason (None until the last), and the tokens'
+    logprobs as the node sent them (``[[logprob, [[id, logprob], ...]], ...]``; None if not asked)."""
+
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None  # once, with the first tokens, if asked: null then one per prompt token
+
+
+class Relay:
+    def __init__(self, registry: NodeRegistry, client: NodeClient, retry_attempts: int,
+                 backoff_base_s: float, backoff_max_s: float, activator: Activator | None = None):  # fmt: skip
+        self.registry, self.client = registry, client
+        self.retry_attempts, self.base, self.cap = retry_attempts, backoff_base_s, backoff_max_s
+        self.activator = activator or Activator(registry)  # holds a request whose model no node holds
+
+    async def _route(self, req: GenRequest, exclude: set[str]) -> Route:
+        aff = req.affinity
+        if aff is None or req.attempts or exclude:
+            return await self.activator.hold(req.model or None, req.deadline, exclude)
+        if aff.route is None:
+            aff.route = asyncio.ensure_future(self.activator.hold(req.model or None, req.deadline, exclude))
+            aff.route.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even if no one waits
+        return await asyncio.shield(aff.route)  # one member gone does not cancel the others' route
+
+    def _body(self, req: GenRequest, node_rid: str) -> GenerateRequest:
+        n = len(req.produced)  # earlier output, now part of the prompt: replayed, and counted as output
+        params = replace(req.params, max_tokens=req.max_tokens - n,
+                         prompt_logprobs=None if n else req.params.prompt_logprobs)  # a retry has them already
+        return GenerateRequest(node_rid, req.prompt_ids + req.produced, wire(params), req.model or None,
+                               replay_tokens=n, output_tokens=n)  # fmt: skip
+
+    async def run(self, req: GenRequest) -> AsyncIterator[Chunk]:
+        """Yields ``Chunk``s (new token ids, finish_reason or None, logprobs) until a finish reason."""
+        exclude: set[str] = set()
+        while True:
+            route = await self._route(req, exclude)
+            req.route = route
+            node_rid = f"{req.request_id}.{req.attempts}"
+            holding: list[str] = []
+            finished = False
+            try:
+                async for chunk in self._attempt(req, route, node_rid, holding):
+                    req.produced.extend(chunk.token_ids)
+                    if chunk.finish_reason:
+                        finished = True
+                    yield chunk
+                    if chunk.finish_reason:
+                        return
+                raise NodeFailed(route.nodes()[-1], "stream ended early")
+            except NodeFailed as e:
+                exclude.add(e.url)
+                self.registry.suspect(e.url)
+                req.attempts += 1
+                RETRIES.labels("decode" if req.produced else "prefill").inc()
+                log.warning("request %s: %s; attempt %d/%d", req.request_id, e, req.attempts, self.retry_attempts)
+                if req.attempts > self.retry_attempts:
+                    raise Unavailable(f"request failed after {req.attempts} attempts: {e}") from None
+                await asyncio.sleep(random.uniform(0, min(self.cap, self.base * 2 ** (req.attempts - 1))))
+            finally:
+                if not finished:
+                    for url in holding:
+                        await _shielded(self.client.abort(url, node_rid))
+
+    async def _attempt(self, req: GenRequest, route: Route, rid: str, holding: list[str]):
+        if not route.split:
+            holding.append(route.both)
+            async for msg in self.client.generate(route.both, self._body(req, rid)):
+                yield _unpack(route.both, msg)
+            return
+        holding.append(route.prefill)
+        body = self._body(req, rid)
+        first = await self.client.prefill(route.prefill, body)
+        chunk = _unpack(route.prefill, first)
+        toks = chunk.token_ids
+        if chunk.finish_reason or not first.kv:
+            holding.clear()
+            yield chunk._replace(finish_reason=chunk.finish_reason or "stop")
+            return
+        yield chunk
+        route = req.route = self._decode_still_live(route, req.model or None)
+        holding.append(route.decode)
+        params = msgspec.structs.replace(body.params, max_tokens=body.params.max_tokens - len(toks), prompt_logprobs=None)
+        dbody = DecodeRequest(body.request_id, body.prompt_token_ids, params, body.model,
+                              output_tokens=body.output_tokens, first_token_id=toks[-1],
+                              kv=KVHandle(first.kv).reachable_from(route.prefill))  # fmt: skip
+        async for msg in self.client.decode(route.decode, dbody):
+            holding[:] = [route.decode]  # the decode side confirmed the KV: prefill has freed it
+            yield _unpack(route.decode, msg)
+
+    def _decode_still_live(self, route: Route, model: str | None = None) -> Route:
+        """The decode node picked before the prefill may have started draining (scale-down) since:
+        hand the KV to another ready decode node of the model instead (any can claim the handle)."""
+        views = self.registry.views(model)
+        if any(v.url == route.decode and v.routable for v in views):
+            return route
+        live = [v for v in views if v.role == "decode" and v.routable]
+        if not live:
+            return route  # nowhere better: try it; a refusal is retried like any node failure
+        decode = min(live, key=decode_key).url
+        log.info("decode node %s left during prefill: handing the KV to %s", route.decode, decode)
+        return Route(prefill=route.prefill, decode=decode)
+
+
+def _unpack(url: str, msg: StreamLine) -> Chunk:
+    reason = msg.finish_reason
+    if reason in ("error", "abort"):  # the gateway never asked for it: the node failed or is leaving
+        raise NodeFailed(url, msg.error or f"request ended by the node ({reason})")
+    return Chunk(msg.token_ids, reason, msg.logprobs, msg.prompt_logprobs)
+
+
+def wire(sp: SamplingParams) -> SamplingWire:
+    """The engine's parameters as they go to a node."""
+    return SamplingWire(**{f: getattr(sp, f) for f in SamplingWire.__struct_fields__})
+
+
+async def _shielded(coro) -> None:
+    try:
+        await asyncio.shield(coro)
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - best effort on the way out
+        pass
