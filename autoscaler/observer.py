@@ -1,7 +1,7 @@
 """The control loop's eyes and voice: gateway status in, RoleLoad out; reports back to the gateway.
 
 Observation (what the loop reads every tick):
- 1. a status snapshot — the gateway's ``GET /internal/status`` (gateway/api/internal.py), over HTTP
+ 1. a status snapshot — the gateway's ``GET /internal/status`` (gateway/routes/internal.py), over HTTP
     from `pdserve autoscale`, or the same snapshot taken in-process by `pdserve up --autoscale`;
     with several gateway replicas, their snapshots are merged (queues add up, the p99 wait is
     the worst, nodes are the union by URL);
@@ -80,7 +80,7 @@ def decode_tokens_at_slo(cap: Mapping) -> float | None:
 
 
 def loads_from_status(status: Mapping, roles: Sequence[str] = ROLES) -> dict[Key, RoleLoad]:
-    """{(model, role): RoleLoad} from one gateway status snapshot (gateway/api/internal.py `snapshot`).
+    """{(model, role): RoleLoad} from one gateway status snapshot (gateway/routes/internal.py `snapshot`).
 
     Keys: every model in ``status["models"]`` and every model a node holds, times `roles`. A node is
     a replica of (m, its role) while ``load.models[m].state`` is loading or ready: counted ready or
@@ -195,7 +195,7 @@ def report_body(report: TickReport, nodes: Mapping[Key, list[NodeInfo]], actuato
 
 
 class GatewayClient:
-    """The internal API of one or more gateways, with the internal token (see gateway/api/internal.py)."""
+    """The internal API of one or more gateways, with the internal token (see gateway/routes/internal.py)."""
 
     def __init__(self, urls: Sequence[str] | Callable[[], Sequence[str]], token: str, timeout_s: float = 5.0):
         """`urls`: the gateways, or a function giving them (e.g. every ready gateway pod), asked once per status()."""

@@ -247,7 +247,7 @@ def autoscale_in_process(gw, actuator, roles: dict[str, int], config=None):
     `pdserve autoscale` (autoscaler/observer.py), fed the gateway's status snapshot in-process; each report
     is stored where `pdserve status` reads it; the gateway's activator (a request held for a model no node
     holds) wakes it. Roles the policy does not size ("both") get a Keeper instead (below)."""
-    from gateway.api.internal import snapshot
+    from gateway.routes.internal import snapshot
 
     from . import AutoscalerConfig
     from .observer import control_loop

@@ -108,7 +108,7 @@ class Traffic:
                 m.tpots.append((self.clock(), (end_t - first_t) / (tokens - 1)))
 
     def snapshot(self, model: str, held: int = 0) -> dict:
-        """The per-model fields of /internal/status (gateway.api.internal)."""
+        """The per-model fields of /internal/status (gateway.routes.internal)."""
         with self._lock:
             m, now = self.of(model), self.clock()
             last = m.last_request_t

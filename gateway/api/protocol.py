@@ -298,7 +298,7 @@ class NodeSpec(BaseModel):
     source: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")] = "admin"  # who registered it
 
 
-class InternalNodeSpec(NodeSpec):  # POST /internal/nodes (gateway.api.internal)
+class InternalNodeSpec(NodeSpec):  # POST /internal/nodes (gateway.routes.internal)
     source: str = "autoscaler"
 
 

@@ -1,4 +1,4 @@
-"""The observer's pure part: a gateway status snapshot (gateway/api/internal.py) -> RoleLoad per (model, role)."""
+"""The observer's pure part: a gateway status snapshot (gateway/routes/internal.py) -> RoleLoad per (model, role)."""
 
 from __future__ import annotations
 

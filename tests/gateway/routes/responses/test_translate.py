@@ -8,8 +8,8 @@ import json
 from fastapi.responses import JSONResponse
 
 from gateway.api.protocol import error_body
-from gateway.api.responses import translate
-from gateway.api.responses.protocol import ResponsesRequest
+from gateway.routes.responses import translate
+from gateway.routes.responses.protocol import ResponsesRequest
 
 
 def test_items_become_chat_messages_and_settings_chat_fields():

@@ -28,7 +28,7 @@ import uuid
 from fastapi.responses import Response
 
 from gateway.api.protocol import ChatCompletionRequest
-from gateway.api.responses.protocol import ResponsesRequest
+from gateway.routes.responses.protocol import ResponsesRequest
 
 # a chat field named in an error -> the Responses field the client sent
 PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",

@@ -12,7 +12,7 @@ A model this gateway does not serve is a 404 in OpenAI's error shape (code ``mod
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 
 from gateway.models import UnknownModel
 from gateway.api.openapi import errors
@@ -36,8 +36,10 @@ def card(gw, name: str) -> dict:
             "nodes_loading": loading, "servable_from_zero": gw.activator.activate is not None}  # fmt: skip
 
 
-def add_model_card_route(app: FastAPI, gw) -> None:
-    @app.get("/v1/models/{model}", response_model=ServedModelCard, responses=errors(401, 404))
+def model_card_router(gw) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/models/{model}", response_model=ServedModelCard, responses=errors(401, 404))
     async def retrieve(model: str):
         try:
             await gw.models.check(model)
@@ -45,3 +47,4 @@ def add_model_card_route(app: FastAPI, gw) -> None:
             return error_response(404, str(e), "not_found_error", "model", "model_not_found")
         return card(gw, model)
 
+    return router

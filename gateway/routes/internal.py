@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI, HTTPException
+from fastapi import APIRouter, HTTPException
 
 from gateway.api.protocol import InternalNodeSpec, NodeSpec
 
@@ -54,21 +54,23 @@ async def register(gw, body: NodeSpec) -> dict:
     return {"added": body.url, "proven": bool(n and n.proven)}
 
 
-def add_internal_routes(app: FastAPI, gw) -> None:
-    @app.get("/internal/status", include_in_schema=False)
+def internal_router(gw) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/internal/status", include_in_schema=False)
     async def status():
         return snapshot(gw)
 
-    @app.post("/internal/autoscaler", include_in_schema=False)
+    @router.post("/internal/autoscaler", include_in_schema=False)
     async def autoscaler(body: dict):
         gw.autoscaler_status = {**body, "received": time.time()}
         return {"ok": True}
 
-    @app.post("/internal/nodes", include_in_schema=False)
+    @router.post("/internal/nodes", include_in_schema=False)
     async def add(body: InternalNodeSpec):  # checked as /admin/nodes' body is: 400 with the message, 403 unproven
         return await register(gw, body)
 
-    @app.post("/internal/nodes/draining", include_in_schema=False)
+    @router.post("/internal/nodes/draining", include_in_schema=False)
     async def draining(body: dict):
         url = body.get("url")
         if not isinstance(url, str):
@@ -76,6 +78,8 @@ def add_internal_routes(app: FastAPI, gw) -> None:
         gw.registry.mark_draining(url)
         return {"draining": url.rstrip("/")}
 
-    @app.delete("/internal/nodes", include_in_schema=False)
+    @router.delete("/internal/nodes", include_in_schema=False)
     async def remove(url: str):
         return {"removed": gw.registry.remove(url)}
+
+    return router

@@ -12,29 +12,30 @@ with --open-admin): the node registry by hand, the status `pdserve status` print
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 
 from gateway.api import protocol as p
-from gateway.api.internal import model_status, register
+from gateway.routes.internal import model_status, register
 from gateway.api.openapi import errors
 
 
-def add_admin_routes(app: FastAPI, gw) -> None:
+def admin_router(gw) -> APIRouter:
+    router = APIRouter()
     admin_errors = errors(400, 401)
 
-    @app.get("/admin/nodes", response_model=p.NodeList, responses=errors(401))
+    @router.get("/admin/nodes", response_model=p.NodeList, responses=errors(401))
     async def list_nodes():
         return {"nodes": [n.as_dict() for n in gw.registry.nodes.values()], "refused": gw.registry.refused}
 
-    @app.post("/admin/nodes", response_model=p.NodeAdded, responses=errors(400, 401, 403))
+    @router.post("/admin/nodes", response_model=p.NodeAdded, responses=errors(400, 401, 403))
     async def add_node(body: p.NodeSpec):
         return await register(gw, body)
 
-    @app.delete("/admin/nodes", response_model=p.NodeRemoved, responses=admin_errors)
+    @router.delete("/admin/nodes", response_model=p.NodeRemoved, responses=admin_errors)
     async def remove_node(url: str):
         return {"removed": gw.registry.remove(url)}
 
-    @app.get("/admin/status", responses={200: {"model": p.AdminStatus}, **errors(401)})  # documented, not filtered
+    @router.get("/admin/status", responses={200: {"model": p.AdminStatus}, **errors(401)})  # documented, not filtered
     async def status():
         return {"model": gw.config.model, "served": gw.models.names, "models": model_status(gw),
                 "nodes": [n.as_dict() for n in gw.registry.nodes.values()], "refused": gw.registry.refused,
@@ -42,7 +43,9 @@ def add_admin_routes(app: FastAPI, gw) -> None:
                 "autoscaler": gw.autoscaler_status,
                 "supervisor": gw.supervisor() if gw.supervisor else None}  # fmt: skip
 
-    @app.post("/admin/autoscaler", response_model=p.Ok, responses=admin_errors)
+    @router.post("/admin/autoscaler", response_model=p.Ok, responses=admin_errors)
     async def autoscaler_report(body: dict):
         gw.autoscaler_status = body
         return {"ok": True}
+
+    return router

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gateway.api.responses.events import ResponseEvents
-from gateway.api.responses.protocol import ResponsesRequest
+from gateway.routes.responses.events import ResponseEvents
+from gateway.routes.responses.protocol import ResponsesRequest
 
 
 def chunk(content=None, reason=None, calls=None, usage=None) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from starlette.responses import Response
 
@@ -75,8 +75,9 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def add_token_routes(app: FastAPI, gw, authorized: Callable[[Request], bool]) -> None:
+def token_router(gw, authorized: Callable[[Request], bool]) -> APIRouter:
     """``authorized(request)``: whether the request carries a valid API key (checked only where keys are set)."""
+    router = APIRouter()
 
     def denied(request: Request) -> Response | None:
         if gw.config.api_keys and not authorized(request):
@@ -96,7 +97,7 @@ def add_token_routes(app: FastAPI, gw, authorized: Callable[[Request], bool]) ->
             return error_response(503, f"model {name!r}: its tokenizer could not be read from the store: {e}",
                                   "server_error")  # fmt: skip
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 401, 404, 503))
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 401, 404, 503))
     async def tokenize(req: TokenizeRequest, request: Request):
         text = denied(request) or await text_of(req.model)
         if isinstance(text, Response):
@@ -118,7 +119,7 @@ def add_token_routes(app: FastAPI, gw, authorized: Callable[[Request], bool]) ->
         strs = [tok.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": text.max_model_len, "tokens": ids, "token_strs": strs}
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors(400, 401, 404, 503))
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=errors(400, 401, 404, 503))
     async def detokenize(req: DetokenizeRequest, request: Request):
         text = denied(request) or await text_of(req.model)
         if isinstance(text, Response):
@@ -127,3 +128,5 @@ def add_token_routes(app: FastAPI, gw, authorized: Callable[[Request], bool]) ->
             return error_response(400, f"a token id is out of the vocabulary (0 .. {text.vocab_size - 1})",
                                   param="tokens")  # fmt: skip
         return {"prompt": text.bundle.decode(req.tokens, skip_special_tokens=False)}
+
+    return router

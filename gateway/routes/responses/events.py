@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
-from gateway.api.responses import translate as t
-from gateway.api.responses.protocol import ResponsesRequest
+from gateway.routes.responses import translate as t
+from gateway.routes.responses.protocol import ResponsesRequest
 
 
 class ResponseEvents:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def test_card_counts_ready_and_loading_nodes_and_says_whether_it_is_servable_from_zero():
     from gateway.config import GatewayConfig
-    from gateway.api.model_card import card
+    from gateway.routes.model_card import card
     from gateway.models import ModelCatalogue
     from gateway.service import Gateway
 

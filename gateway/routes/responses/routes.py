@@ -15,21 +15,22 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from gateway.api.openapi import SSE_TYPED, errors
 from gateway.api.protocol import ChatCompletionRequest, error_response
-from gateway.api.responses import translate
-from gateway.api.responses.events import ResponseEvents
-from gateway.api.responses.protocol import ResponseObject, ResponsesRequest
+from gateway.routes.responses import translate
+from gateway.routes.responses.events import ResponseEvents
+from gateway.routes.responses.protocol import ResponseObject, ResponsesRequest
 
 
-def add_responses_routes(app: FastAPI, chat: Callable[[ChatCompletionRequest], Awaitable]) -> None:
+def responses_router(chat: Callable[[ChatCompletionRequest], Awaitable]) -> APIRouter:
     """``chat``: the gateway's chat-completions handler (a dict, an error response, or a stream)."""
+    router = APIRouter()
 
-    @app.post("/v1/responses", responses={200: {"model": ResponseObject, "content": SSE_TYPED},
+    @router.post("/v1/responses", responses={200: {"model": ResponseObject, "content": SSE_TYPED},
                                           **errors(400, 401, 404, 429, 503)})  # fmt: skip
     async def responses(req: ResponsesRequest):
         rid, created = translate.new_id("resp_"), int(time.time())
@@ -45,3 +46,5 @@ def add_responses_routes(app: FastAPI, chat: Callable[[ChatCompletionRequest], A
         if isinstance(reply, Response):
             return translate.error(reply)
         return translate.response(req, reply, rid, created)
+
+    return router
