@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from compute.node.protocol import ModelLoad
+
 Key = tuple[str, str]  # (model, role)
 HOLDING = ("loading", "ready")  # model states that make a runtime a replica of (model, role)
 
@@ -63,18 +65,19 @@ class Runtime:
     up: bool = False  # its actuator saw /ready (a standby runtime is ready at once)
     reachable: bool = False  # /load answered this tick
     state: str = "starting"  # starting | standby | loading | ready | draining | unreachable
-    models: dict[str, dict] = field(default_factory=dict)  # name -> its /load.models entry
+    models: dict[str, ModelLoad] = field(default_factory=dict)  # name -> its /load.models entry
     budget: int = 0  # memory_budget_bytes
     used: int = 0  # memory_used_bytes
     cached: dict[str, float] = field(default_factory=dict)
 
     def holds(self, model: str) -> bool:
-        return self.models.get(model, {}).get("state") in HOLDING
+        m = self.models.get(model)
+        return m is not None and m.state in HOLDING
 
     @property
     def busy(self) -> bool:
         """Holds a model (loading, ready or draining; an unreachable runtime: as last seen)."""
-        return any(m.get("state") in (*HOLDING, "draining") for m in self.models.values())
+        return any(m.state in (*HOLDING, "draining") for m in self.models.values())
 
     @property
     def standby(self) -> bool:
@@ -82,7 +85,7 @@ class Runtime:
 
     def idle_models(self) -> list[str]:
         """Ready models with no active request (the node's eviction candidates)."""
-        return [n for n, m in self.models.items() if m.get("state") == "ready" and not m.get("active_requests")]
+        return [n for n, m in self.models.items() if m.state == "ready" and not m.active_requests]
 
 
 def rank(runtimes: list[Runtime], model: str, role: str, need_bytes: int = 0,

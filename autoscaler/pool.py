@@ -58,7 +58,7 @@ from collections.abc import Mapping
 import httpx
 
 from compute.node.client import NodeFailed, RequestRejected, SyncNodeClient
-from compute.node.protocol import ModelLoadRequest, ModelUnloadRequest
+from compute.node.protocol import ModelLoad, ModelLoadRequest, ModelUnloadRequest
 
 from .actuator import Actuator, NodeInfo
 from .placement import HOLDING, Key, PoolConfig, Runtime, pool_config, rank
@@ -96,7 +96,7 @@ class RuntimePool(Actuator):
         with self._lock:
             for rt in self.view.values():
                 for m, d in rt.models.items():
-                    state = "draining" if (m, rt.url) in self._unloading else d.get("state", "")
+                    state = "draining" if (m, rt.url) in self._unloading else d.state
                     if state in (*HOLDING, "draining"):
                         out.setdefault((m, rt.role), []).append(
                             NodeInfo(rt.role, rt.url, state == "ready", name=rt.name, state=state))
@@ -166,26 +166,24 @@ class RuntimePool(Actuator):
             self._unloading = {(m, u) for m, u in self._unloading if u in seen}
             for rt in seen.values():
                 for m, d in rt.models.items():
-                    if d.get("state") == "ready":
+                    if d.state == "ready":
                         self._ready_at.setdefault((m, rt.url), now)
             self._ready_at = {k: v for k, v in self._ready_at.items()
                               if k[1] in seen and (seen[k[1]].models.get(k[0]) or not seen[k[1]].reachable)}  # fmt: skip
             for c in self._claims:  # claim -> ready, as first seen
                 rt = seen.get(c["url"])
-                if c["ready_s"] is None and rt and rt.models.get(c["model"], {}).get("state") == "ready":
+                if c["ready_s"] is None and rt and (m := rt.models.get(c["model"])) is not None and m.state == "ready":
                     c["ready_s"] = round(now - c["t"], 3)
 
     def _read(self, rt: Runtime) -> None:
         try:
-            body = self._http.load(rt.url).as_dict()
+            body = self._http.load(rt.url)
         except (httpx.HTTPError, ValueError):
             rt.state = "unreachable"
             return
         rt.reachable = True
-        rt.state = body.get("state") or ("ready" if body.get("ready") else "standby")
-        rt.models = dict(body.get("models") or {})
-        rt.budget, rt.used = int(body.get("memory_budget_bytes") or 0), int(body.get("memory_used_bytes") or 0)
-        rt.cached = dict(body.get("cached") or {})
+        rt.state, rt.models, rt.cached = body.state, dict(body.models), dict(body.cached)
+        rt.budget, rt.used = body.memory_budget_bytes, body.memory_used_bytes
 
     def _holders(self, key: Key) -> list[Runtime]:
         """(holding _lock) Runtimes of the key's role holding its model, not being unloaded."""
@@ -206,8 +204,8 @@ class RuntimePool(Actuator):
                 # models may share a runtime: the role needs as many new runtimes as its largest deficit
                 self._unmet[key[1]] = max(self._unmet.get(key[1], 0), missed)
             elif len(have) > want:
-                leaving = sorted(have, key=lambda rt: (rt.models[key[0]].get("state") == "ready",
-                                                       rt.models[key[0]].get("active_requests", 0), rt.url))
+                leaving = sorted(have, key=lambda rt: (rt.models[key[0]].state == "ready",
+                                                       rt.models[key[0]].active_requests, rt.url))
                 for rt in leaving[: len(have) - want]:
                     self._unload(key[0], rt)
 
@@ -238,7 +236,7 @@ class RuntimePool(Actuator):
                 log.info("pool: load %s on %s failed: %s; next runtime", model, rt.url, e)
                 continue
             with self._lock:
-                rt.models[model] = {"state": body.state}
+                rt.models[model] = ModelLoad(model=model, state=body.state)
                 for gone in body.evicted:
                     rt.models.pop(gone, None)
                     k = (gone, role)
@@ -258,14 +256,14 @@ class RuntimePool(Actuator):
             if m not in wanted:
                 continue
             ready_t = self._ready_at.get((m, rt.url), now)  # ready but not seen so yet: just now
-            unserved = (d.get("last_used") or 0) < ready_t  # the request it was claimed for is still coming
-            if d.get("state") == "loading" or (unserved and now - ready_t < self.config.protect_s):
+            unserved = (d.last_used or 0) < ready_t  # the request it was claimed for is still coming
+            if d.state == "loading" or (unserved and now - ready_t < self.config.protect_s):
                 out.add(m)
         return out
 
     def _need_bytes_locked(self, model: str) -> int:
         """(holding _lock) The model's size as some runtime reported it (0: not known yet)."""
-        sizes = [rt.models[model].get("bytes", 0) for rt in self.view.values() if model in rt.models]
+        sizes = [rt.models[model].bytes for rt in self.view.values() if model in rt.models]
         return max(sizes, default=0)
 
     def _record(self, key: Key, rt: Runtime, why: str, t: float, error: str, evicted: list | None = None) -> None:
@@ -306,7 +304,7 @@ class RuntimePool(Actuator):
                 busy = [rt for rt in mine if rt.up and rt.busy]  # (up, unreachable, nothing known: neither)
                 spare = sorted((rt for rt in mine if rt.standby), key=lambda rt: (sum(rt.cached.values()), rt.url))
                 starting = [rt for rt in mine if not rt.up]  # cheaper to lose than a warm one: they go first
-                loading = any(m.get("state") == "loading" for rt in mine for m in rt.models.values())
+                loading = any(m.state == "loading" for rt in mine for m in rt.models.values())
             unmet = self._unmet.get(role, 0)  # while claims wait for runtimes only those start: capacity first
             want = max(self.config.floor(role), len(busy) + (unmet or self.config.pool_size))
             want = max(len(busy), min(self.config.cap(role), want))
@@ -326,7 +324,7 @@ class RuntimePool(Actuator):
         with self._lock:
             rts = [{"url": rt.url, "role": rt.role, "name": rt.name,
                     "state": "standby" if rt.standby else rt.state,
-                    "models": {m: ("draining" if (m, rt.url) in self._unloading else d.get("state"))
+                    "models": {m: ("draining" if (m, rt.url) in self._unloading else d.state)
                                for m, d in rt.models.items()},
                     "memory_used_bytes": rt.used, "memory_budget_bytes": rt.budget}
                    for rt in sorted(self.view.values(), key=lambda r: (r.role, r.url))]  # fmt: skip

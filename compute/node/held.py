@@ -23,6 +23,7 @@ import os
 import threading
 import time
 
+import msgspec
 import torch
 
 from compute.modeling.config import ModelConfig
@@ -36,6 +37,7 @@ from compute.modeling.loader import (
     runtime_weights,
 )
 
+from compute.node import protocol as P
 from compute.node.capacity import CapacityMeter
 from compute.node.config import NodeConfig
 from compute.node.service import NodeService
@@ -44,10 +46,6 @@ from compute.node.worker import EngineWorker
 log = logging.getLogger("pdserve.node")
 LOAD_TIMEOUT_S = 600.0  # a load not done by then fails
 _ELEM = {"int8": 1, "bf16": 2, "fp32": 4}
-PER_MODEL = ("queued", "running", "importing", "queued_prompt_tokens", "active_requests", "kv_blocks_used",
-             "kv_blocks_free", "kv_blocks_total", "kv_blocks_held", "kv_transfers_held")  # fmt: skip
-
-
 class Held:
     def __init__(self, name: str, weights: str, manifest, weights_estimate: int, kv_estimate: int,
                  transient: int = 0, prefetch: int = 2):  # fmt: skip
@@ -143,26 +141,25 @@ class Held:
                 q.put_nowait(StepOutput(a.seq_id, [], True, "abort", reason))
             svc.abort(rid)
 
-    def view(self, cfg: NodeConfig, node_draining: bool) -> dict:
+    def view(self, cfg: NodeConfig, node_draining: bool) -> P.ModelLoad:
         """This model's entry in /load's ``models`` (contract A)."""
         state = "draining" if node_draining and self.state == "ready" else self.state
-        out = {"model": self.name, "state": state, "ref": self.manifest.ref, "weights": self.weights,
-               "bytes": self.bytes, "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes,
-               "last_used": self.last_used, "progress": self.progress.as_dict(), "error": self.error,
-               "ready_s": self.ready_s, "transient_bytes": self.transient_bytes if self.state == "loading" else 0,
-               "prefetch": self.prefetch,
-               "kernels": self.injector.kernel_state() if self.injector is not None else None}  # fmt: skip
-        out.update(dict.fromkeys(PER_MODEL, 0))
-        svc = self.svc
+        svc, meter = self.svc, self.meter
+        engine = P.EngineLoad()
         if svc is not None:
             try:
-                load = svc.load(self.state == "ready")
+                engine = svc.load()
             except AttributeError:  # freed by an unload meanwhile (its engine is gone)
-                load = {}
-            out.update({k: load[k] for k in PER_MODEL if k in load})
-        meter = self.meter
-        out["capacity"] = meter.report() if meter is not None else CapacityMeter(cfg.tpot_target_s, 1).report()
-        return out
+                pass
+        return P.ModelLoad(
+            model=self.name, state=state, ref=self.manifest.ref, weights=self.weights, bytes=self.bytes,
+            weights_bytes=self.weights_bytes, kv_bytes=self.kv_bytes, last_used=self.last_used,
+            progress=self.progress.as_dict(), error=self.error, ready_s=self.ready_s,
+            transient_bytes=self.transient_bytes if self.state == "loading" else 0, prefetch=self.prefetch,
+            kernels=self.injector.kernel_state() if self.injector is not None else None,
+            capacity=meter.report() if meter is not None else CapacityMeter(cfg.tpot_target_s, 1).report(),
+            **msgspec.structs.asdict(engine),
+        )  # fmt: skip
 
 
 def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeService, CapacityMeter]:

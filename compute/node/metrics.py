@@ -121,16 +121,16 @@ class HeldGauges(Collector):
                                       "(pdserve: pdserve_node_requests_running)", labels=vl)  # fmt: skip
         v_waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests queued or importing their KV "
                                       "(pdserve: pdserve_node_requests_waiting)", labels=vl)  # fmt: skip
-        for name, m in self.view()["models"].items():
-            if m["state"] not in ("ready", "draining"):
+        for name, m in self.view().models.items():
+            if m.state not in ("ready", "draining"):
                 continue
-            n_used, n_total, n_wait = m["kv_blocks_used"], m["kv_blocks_total"], m["queued"] + m["importing"]
+            n_used, n_total, n_wait = m.kv_blocks_used, m.kv_blocks_total, m.queued + m.importing
             used.add_metric([name], n_used)
             total.add_metric([name], n_total)
-            running.add_metric([name], m["running"])
+            running.add_metric([name], m.running)
             waiting.add_metric([name], n_wait)
             usage.add_metric([name, ENGINE], n_used / n_total if n_total else 0.0)
-            v_running.add_metric([name, ENGINE], m["running"])
+            v_running.add_metric([name, ENGINE], m.running)
             v_waiting.add_metric([name, ENGINE], n_wait)
         yield from (used, total, running, waiting, usage, v_running, v_waiting)
 

@@ -33,16 +33,13 @@ from compute.modeling.loader import LoadProgress, transient_bytes
 
 from compute.node.config import NodeConfig
 from compute.node.held import Held, estimate_bytes, free, mem_available, rss_bytes
+from compute.node import protocol as P
 from compute.node.protocol import ModelLoadReply, ModelUnloadReply
 from compute.node.service import BadNodeRequest, ModelNotLoaded, NodeBusy, NodeService
 
 log = logging.getLogger("pdserve.node")
 PREFETCH = 2  # shards a load keeps in flight when the budget has room for them (ReaderConfig's default)
 EVICT_DRAIN_S = 5.0  # an idle model has nothing in flight: this bounds only a race with a new request
-SUMMED = ("queued", "running", "importing", "queued_prompt_tokens", "active_requests", "kv_blocks_used",
-          "kv_blocks_free", "kv_blocks_total", "kv_blocks_held", "kv_transfers_held")  # fmt: skip
-
-
 class ModelUnknown(LookupError):
     """No such model (or version) in the store: HTTP 404."""
 
@@ -261,20 +258,20 @@ class ModelHost:
             h = next(iter(self.models.values()), None)
         return h.progress.as_dict() if h is not None else LoadProgress().as_dict()
 
-    def view(self) -> dict:
+    def view(self) -> P.LoadReport:
         """GET /load (contract A): per model, and today's fields summed over the models."""
         models = {name: h.view(self.cfg, self.draining) for name, h in list(self.models.items())}
-        ready = [n for n, m in models.items() if m["state"] == "ready"]
-        out = {"role": self.cfg.role, "state": self.state(), "ready": bool(ready), "draining": self.draining,
-               "model": ready[0] if ready else None, "models": models, "memory_budget_bytes": self.budget_bytes,
-               "memory_used_bytes": self.used_bytes(), "cached": dict(self.cached), "rss_bytes": rss_bytes(),
-               "kv_transport": self.cfg.kv_transport if self.cfg.role != "both" else None,
-               "progress": self.start_progress()}  # fmt: skip
-        for k in SUMMED:
-            out[k] = sum(m.get(k, 0) for m in models.values())
-        return out
+        ready = [n for n, m in models.items() if m.state == "ready"]
+        summed = {f: sum(getattr(m, f) for m in models.values()) for f in P.EngineLoad.__struct_fields__}
+        return P.LoadReport(
+            role=self.cfg.role, state=self.state(), ready=bool(ready), draining=self.draining,
+            model=ready[0] if ready else None, models=models, memory_budget_bytes=self.budget_bytes,
+            memory_used_bytes=self.used_bytes(), cached=dict(self.cached), rss_bytes=rss_bytes(),
+            kv_transport=self.cfg.kv_transport if self.cfg.role != "both" else None,
+            progress=self.start_progress(), **summed,
+        )  # fmt: skip
 
-    def models_view(self) -> dict:
+    def models_view(self) -> P.ModelsReport:
         """GET /internal/models."""
-        return {"models": [h.view(self.cfg, self.draining) for h in list(self.models.values())],
-                "memory_budget_bytes": self.budget_bytes, "memory_used_bytes": self.used_bytes()}  # fmt: skip
+        return P.ModelsReport(models=[h.view(self.cfg, self.draining) for h in list(self.models.values())],
+                              memory_budget_bytes=self.budget_bytes, memory_used_bytes=self.used_bytes())

@@ -11,7 +11,8 @@ talk to a node only through ``compute.node.client``. Routes (every one but /heal
   POST /internal/drain?timeout_s=S          -> DrainReply
   POST /internal/models/load   ModelLoadRequest   -> ModelLoadReply (202 while it loads)
   POST /internal/models/unload ModelUnloadRequest -> ModelUnloadReply
-  GET  /load                                -> LoadReport
+  GET  /load                                -> LoadReport (per model: ModelLoad)
+  GET  /internal/models                     -> ModelsReport
   any refusal                               -> NodeError {detail, kind}: what the caller should do
 
 ``params`` is ``compute.engine.sampling.SamplingParams`` as itself: the wire type is generated from the
@@ -137,22 +138,9 @@ class ModelUnloadReply(msgspec.Struct):
     drained: bool
 
 
-class LoadReport(msgspec.Struct):
-    """GET /load (contract A). Per model in ``models`` (each a dict of compute/node/held.py's view); the
-    load fields summed over the models. Unknown fields are kept out, never refused (a newer node)."""
+class EngineLoad(msgspec.Struct, kw_only=True):
+    """One engine's queue and KV use (``NodeService.load``); in /load per model, and summed over the models."""
 
-    role: str = "both"
-    state: str = "standby"  # loading | ready | draining | standby
-    ready: bool = False
-    draining: bool = False
-    model: str | None = None  # the first ready model
-    models: dict[str, dict[str, Any]] | None = None  # None: a node of one model (its top-level ``model``)
-    memory_budget_bytes: int = 0
-    memory_used_bytes: int = 0
-    cached: dict[str, float] = {}
-    rss_bytes: int = 0
-    kv_transport: str | None = None
-    progress: dict[str, Any] = {}
     queued: int = 0
     running: int = 0
     importing: int = 0
@@ -164,8 +152,55 @@ class LoadReport(msgspec.Struct):
     kv_blocks_held: int = 0
     kv_transfers_held: int = 0
 
+
+class ModelLoad(EngineLoad, kw_only=True):
+    """One model's entry in ``LoadReport.models`` (compute/node/held.py ``Held.view``)."""
+
+    model: str
+    state: str = "loading"  # loading | ready | draining | failed
+    ref: str | None = None
+    weights: str | None = None
+    bytes: int = 0
+    weights_bytes: int = 0
+    kv_bytes: int = 0
+    last_used: float | None = None
+    progress: dict[str, Any] = {}
+    error: str | None = None
+    ready_s: float | None = None
+    transient_bytes: int = 0
+    prefetch: int = 0
+    kernels: dict[str, str] | None = None  # mode, source, measure (compute/modeling/loader.py kernel_state)
+    capacity: dict[str, Any] = {}
+
+
+class LoadReport(EngineLoad, kw_only=True):
+    """GET /load (contract A). Per model in ``models``; the load fields summed over the models. Unknown
+    fields are kept out, never refused (a newer node)."""
+
+    role: str = "both"
+    state: str = "standby"  # loading | ready | draining | standby
+    ready: bool = False
+    draining: bool = False
+    model: str | None = None  # the first ready model
+    models: dict[str, ModelLoad] = {}
+    memory_budget_bytes: int = 0
+    memory_used_bytes: int = 0
+    cached: dict[str, float] = {}
+    rss_bytes: int = 0
+    kv_transport: str | None = None
+    progress: dict[str, Any] = {}
+
     def as_dict(self) -> dict:
-        return msgspec.structs.asdict(self)
+        """As plain data, nested entries too (JSON for a status page; a test's reading)."""
+        return msgspec.to_builtins(self)
+
+
+class ModelsReport(msgspec.Struct):
+    """GET /internal/models: every model the runtime holds, and its memory."""
+
+    models: list[ModelLoad]
+    memory_budget_bytes: int
+    memory_used_bytes: int
 
 
 # ---- errors, by what the caller should do --------------------------------------------------------

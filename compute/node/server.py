@@ -132,7 +132,7 @@ def create_app(host: ModelHost) -> FastAPI:
 
     @app.get("/internal/models")
     async def models():
-        return host.models_view()
+        return raw(host.models_view())
 
     async def abort(msg: P.AbortRequest):
         aborted = [svc.abort(msg.request_id) for svc in host.services()]  # on every model (the id is unique to one)

@@ -22,6 +22,7 @@ from compute.engine.sampling import SamplingParams
 from compute.engine.sequence import Sequence, Status
 
 from compute.node.config import NodeConfig
+from compute.node import protocol as P
 from compute.node.protocol import GenerateRequest, StreamLine, encode_line
 from compute.node.metrics import FINISHED, REQUEST_SECONDS, TPOT, TTFT, start_series
 from compute.node.worker import EngineWorker
@@ -214,22 +215,20 @@ class NodeService:
                 self.abort(rid)
             self.finish(rid)
 
-    def load(self, ready: bool) -> dict:
+    def load(self) -> P.EngineLoad:
+        """This model's queue and KV use, for its /load entry."""
         s = self.scheduler
         bm = s.blocks
         waiting = list(s.waiting)
         queued_tokens = sum(q.num_uncomputed for q in waiting)
         queued_tokens += sum(q.num_uncomputed for q in list(s.running) if q.num_uncomputed > 1)
-        used = bm.num_blocks - bm.num_free
-        return {
-            "role": self.config.role, "model": self.config.model, "ready": ready, "draining": self.draining,
-            "queued": len(waiting), "running": len([q for q in list(s.running) if q.status is Status.RUNNING]),
-            "importing": len(s.importing), "queued_prompt_tokens": queued_tokens, "active_requests": len(self.active),
-            "kv_blocks_used": used, "kv_blocks_free": bm.num_free, "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_held": sum(len(b) for b in list(s.held.values())),
-            "kv_transfers_held": self.sender.held() if self.sender is not None else 0,
-            "kv_transport": self.config.kv_transport if self.config.role != "both" else None,
-        }  # fmt: skip
+        return P.EngineLoad(
+            queued=len(waiting), running=len([q for q in list(s.running) if q.status is Status.RUNNING]),
+            importing=len(s.importing), queued_prompt_tokens=queued_tokens, active_requests=len(self.active),
+            kv_blocks_used=bm.num_blocks - bm.num_free, kv_blocks_free=bm.num_free, kv_blocks_total=bm.num_blocks,
+            kv_blocks_held=sum(len(b) for b in list(s.held.values())),
+            kv_transfers_held=self.sender.held() if self.sender is not None else 0,
+        )  # fmt: skip
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop taking requests; wait (bounded) until the ones in flight are done."""

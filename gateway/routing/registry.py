@@ -10,10 +10,9 @@ proven node's ``/load``: ``health_failures`` consecutive failures evict a node f
 routing (it stays known and is re-admitted when it answers again); a node still
 loading weights reports ready=false and is not routed to.
 
-A node may hold several models (its /load has "models": {NAME: {"state", "queued", ...}}):
+A node may hold several models (its /load, ``protocol.LoadReport``, has ``models``: NAME -> ``ModelLoad``):
 ``views(model)`` sees each node as it serves that one model — routable only where that model is
-"ready", with that model's queue, streams and free KV blocks. A node whose /load has no
-"models" (a node of one model, as before) holds its top-level "model".
+"ready", with that model's queue, streams and free KV blocks.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from compute.node import auth
+from compute.node import protocol as P
 from compute.node.client import AsyncNodeClient
 
 from gateway.routing.router import NodeView
@@ -65,7 +65,7 @@ class NodeState:
     role: str
     healthy: bool = False  # answered its last health checks
     failures: int = 0
-    load: dict = field(default_factory=dict)  # last /load
+    load: P.LoadReport = field(default_factory=P.LoadReport)  # last /load
     seen: float = 0.0  # monotonic time of the last answer
     source: str = "static"
     draining: bool = False  # told by the actuator before it drains the node: stop routing at once
@@ -75,52 +75,31 @@ class NodeState:
     def view(self, model: str | None = None) -> NodeView:
         """This node as the router sees it: as a whole (`model` None), or as it serves `model`."""
         ld = self.load
-        draining = self.draining or bool(ld.get("draining"))
-        if model is not None:
-            m = self.model_load(model)
-            if m is None:
-                return NodeView(url=self.url, role=self.role, ready=False, draining=draining)
-            if m is not ld:  # a node of several models: that model's own state and load
-                draining = draining or m.get("state") == "draining"
-                ready = self.healthy and m.get("state") == "ready"
-                ld = m
-            else:
-                ready = self.healthy and bool(ld.get("ready"))
-        else:
-            ready = self.healthy and bool(ld.get("ready"))
-        return NodeView(
-            url=self.url, role=self.role, ready=ready, draining=draining,
-            queued_prompt_tokens=int(ld.get("queued_prompt_tokens", 0)), running=int(ld.get("running", 0)),
-            kv_blocks_free=int(ld.get("kv_blocks_free", 0)),
-        )  # fmt: skip
-
-    def model_load(self, model: str) -> dict | None:
-        """`model`'s entry of /load["models"]; the whole /load for a one-model node holding it; else None."""
-        models = self.load.get("models")
-        if isinstance(models, dict):
-            m = models.get(model)
-            return m if isinstance(m, dict) else None
-        return self.load if self.load.get("model") == model else None
+        if model is None:
+            return NodeView(url=self.url, role=self.role, ready=self.healthy and ld.ready,
+                            draining=self.draining or ld.draining, queued_prompt_tokens=ld.queued_prompt_tokens,
+                            running=ld.running, kv_blocks_free=ld.kv_blocks_free)  # fmt: skip
+        m = ld.models.get(model)
+        if m is None:
+            return NodeView(url=self.url, role=self.role, ready=False, draining=self.draining or ld.draining)
+        return NodeView(url=self.url, role=self.role, ready=self.healthy and m.state == "ready",
+                        draining=self.draining or ld.draining or m.state == "draining",
+                        queued_prompt_tokens=m.queued_prompt_tokens, running=m.running,
+                        kv_blocks_free=m.kv_blocks_free)  # fmt: skip
 
     def held_models(self) -> dict[str, str]:
         """model -> its state on this node (loading, ready, draining, failed)."""
-        models = self.load.get("models")
-        if isinstance(models, dict):
-            return {k: str(v.get("state", "?")) for k, v in models.items() if isinstance(v, dict)}
-        name = self.load.get("model")
-        if not name:
-            return {}
-        return {name: "draining" if self.load.get("draining") else ("ready" if self.load.get("ready") else "loading")}
+        return {k: v.state for k, v in self.load.models.items()}
 
     def routable_models(self) -> set[str]:
         return {m for m in self.held_models() if self.view(m).routable}
 
     def as_dict(self) -> dict:
         ld = self.load
-        state = "unproven" if not self.proven else "unhealthy" if not self.healthy else ("draining" if self.draining or ld.get("draining") else
-                                                      (ld.get("state") or ("ready" if ld.get("ready") else "loading")))  # fmt: skip
-        return {"url": self.url, "role": self.role, "state": state, "models": self.held_models(), "load": ld,
-                "source": self.source}  # fmt: skip
+        state = ("unproven" if not self.proven else "unhealthy" if not self.healthy
+                 else "draining" if self.draining or ld.draining else ld.state)  # fmt: skip
+        return {"url": self.url, "role": self.role, "state": state, "models": self.held_models(),
+                "load": ld.as_dict(), "source": self.source}  # fmt: skip
 
 
 REFUSED_MAX = 256  # refused URLs remembered (for status and logs), oldest forgotten first
@@ -252,7 +231,7 @@ class NodeRegistry:
                 if why is not None:
                     return self._refuse(n, why)
                 n.proven = True
-            body = (await self._client.load(n.url)).as_dict()
+            body = await self._client.load(n.url)
             was_routable, before = n.view().routable, n.routable_models()
             n.load, n.healthy, n.failures, n.seen = body, True, 0, time.monotonic()
             new = n.routable_models() - before

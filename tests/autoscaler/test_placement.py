@@ -14,12 +14,13 @@ import dataclasses
 import pytest
 
 from autoscaler.placement import PoolConfig, Runtime, pool_config, rank
+from compute.node.protocol import ModelLoad
 
 GIB = 2**30
 
 
 def _rt(url, models=None, cached=None, budget=4 * GIB, used=0, role="decode", up=True, state=None):
-    models = {m: {"state": s, "active_requests": a, "bytes": GIB} for m, (s, a) in (models or {}).items()}
+    models = {m: ModelLoad(model=m, state=s, active_requests=a, bytes=GIB) for m, (s, a) in (models or {}).items()}
     return Runtime(role, url, up=up, reachable=up, state=state or ("ready" if models else "standby"),
                    models=models, budget=budget, used=used, cached=cached or {})  # fmt: skip
 

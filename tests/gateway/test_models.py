@@ -21,8 +21,10 @@ import threading
 import time
 
 import httpx
+import msgspec
 import pytest
 
+from compute.node import protocol as P
 from compute.node.launcher import Services
 from gateway.routing.activator import Activator, NotPlaced
 from gateway.routing.registry import NodeRegistry
@@ -44,7 +46,7 @@ def _registry(loads: dict[str, tuple[str, dict]]) -> NodeRegistry:
     reg = NodeRegistry(TOKEN)
     for url, (role, load) in loads.items():
         n = reg.add(url, role)
-        n.load, n.healthy, n.proven = load, True, True  # as after its proof and a good poll
+        n.load, n.healthy, n.proven = _report(load), True, True  # as after its proof and a good poll
     return reg
 
 
@@ -52,21 +54,25 @@ def _model(state: str, **kw) -> dict:
     return {"state": state, "queued_prompt_tokens": 0, "running": 0, "kv_blocks_free": 10, **kw}
 
 
+def _report(load: dict) -> P.LoadReport:
+    """A node's /load as the registry holds it, from plain data (each model entry named by its key)."""
+    models = {m: {"model": m, **d} for m, d in load.get("models", {}).items()}
+    return msgspec.convert({**load, "models": models}, P.LoadReport)
+
+
 def test_views_see_each_node_as_it_serves_one_model():
     reg = _registry({
         "http://m": ("both", {"state": "ready", "ready": True, "model": "a", "running": 9, "kv_blocks_free": 1,
                               "models": {"a": _model("ready", running=2, kv_blocks_free=7), "b": _model("loading")}}),
-        "http://old": ("both", {"ready": True, "model": "a", "running": 5, "kv_blocks_free": 3}),
         "http://standby": ("both", {"state": "standby", "ready": False, "model": None, "models": {}}),
     })  # fmt: skip
     a = {v.url: v for v in reg.views("a")}
     assert a["http://m"].routable and (a["http://m"].running, a["http://m"].kv_blocks_free) == (2, 7)
-    assert a["http://old"].routable and a["http://old"].running == 5  # an old node holds its top-level model
     assert not a["http://standby"].routable
     assert not any(v.routable for v in reg.views("b"))  # still loading
     assert not any(v.routable for v in reg.views("c"))
     assert reg.routable_models() == {"a"}
-    reg.nodes["http://m"].load["models"]["a"]["state"] = "draining"
+    reg.nodes["http://m"].load.models["a"].state = "draining"
     assert not {v.url: v for v in reg.views("a")}["http://m"].routable
     assert reg.nodes["http://standby"].as_dict()["state"] == "standby"
     assert reg.nodes["http://m"].as_dict()["models"] == {"a": "draining", "b": "loading"}
@@ -80,7 +86,7 @@ def test_activator_holds_until_a_node_holds_the_model_then_routes_there():
 
     async def scenario():
         now = [100.0]
-        reg = _registry({"http://a": ("both", {"ready": True, "model": "a"})})
+        reg = _registry({"http://a": ("both", {"state": "ready", "ready": True, "models": {"a": _model("ready")}})})
         act = Activator(reg, interval_s=0.25, poll_s=0.01, clock=lambda: now[0])
         calls: list[tuple[str, float]] = []
         act.activate = lambda m: calls.append((m, now[0]))
@@ -109,7 +115,7 @@ def test_activator_holds_until_a_node_holds_the_model_then_routes_there():
         await step(0.125)
         assert len(calls) == 2 and not task.done()
         n = reg.add("http://b", "both")  # the placer registers a node that now holds b
-        n.load, n.healthy = {"state": "ready", "ready": True, "models": {"b": _model("ready")}}, True
+        n.load, n.healthy = _report({"state": "ready", "ready": True, "models": {"b": _model("ready")}}), True
         route = await asyncio.wait_for(task, 30)  # seen at the next turn, the clock standing still
         assert route.both == "http://b" and act.held == {} and len(calls) == 2
         t0 = now[0]
@@ -134,12 +140,12 @@ def test_ready_when_a_model_is_routable_or_an_activator_can_place_one():
     gw = Gateway(GatewayConfig(models=["a", "b"]), ModelCatalogue(None, ["a", "b"]))
     assert not gw.ready()  # no node at all
     n = gw.registry.add("http://s", "both")
-    n.load, n.healthy = {"state": "standby", "ready": False, "model": None, "models": {}}, True
+    n.load, n.healthy = _report({"state": "standby", "ready": False, "model": None, "models": {}}), True
     assert not gw.ready()  # a standby runtime, and nothing to place a model on it
     gw.activate = lambda model: None
     assert gw.ready() and gw.activator.activate is gw.activate  # an activator can place one there
     gw.activate = None
-    n.load = {"state": "ready", "ready": True, "model": "b", "models": {"b": _model("ready")}}
+    n.load = _report({"state": "ready", "ready": True, "model": "b", "models": {"b": _model("ready")}})
     assert gw.ready()
 
 

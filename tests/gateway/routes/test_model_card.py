@@ -3,6 +3,8 @@ hold the model ready, nodes loading it, and whether a request for it is held whi
 
 from __future__ import annotations
 
+from compute.node import protocol as P
+
 
 def test_card_counts_ready_and_loading_nodes_and_says_whether_it_is_servable_from_zero():
     from gateway.config import GatewayConfig
@@ -15,7 +17,8 @@ def test_card_counts_ready_and_loading_nodes_and_says_whether_it_is_servable_fro
              "http://4": {"a": "ready"}}  # fmt: skip
     for url, models in loads.items():
         n = gw.registry.add(url, "both")
-        n.load = {"state": "ready", "ready": True, "models": {m: {"state": s} for m, s in models.items()}}
+        n.load = P.LoadReport(state="ready", ready=True, models={m: P.ModelLoad(model=m, state=s)
+                                                                for m, s in models.items()})
         n.healthy = url != "http://4"  # failed its health checks: holds nothing that can be served
     a = card(gw, "a")
     assert (a["id"], a["object"], a["owned_by"], a["max_model_len"]) == ("a", "model", "pdserve", None)
