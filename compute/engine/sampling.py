@@ -2,6 +2,7 @@
 
 One step's rows are processed together, in this order (vLLM's and the OpenAI API's meaning):
 
+0. ``allowed_token_ids``: every other token is impossible (vLLM's meaning);
 1. ``logit_bias`` added to the raw logits;
 2. penalties: ``repetition_penalty`` r over every token of prompt and output (a positive logit
    divided by r, a negative one multiplied), then ``frequency_penalty`` * count and
@@ -53,6 +54,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0, on prompt and output tokens (1 = off)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
     min_tokens: int = 0  # EOS and stop tokens are impossible before this many generated tokens
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be drawn (vLLM; a node refuses ids past its vocab)
     logprobs: int | None = None  # None: none; k in [0, MAX_LOGPROBS]: the chosen token's + the top k
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (prompt scoring)
     grammar: dict | None = None  # structured output (compute.engine.grammar): json_object | json_schema | regex spec
@@ -80,6 +82,10 @@ class SamplingParams:
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = tuple(int(t) for t in self.allowed_token_ids)
+            if not self.allowed_token_ids or min(self.allowed_token_ids) < 0:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids (>= 0)")
         if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
@@ -176,9 +182,16 @@ class Sampler:
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items() if 0 <= t < raw.shape[1]]
         pen = [i for i, p in enumerate(params) if p.penalized] if histories else []
         early = [i for i, p in enumerate(params) if p.min_tokens] if histories else []
-        if not (bias or pen or early):
+        allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        if not (bias or pen or early or allowed):
             return raw
         x = raw.clone()
+        for i in allowed:
+            keep = torch.tensor([t for t in params[i].allowed_token_ids if t < x.shape[1]], dtype=torch.long,
+                                device=x.device)  # fmt: skip
+            row = torch.full_like(x[i], float("-inf"))
+            row[keep] = x[i, keep]
+            x[i] = row
         if bias:
             r, t, b = zip(*bias)
             x.index_put_((torch.tensor(r, device=x.device), torch.tensor(t, device=x.device)),

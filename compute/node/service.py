@@ -163,6 +163,9 @@ class NodeService:
         """Register and queue a sequence on the engine thread; returns its output queue."""
         if rid in self.active:
             raise BadNodeRequest(f"duplicate request_id {rid!r}")
+        allowed = seq.params.allowed_token_ids
+        if allowed is not None and max(allowed) >= self.vocab_size:
+            raise BadNodeRequest(f"allowed_token_ids: token id {max(allowed)} out of range [0, {self.vocab_size})")
         q = self.worker.open_stream(seq.seq_id)
         self.active[rid] = Active(seq.seq_id, time.monotonic(), kind)
         try:

@@ -75,6 +75,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")],
                      Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # fmt: skip
     stop_token_ids: list[Int(ge=0)] | None = None  # extension (vLLM)
+    allowed_token_ids: Annotated[list[Int(ge=0)], Field(min_length=1)] | None = None  # extension (vLLM)
     response_format: ResponseFormat | None = None
     # accepted and ignored (IGNORED): they cannot change the result
     user: str | None = None

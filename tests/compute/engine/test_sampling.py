@@ -60,6 +60,23 @@ def test_logit_bias_min_p_and_min_tokens():
     assert second != top
 
 
+def test_allowed_token_ids_leave_only_those_tokens_drawable_and_refuse_an_empty_list():
+    raw = _logits(4, rows=2)
+    top = int(raw[0].argmax())
+    allowed = ((top + 1) % V, (top + 5) % V)
+    best = max(allowed, key=lambda t: raw[0, t])
+    p = SamplingParams(temperature=0, allowed_token_ids=list(allowed))  # a list from the wire: kept as a tuple
+    assert p.allowed_token_ids == allowed and Sampler()(raw[:1], [p], [0]) == [best]
+    drawn = {Sampler()(raw[:1], [SamplingParams(temperature=1.5, seed=s, allowed_token_ids=allowed)], [0])[0]
+             for s in range(40)}  # fmt: skip
+    assert drawn == set(allowed)  # both drawn at a high temperature, nothing else
+    both = Sampler()(raw, [p, SamplingParams(temperature=0)], [0, 0])  # the other row is untouched
+    assert both == [best, int(raw[1].argmax())]
+    for bad in ([], [-1]):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+
+
 def test_rows_are_independent_in_a_batch():
     raw = _logits(3, rows=4)
     ps = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=3, seed=1),

@@ -113,6 +113,21 @@ def test_penalties_and_logit_bias_change_the_answer_the_same_way_split(both, spl
     assert banned.choices[0].text and not plain.startswith(banned.choices[0].text)
 
 
+def test_allowed_token_ids_restrict_the_answer_colocated_and_split(both, split, bundle):
+    """vLLM's extension, end to end: the API model takes it, the node's engine masks every other token."""
+    kw = {"model": both["name"], "prompt": bundle.encode(TEXT), "max_tokens": 8, "temperature": 0}
+    allowed = bundle.encode(" red green blue")
+    got = client(both).completions.create(**kw, extra_body={"allowed_token_ids": allowed})
+    ids = bundle.encode(got.choices[0].text)
+    assert ids and set(ids) <= set(allowed), (got.choices[0].text, allowed)
+    split_got = client(split).completions.create(**kw, extra_body={"allowed_token_ids": allowed})
+    assert split_got.choices[0].text == got.choices[0].text  # the prefill node's first token obeys it too
+    r = httpx.post(both["gw"].url + "/v1/completions", json=kw | {"allowed_token_ids": [10**8]}, timeout=60)
+    assert r.status_code == 400 and "allowed_token_ids" in r.json()["error"]["message"], r.text
+    r = httpx.post(both["gw"].url + "/v1/completions", json=kw | {"allowed_token_ids": []}, timeout=60)
+    assert r.status_code == 400 and "allowed_token_ids" in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"frobnicate": 1}, "unknown field 'frobnicate'"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "chat template does not render tools"),
