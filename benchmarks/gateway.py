@@ -117,9 +117,12 @@ def main(args: argparse.Namespace) -> int:
 async def _measure(args, levels, counts, ids, node_url, gw_url, token) -> list[dict]:
     import httpx
 
+    from compute.node.client import AsyncNodeClient
+
     limits = httpx.Limits(max_connections=max(levels) * 2 + 8, max_keepalive_connections=max(levels) * 2 + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0), limits=limits) as client:
-        paths = {"direct": lambda: node_stream(client, node_url, token, ids, args.max_tokens),
+    async with (httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0), limits=limits) as client,
+                AsyncNodeClient(token, timeout_s=120.0, max_connections=max(levels) * 2 + 8) as nodes):
+        paths = {"direct": lambda: node_stream(nodes, node_url, ids, args.max_tokens),
                  "gateway": lambda: chat_stream(client, gw_url, args.model, args.prompt, args.max_tokens)}  # fmt: skip
         for make in paths.values():  # warm-up: connections, first-step kernels
             for s in [await make() for _ in range(args.warmup)]:

@@ -15,7 +15,6 @@ import uuid
 from dataclasses import dataclass
 
 from compute.node import protocol as P
-from compute.node.auth import SignedAuth
 
 
 @dataclass(slots=True)
@@ -91,33 +90,25 @@ async def chat_stream(client, url: str, model: str, prompt: str, max_tokens: int
     return _finish(s, first, last, tokens or chunks)
 
 
-async def node_stream(client, url: str, token: str, prompt_ids: list[int], max_tokens: int) -> Sample:
-    """The same request straight to a node's /internal/generate (NDJSON)."""
-    body = P.encode(P.GenerateRequest(uuid.uuid4().hex, prompt_ids,
-                                      P.SamplingWire(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
+async def node_stream(nodes, url: str, prompt_ids: list[int], max_tokens: int) -> Sample:
+    """The same request straight to a node's /internal/generate (NDJSON), through ``nodes``, an
+    ``AsyncNodeClient`` (compute/node/client.py: the one node client; it yields each line as it arrives)."""
+    msg = P.GenerateRequest(uuid.uuid4().hex, prompt_ids,
+                            P.SamplingWire(max_tokens=max_tokens, temperature=0, ignore_eos=True))  # fmt: skip
     s = Sample(start=time.monotonic())
     first = last = None
     tokens = 0
     try:
-        async with client.stream("POST", url + "/internal/generate", content=body, auth=SignedAuth(token),
-                                 headers={"content-type": "application/json"}) as r:  # fmt: skip
-            if r.status_code != 200:
-                s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return _finish(s, None, None, 0)
-            async for line in r.aiter_lines():
-                if not line:
-                    continue
-                msg = P.decode(line, P.StreamLine)
-                if msg.token_ids:
-                    now = time.monotonic()
-                    first = first if first is not None else now
-                    last = now
-                    tokens += len(msg.token_ids)
-                if msg.finish_reason:
-                    s.ok = msg.finish_reason in ("stop", "length", "eos")
-                    if not s.ok:
-                        s.error = msg.error or msg.finish_reason
-                    break
+        async for line in nodes.generate(url, msg):
+            if line.token_ids:
+                now = time.monotonic()
+                first = first if first is not None else now
+                last = now
+                tokens += len(line.token_ids)
+            if line.finish_reason:
+                s.ok = line.finish_reason in ("stop", "length", "eos")
+                if not s.ok:
+                    s.error = line.error or line.finish_reason
     except Exception as e:  # noqa: BLE001
         s.error = f"{type(e).__name__}: {e}"[:200]
     return _finish(s, first, last, tokens)

@@ -46,7 +46,6 @@ from benchmarks.mixed_workload import (
 from compute.node import protocol as P
 from compute.node.launcher import ServiceProc, Services
 
-JSON = {"content-type": "application/json"}  # the node API's messages go as msgspec-encoded bytes
 
 SCRATCH_STORE = os.path.join(".pdserve", "bench-pd-store")
 
@@ -84,32 +83,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _handoff_times(prefill: ServiceProc, decode: ServiceProc, auth, prompt: list[int], reps: int) -> list[dict]:
     """Real prefill -> decode: /internal/prefill (max_tokens 2), then /internal/decode to its last token."""
-    import httpx
+    from compute.node.client import SyncNodeClient
 
     out = []
-    with httpx.Client(auth=auth, timeout=120) as c:
+    with SyncNodeClient(None, timeout_s=120, auth=auth) as c:
         for i in range(reps + 1):
             rid = f"bench-handoff-{i}-{secrets.token_hex(4)}"
-            body = P.GenerateRequest(rid, prompt, P.SamplingWire(max_tokens=2, temperature=0.0))
             t0 = time.perf_counter()
-            r = c.post(prefill.url + "/internal/prefill", content=P.encode(body), headers=JSON)
+            msg = P.GenerateRequest(rid, prompt, P.SamplingWire(max_tokens=2, temperature=0.0))
+            first = c.prefill(prefill.url, msg)
             t1 = time.perf_counter()
-            r.raise_for_status()
-            first = P.decode(r.content, P.PrefillReply)
             if not first.kv:
-                raise RuntimeError(f"prefill returned no KV handle: {r.text[:300]}")
-            dbody = P.DecodeRequest(rid, prompt, P.SamplingWire(max_tokens=1, temperature=0.0),
-                                    first_token_id=first.token_ids[-1], kv=first.kv)  # fmt: skip
-            with c.stream("POST", decode.url + "/internal/decode", content=P.encode(dbody), headers=JSON) as s:
-                if s.status_code != 200:
-                    s.read()
-                    raise RuntimeError(f"decode answered {s.status_code}: {s.text[:300]}")
-                reason = None
-                for line in s.iter_lines():
-                    if line:
-                        reason = P.decode(line, P.StreamLine).finish_reason or reason
-                        if reason:
-                            break
+                raise RuntimeError(f"prefill returned no KV handle: {first}")
+            dmsg = P.DecodeRequest(rid, prompt, P.SamplingWire(max_tokens=1, temperature=0.0),
+                                   first_token_id=first.token_ids[-1], kv=first.kv)  # fmt: skip
+            reason = next(line.finish_reason for line in c.decode(decode.url, dmsg) if line.finish_reason)
             t2 = time.perf_counter()
             if reason not in ("length", "stop"):
                 raise RuntimeError(f"decode ended with {reason!r}")
@@ -314,19 +302,15 @@ def main(args: argparse.Namespace) -> int:
 
 def _generate_first(node: ServiceProc, auth, prompt: list[int], reps: int) -> float:
     """512-token prefill on a `both` node: /internal/generate with max_tokens 1, to its only line."""
-    import httpx
+    from compute.node.client import SyncNodeClient
 
     times = []
-    with httpx.Client(auth=auth, timeout=120) as c:
+    with SyncNodeClient(None, timeout_s=120, auth=auth) as c:
         for i in range(reps + 1):
-            body = P.GenerateRequest(f"bench-gen-{i}-{secrets.token_hex(4)}", prompt,
-                                     P.SamplingWire(max_tokens=1, temperature=0.0))  # fmt: skip
+            msg = P.GenerateRequest(f"bench-gen-{i}-{secrets.token_hex(4)}", prompt,
+                                    P.SamplingWire(max_tokens=1, temperature=0.0))  # fmt: skip
             t0 = time.perf_counter()
-            with c.stream("POST", node.url + "/internal/generate", content=P.encode(body), headers=JSON) as s:
-                s.raise_for_status()
-                for line in s.iter_lines():
-                    if line and P.decode(line, P.StreamLine).finish_reason:
-                        break
+            next(line for line in c.generate(node.url, msg) if line.finish_reason)
             if i:
                 times.append(time.perf_counter() - t0)
     return statistics.median(times)

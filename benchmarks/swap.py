@@ -241,9 +241,8 @@ def _wait_zero(svc: UpService, names: list[str], timeout_s: float) -> float:
 
 def _fresh(svc: UpService, args, model: str, locations: list[str], log_root: str) -> dict:
     """A fresh `pdserve node --role both --model M`: spawn -> /ready -> first token of the same chat, direct."""
-    import httpx
-
     from benchmarks.gateway import chat_ids
+    from compute.node.client import AsyncNodeClient
     from compute.node.launcher import Services
 
     ids = chat_ids(locations, model, args.prompt)
@@ -257,8 +256,8 @@ def _fresh(svc: UpService, args, model: str, locations: list[str], log_root: str
         ready_s = time.monotonic() - t0
 
         async def one():
-            async with httpx.AsyncClient(timeout=120) as c:
-                return await node_stream(c, node.url, svc.token, ids, args.max_tokens)
+            async with AsyncNodeClient(svc.token, timeout_s=120) as nodes:
+                return await node_stream(nodes, node.url, ids, args.max_tokens)
 
         s = asyncio.run(one())
         done = None if s.ttft is None else round(ready_s + s.ttft, 3)

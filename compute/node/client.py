@@ -1,9 +1,10 @@
 """The one client of the node API (compute/node/protocol.py): routes, signing, timeouts and error mapping.
 
 Two faces over the same routes: ``AsyncNodeClient`` (the gateway: requests, streams, the registry's
-health poll) and ``SyncNodeClient`` (the pool, the local actuator, the launcher, the benchmarks: /load,
-/ready, drain, model load/unload). Every request is signed with the internal token
-(``auth.SignedAuth``) but the registry's challenge (``prove``), which carries nothing but a nonce.
+health poll; the benchmarks' load generator) and ``SyncNodeClient`` (the pool, the local actuator, the
+launcher, the benchmarks: /load, /ready, drain, model load/unload, and one request at a time). Every
+request is signed with the internal token (``auth.SignedAuth``) but the registry's challenge (``prove``),
+which carries nothing but a nonce.
 
 Errors say what the caller should do, from the refusal's ``kind`` (never its wording):
 ``RequestRejected`` (bad_request, or a 4xx without a kind): the request itself is wrong, retrying
@@ -13,7 +14,7 @@ a transport error, a stream cut short): try another node.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import msgspec
@@ -74,6 +75,12 @@ class AsyncNodeClient:
     async def close(self) -> None:
         await self.client.aclose()
 
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
     async def prefill(self, url: str, msg: P.GenerateRequest) -> P.PrefillReply:
         try:
             r = await self.client.post(url + "/internal/prefill", content=P.encode(msg), headers=JSON)
@@ -96,15 +103,11 @@ class AsyncNodeClient:
                     await r.aread()
                     check(url, r)
                 async for line in r.aiter_lines():
-                    if not line:
-                        continue
-                    try:
-                        out = P.decode(line, P.StreamLine)
-                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                        raise NodeFailed(url, f"{route}: bad stream line: {e}") from None
-                    yield out
-                    if out.finish_reason:
-                        return
+                    if line:
+                        out = _line(url, route, line)
+                        yield out
+                        if out.finish_reason:
+                            return
         except httpx.HTTPError as e:
             raise NodeFailed(url, f"{route}: {type(e).__name__}: {e}") from None
         raise NodeFailed(url, f"{route}: stream ended without a finish reason")
@@ -135,7 +138,8 @@ class AsyncNodeClient:
 
 
 class SyncNodeClient:
-    """The control plane's face (threads): /ready, /load, drain, model load and unload."""
+    """The control plane's face (threads): /ready, /load, drain, model load and unload; and requests one at
+    a time, as a benchmark times them (``prefill``, ``generate``, ``decode``)."""
 
     def __init__(self, token: str | None, timeout_s: float = 5.0, auth: httpx.Auth | None = None):
         """``auth``: a ``SignedAuth`` already made (instead of ``token``)."""
@@ -182,3 +186,40 @@ class SyncNodeClient:
         except httpx.HTTPError as e:
             raise NodeFailed(url, f"unload {msg.model}: {type(e).__name__}: {e}") from None
         return _reply(url, r, P.ModelUnloadReply)
+
+    def prefill(self, url: str, msg: P.GenerateRequest) -> P.PrefillReply:
+        try:
+            r = self.client.post(url + "/internal/prefill", content=P.encode(msg), headers=JSON)
+        except httpx.HTTPError as e:
+            raise NodeFailed(url, f"prefill: {type(e).__name__}: {e}") from None
+        return _reply(url, r, P.PrefillReply)
+
+    def generate(self, url: str, msg: P.GenerateRequest) -> Iterator[P.StreamLine]:
+        return self._stream(url, "generate", msg)
+
+    def decode(self, url: str, msg: P.DecodeRequest) -> Iterator[P.StreamLine]:
+        return self._stream(url, "decode", msg)
+
+    def _stream(self, url: str, route: str, msg) -> Iterator[P.StreamLine]:
+        """As ``AsyncNodeClient._stream``: each line as it arrives, to the one with a finish_reason."""
+        try:
+            with self.client.stream("POST", f"{url}/internal/{route}", content=P.encode(msg), headers=JSON) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    check(url, r)
+                for line in r.iter_lines():
+                    if line:
+                        out = _line(url, route, line)
+                        yield out
+                        if out.finish_reason:
+                            return
+        except httpx.HTTPError as e:
+            raise NodeFailed(url, f"{route}: {type(e).__name__}: {e}") from None
+        raise NodeFailed(url, f"{route}: stream ended without a finish reason")
+
+
+def _line(url: str, route: str, line: str) -> P.StreamLine:
+    try:
+        return P.decode(line, P.StreamLine)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise NodeFailed(url, f"{route}: bad stream line: {e}") from None

@@ -6,7 +6,6 @@ PDSERVE_REQUIRE_ALL=1, tests/required.py); every tcp test runs whatever is insta
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -14,10 +13,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgspec
 import pytest
 
 from tests.prompts import QUESTIONS
-from tests.services import AUTH, node_generate, nodes_up, start_node, wait_blocks_free
+from compute.node import protocol as P
+from compute.node.client import SyncNodeClient
+from tests.services import AUTH, TOKEN, node_generate, nodes_up, start_node, wait_blocks_free
 
 pytestmark = pytest.mark.slow
 
@@ -62,19 +64,17 @@ def generate(node, rid, ids, max_tokens=MAX_TOKENS, **sampling):
 
 
 def pd(prefill, decode, rid, ids, max_tokens=MAX_TOKENS, **sampling):
-    params = {"max_tokens": max_tokens, "temperature": 0} | sampling
-    pre = httpx.post(prefill.url + "/internal/prefill", auth=AUTH, timeout=120,
-                     json={"request_id": rid, "prompt_token_ids": ids, "params": params}).json()  # fmt: skip
-    toks = list(pre["token_ids"])
-    if pre["finish_reason"]:
-        return toks, pre
-    body = {"request_id": rid, "prompt_token_ids": ids, "first_token_id": toks[-1], "kv": pre["kv"],
-            "params": dict(params, max_tokens=max_tokens - 1)}  # fmt: skip
-    with httpx.stream("POST", decode.url + "/internal/decode", json=body, auth=AUTH, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            toks += json.loads(line)["token_ids"]
-    return toks, pre
+    """One split request through the node client (compute/node/client.py), as the gateway's relay sends it;
+    -> (every token, the prefill reply as plain data)."""
+    params = P.SamplingWire(**({"max_tokens": max_tokens, "temperature": 0} | sampling))
+    with SyncNodeClient(TOKEN, timeout_s=120) as c:
+        pre = c.prefill(prefill.url, P.GenerateRequest(rid, ids, params))
+        toks = list(pre.token_ids)
+        if not pre.finish_reason:
+            msg = P.DecodeRequest(rid, ids, msgspec.structs.replace(params, max_tokens=max_tokens - 1),
+                                  first_token_id=toks[-1], kv=pre.kv)  # fmt: skip
+            toks += [t for line in c.decode(decode.url, msg) for t in line.token_ids]
+    return toks, msgspec.to_builtins(pre)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])

@@ -71,7 +71,13 @@ def test_an_answer_without_a_kind_maps_by_its_status():
         check("http://n:1", httpx.Response(502, text="bad gateway"))
 
 
-def test_load_report_keeps_unknown_fields_out_and_one_model_nodes_without_models():
-    rep = P.decode(b'{"role": "both", "ready": true, "model": "m", "queued": 2, "newer_field": 1}', P.LoadReport)
-    assert rep.ready and rep.model == "m" and rep.queued == 2 and rep.models is None
-    assert "newer_field" not in rep.as_dict()
+def test_load_report_keeps_unknown_fields_out_and_types_its_model_entries():
+    body = (b'{"role": "both", "ready": true, "model": "m", "queued": 2, "newer_field": 1, '
+            b'"models": {"m": {"model": "m", "state": "ready", "running": 3, "kernels": {"mode": "fixed"}, "x": 0}}}')
+    rep = P.decode(body, P.LoadReport)
+    assert rep.ready and rep.model == "m" and rep.queued == 2
+    m = rep.models["m"]
+    assert isinstance(m, P.ModelLoad) and (m.state, m.running, m.kv_blocks_free, m.kernels) == ("ready", 3, 0, {"mode": "fixed"})
+    d = rep.as_dict()
+    assert "newer_field" not in d and d["models"]["m"]["running"] == 3 and "x" not in d["models"]["m"]  # deep, plain
+    assert P.decode(P.encode(rep), P.LoadReport) == rep
