@@ -44,8 +44,8 @@ def describe(schema: dict, models: list[str] | str, max_tokens: int, vocab: int,
              takes_tools: bool = True) -> dict:  # fmt: skip
     """What only the running gateway knows, written into its OpenAPI document: the models it serves
     (an enum; an open string when none is listed yet: they come from the store), the largest
-    max_tokens and token id range over them (each model's own context and vocabulary bound it
-    further: 400 with the message); whether tools can be offered (``takes_tools``: some model's
+    max_tokens and token id range over them (prompt, allowed_token_ids, detokenize; each model's own
+    context and vocabulary bound it further: 400 with the message); whether tools can be offered (``takes_tools``: some model's
     template renders them; a tool_choice other than none needs tools either way); 400 (not FastAPI's
     422) for invalid bodies; and the bearer schemes (`bearer`: scheme name -> path prefixes it guards;
     empty: open)."""
@@ -81,6 +81,9 @@ def describe(schema: dict, models: list[str] | str, max_tokens: int, vocab: int,
         for alt in props.get("logit_bias", {}).get("anyOf", []):
             if alt.get("type") == "object":  # keys are token ids: nothing else (pydantic leaves this out)
                 alt["additionalProperties"] = False
+        for alt in props.get("allowed_token_ids", {}).get("anyOf", []):  # a node refuses an id past its vocab
+            if alt.get("type") == "array":
+                alt.setdefault("items", {})["maximum"] = vocab - 1
         for alt in props.get("prompt", {}).get("anyOf", []):
             items = alt.get("items", {}) if alt.get("type") == "array" else {}
             if items.get("type") == "integer":
