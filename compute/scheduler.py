@@ -27,6 +27,10 @@ Lifecycle of a request through the scheduler:
    leader finishes at its first token: its blocks, held for the KV transfer, serve forks until
    released. The prompt is prefilled once; a choice that cannot fork (leader gone, prompt logprobs
    asked, a failover's replay, no free block) runs as a request of its own.
+7. prefix cache (``compute.prefix_cache``, on unless ``prefix_cache = False``): a sequence leaving
+   WAITING with an empty table starts from the cached blocks matching its prompt (shared as forks'
+   are) and computes the rest; computed full prompt blocks are named by content after each step and
+   stay cached at count 0 until their memory is needed.
 
 Because every admitted request fits alone, preemption always lets the oldest
 running sequence progress: the scheduler cannot deadlock.
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 
 from compute.block_manager import BlockManager
 from compute.errors import RequestTooLarge
+from compute.prefix_cache import PrefixCache
 from compute.sequence import FinishReason, Sequence, Status
 
 
@@ -52,6 +57,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256  # tokens per step (the prefill chunk budget)
     max_model_len: int = 2048  # the model's context
     eos_token_ids: tuple[int, ...] = ()  # finish on these unless a request ignores EOS
+    prefix_cache: bool = True  # reuse full KV blocks by content (compute.prefix_cache)
+    cache_extra: tuple[str, ...] = ()  # what else names a block's numbers (compute.prefix_hash.extra_keys)
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
@@ -89,6 +96,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.cache = PrefixCache(self.blocks, config.prefix_cache, config.cache_extra)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
@@ -111,6 +119,7 @@ class Scheduler:
             )
         seq.status = Status.WAITING
         self.seqs[seq.seq_id] = seq
+        self.cache.prepare(seq)
         if not self._join(seq):
             self.waiting.append(seq)
 
@@ -143,6 +152,7 @@ class Scheduler:
             raise CacheFull(f"no free KV blocks for {num_cached} imported tokens")
         self.blocks.allocate(seq, num_cached)
         seq.num_computed = num_cached
+        seq.cache_stop = 0  # KV another node computed: not published here (issue 26, section 2)
         seq.status = Status.IMPORTING
         self.importing[seq.seq_id] = seq
         self.seqs[seq.seq_id] = seq
@@ -180,10 +190,15 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            if not self.blocks.can_allocate(seq, seq.num_computed + n):
+            fresh = not seq.block_table and not seq.num_computed  # not a fork: it may start from cached blocks
+            hit = self.cache.lookup(seq) if fresh else []
+            start = len(hit) * self.config.block_size if fresh else seq.num_computed
+            n = min(seq.num_tokens - start, budget)
+            if not self.blocks.can_allocate(seq, start + n, hit):
                 break
             self.waiting.popleft()
+            if fresh:
+                self.cache.take(seq, hit)
             seq.status = Status.RUNNING
             self.running.append(seq)
             self._take(seq, n, out)
@@ -198,6 +213,7 @@ class Scheduler:
             if seq is None or seq.status is not Status.RUNNING:
                 continue  # aborted or failed meanwhile
             seq.num_computed = max(seq.num_computed, s.start_pos + len(s.token_ids))
+            self.cache.computed(seq, s.start_pos, len(s.token_ids))
             if seq.seq_id in self.parked and seq.num_computed >= seq.num_prompt_tokens - 1:
                 self._fork_parked(seq)  # before a finish can free the prompt's blocks
             if not s.sample:
@@ -228,6 +244,10 @@ class Scheduler:
                 failed.append(seq)
         return failed
 
+    def check_blocks(self) -> None:
+        """Assert the block manager's invariants against every table and held list (tests)."""
+        self.blocks.check([q.block_table for q in self.seqs.values()] + list(self.held.values()))
+
     # -- internals ---------------------------------------------------------------------------
 
     def _take(self, seq: Sequence, n: int, out: ScheduledBatch) -> None:
@@ -242,6 +262,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        self.cache.reset(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -317,6 +338,7 @@ class Scheduler:
             self.blocks.allocate(seq, shared)
             self.copies.append((blocks[full], seq.block_table[full]))
         seq.num_computed = shared
+        seq.num_published = full  # the leader's blocks (published by the leader, if fit)
         self.waiting.appendleft(seq)  # next, within the step's seats and budget
         self.num_forked += 1
         return True
