@@ -185,9 +185,8 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            self._take(seq, n, out)
+            budget -= self._take(seq, n, out)
             taken.add(seq.seq_id)
-            budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             fresh = not seq.block_table and not seq.num_computed  # not a fork: it may start from cached blocks
@@ -201,8 +200,7 @@ class Scheduler:
                 self.cache.take(seq, hit)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._take(seq, n, out)
-            budget -= n
+            budget -= self._take(seq, n, out)
         return out
 
     def postprocess(self, batch: ScheduledBatch, tokens: dict[int, int]) -> list[Sequence]:
@@ -250,14 +248,21 @@ class Scheduler:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _take(self, seq: Sequence, n: int, out: ScheduledBatch) -> None:
+    def _take(self, seq: Sequence, n: int, out: ScheduledBatch) -> int:
+        """Schedule ``n`` of ``seq``'s tokens (fewer, see below); returns how many."""
+        prefill_end = seq.num_tokens
         if seq.replay_from is not None:  # replayed output: one token per step, like the decode that made it
             r = seq.replay_from
             n = 1 if seq.num_computed >= r else min(n, r - seq.num_computed)
+            prefill_end = max(r, seq.num_computed + 1)
+        if n > 1 and prefill_end - (seq.num_computed + n) == 1:
+            n -= 1  # never leave one prefill token for a chunk of its own: it would run the decode path (other
+            # numbers: a prompt's logits would depend on where the budget cut it; compute/prefix_cache.py)
         end = seq.num_computed + n
         self.blocks.allocate(seq, end)
         chunk = seq.token_ids[seq.num_computed : end]
         out.seqs.append(ScheduledSeq(seq.seq_id, chunk, seq.num_computed, list(seq.block_table), end == seq.num_tokens))
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
