@@ -91,7 +91,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the engine
             failed = self.scheduler.fail([s.seq_id for s in batch.seqs], f"{type(e).__name__}: {e}")
             return [StepOutput(q.seq_id, [], True, q.finish_reason.value, q.error) for q in failed]
-        first = {sid: seqs[sid].num_cached_tokens or 0 for sid in res.tokens
+        first = {sid: seqs[sid].num_cached_tokens for sid in res.tokens  # None on a decode node (imported KV)
                  if seqs[sid].num_tokens == seqs[sid].num_prompt_tokens}  # fmt: skip
         finished = {q.seq_id: q for q in self.scheduler.postprocess(batch, res.tokens)}
         out = []

@@ -79,12 +79,12 @@ class PrefixCache:
 
     def take(self, seq: Sequence, hit: list[int]) -> None:
         """``seq`` starts from ``hit`` (``lookup``'s answer, admitted): shared, not computed."""
+        if seq.num_cached_tokens is None:  # what the request is told: its first admission's hit
+            seq.num_cached_tokens = len(hit) * self.bs
         if not self.enabled:
             return
         self.queries += seq.prompt_len
         self.hits += len(hit) * self.bs
-        if seq.num_cached_tokens is None:  # what the request is told: its first admission's hit
-            seq.num_cached_tokens = len(hit) * self.bs
         if hit:
             self.blocks.share(hit, seq)
             seq.num_published = len(hit)

@@ -344,6 +344,7 @@ class Scheduler:
             self.copies.append((blocks[full], seq.block_table[full]))
         seq.num_computed = shared
         seq.num_published = full  # the leader's blocks (published by the leader, if fit)
+        seq.num_cached_tokens = lead.num_cached_tokens  # one request: its choices report the prompt's hit
         self.waiting.appendleft(seq)  # next, within the step's seats and budget
         self.num_forked += 1
         return True

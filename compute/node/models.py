@@ -40,7 +40,7 @@ log = logging.getLogger("pdserve.node")
 PREFETCH = 2  # shards a load keeps in flight when the budget has room for them (ReaderConfig's default)
 EVICT_DRAIN_S = 5.0  # an idle model has nothing in flight: this bounds only a race with a new request
 SUMMED = ("queued", "running", "importing", "queued_prompt_tokens", "active_requests", "kv_blocks_used",
-          "kv_blocks_free", "kv_blocks_total", "kv_blocks_held", "kv_transfers_held")  # fmt: skip
+          "kv_blocks_free", "kv_blocks_total", "kv_blocks_held", "kv_transfers_held", "kv_blocks_cached")  # fmt: skip
 
 
 class ModelUnknown(LookupError):

@@ -94,6 +94,7 @@ class StreamLine(msgspec.Struct, omit_defaults=True):
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # once, on the first line, if asked
     error: str | None = None
+    cached_tokens: int | None = None  # once, with the first token this node sampled: prompt tokens its prefix cache gave
 
 
 class PrefillReply(StreamLine, omit_defaults=False):
@@ -163,6 +164,7 @@ class LoadReport(msgspec.Struct):
     kv_blocks_total: int = 0
     kv_blocks_held: int = 0
     kv_transfers_held: int = 0
+    kv_blocks_cached: int = 0  # named by content: a prompt can hit them (free ones count in kv_blocks_free too)
 
     def as_dict(self) -> dict:
         return msgspec.structs.asdict(self)
