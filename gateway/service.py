@@ -65,6 +65,7 @@ class Delta:
     finish_reason: str | None = None
     logprobs: list | None = None  # per token [logprob, [[id, logprob], ...]] as the node sent them
     prompt_logprobs: list | None = None  # with the first delta, if asked: null, then one per prompt token
+    cached_tokens: int | None = None  # with the first delta: prompt tokens the node's prefix cache gave (usage)
 
 
 class Gateway:
@@ -224,7 +225,7 @@ class Gateway:
         eos = text.bundle.eos_token_ids
         matcher = StopMatcher(stops)
         async with aclosing(self.relay.run(req)) as stream:
-            async for toks, reason, lps, plps in stream:
+            async for toks, reason, lps, plps, cached in stream:
                 marks["n"] += len(toks)
                 if marks["first"] is None:
                     marks["first"] = time.monotonic()
@@ -233,11 +234,11 @@ class Gateway:
                     self.traffic.first_token(req.model, timing["ttft"])
                 out, stopped = matcher.feed(detok.add([t for t in toks if t not in eos]))
                 if stopped:
-                    yield Delta(out, toks, "stop", lps, plps)
+                    yield Delta(out, toks, "stop", lps, plps, cached)
                     return
                 if reason:
                     tail, hit = matcher.feed(detok.flush())
                     tail = tail if hit else tail + matcher.flush()
-                    yield Delta(out + tail, toks, "stop" if reason in ("stop", "eos") else reason, lps, plps)
+                    yield Delta(out + tail, toks, "stop" if reason in ("stop", "eos") else reason, lps, plps, cached)
                     return
-                yield Delta(out, toks, None, lps, plps)
+                yield Delta(out, toks, None, lps, plps, cached)

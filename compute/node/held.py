@@ -170,7 +170,8 @@ def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeSe
     eos = inj.eos_token_ids or model.config.eos_token_ids
     engine = Engine.for_model(model, num_blocks=cfg.kv_blocks, block_size=cfg.block_size,
                               max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                              eos_token_ids=eos, kv_cache_dtype=cfg.kv_dtype)  # fmt: skip
+                              eos_token_ids=eos, kv_cache_dtype=cfg.kv_dtype, prefix_cache=cfg.prefix_cache,
+                              cache_key=f"{inj.manifest.ref}/{inj.weights}")  # fmt: skip
     meter = CapacityMeter(cfg.tpot_target_s, cfg.max_num_seqs)
     worker = EngineWorker(engine, loop, meter=meter, name=f"engine-{name}", model=name)
     svc = NodeService(dataclasses.replace(cfg, model=name, weights=inj.weights), worker, model.config.vocab_size)

@@ -95,6 +95,7 @@ class StreamLine(msgspec.Struct, omit_defaults=True):
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # once, on the first line, if asked
     error: str | None = None
+    cached_tokens: int | None = None  # once, with the first token this node sampled: prompt tokens its prefix cache gave
 
 
 class PrefillReply(StreamLine, omit_defaults=False):
@@ -151,6 +152,7 @@ class EngineLoad(msgspec.Struct, kw_only=True):
     kv_blocks_total: int = 0
     kv_blocks_held: int = 0
     kv_transfers_held: int = 0
+    kv_blocks_cached: int = 0  # named by content: a prompt can hit them (free ones count in kv_blocks_free too)
 
 
 class ModelLoad(EngineLoad, kw_only=True):

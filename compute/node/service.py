@@ -100,7 +100,8 @@ def logprobs_json(lps: list | None) -> list | None:
 def output_line(o) -> StreamLine:
     """One step output as a stream line (prompt logprobs ride on the first token's line)."""
     return StreamLine(o.new_token_ids, o.finish_reason, logprobs_json(o.logprobs) if o.logprobs else None,
-                      None if o.prompt_logprobs is None else logprobs_json(o.prompt_logprobs), o.error or None)
+                      None if o.prompt_logprobs is None else logprobs_json(o.prompt_logprobs), o.error or None,
+                      o.cached_tokens)  # fmt: skip
 
 
 def new_sequence(msg: GenerateRequest, sp: SamplingParams, grammars=None) -> Sequence:
@@ -229,7 +230,7 @@ class NodeService:
             queued=len(waiting), running=len([q for q in list(s.running) if q.status is Status.RUNNING]),
             importing=len(s.importing), queued_prompt_tokens=queued_tokens, active_requests=len(self.active),
             kv_blocks_used=bm.num_blocks - bm.num_free, kv_blocks_free=bm.num_free, kv_blocks_total=bm.num_blocks,
-            kv_blocks_held=sum(len(b) for b in list(s.held.values())),
+            kv_blocks_held=sum(len(b) for b in list(s.held.values())), kv_blocks_cached=bm.num_cached,
             kv_transfers_held=self.sender.held() if self.sender is not None else 0,
         )  # fmt: skip
 

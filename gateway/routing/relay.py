@@ -74,6 +74,7 @@ class Chunk(NamedTuple):
     finish_reason: str | None
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # once, with the first tokens, if asked: null then one per prompt token
+    cached_tokens: int | None = None  # once, with the first tokens: prompt tokens the node's prefix cache gave
 
 
 class Relay:
@@ -175,7 +176,7 @@ def _unpack(url: str, msg: StreamLine) -> Chunk:
     reason = msg.finish_reason
     if reason in ("error", "abort"):  # the gateway never asked for it: the node failed or is leaving
         raise NodeFailed(url, msg.error or f"request ended by the node ({reason})")
-    return Chunk(msg.token_ids, reason, msg.logprobs, msg.prompt_logprobs)
+    return Chunk(msg.token_ids, reason, msg.logprobs, msg.prompt_logprobs, msg.cached_tokens)
 
 
 def wire(sp: SamplingParams) -> SamplingWire:
