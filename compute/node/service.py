@@ -21,6 +21,7 @@ from compute.errors import RequestTooLarge
 from compute.engine.sampling import SamplingParams
 from compute.engine.sequence import Sequence, Status
 
+from compute.node.cache_feed import CacheFeed
 from compute.node.config import NodeConfig
 from compute.node import protocol as P
 from compute.node.protocol import GenerateRequest, StreamLine, encode_line
@@ -137,6 +138,7 @@ class NodeService:
         self.tokenizer_json: bytes | None = None  # the model's, for structured output (set by the loader)
         self.eos_token_ids: tuple[int, ...] = ()
         self._grammars = None
+        self.cache_feed = CacheFeed(worker)  # the prefix cache's changes, for POST /internal/cache
         start_series(config.model)
 
     @property
@@ -222,7 +224,7 @@ class NodeService:
     def load(self) -> P.EngineLoad:
         """This model's queue and KV use, for its /load entry."""
         s = self.scheduler
-        bm = s.blocks
+        bm, pc = s.blocks, s.cache
         waiting = list(s.waiting)
         queued_tokens = sum(q.num_uncomputed for q in waiting)
         queued_tokens += sum(q.num_uncomputed for q in list(s.running) if q.num_uncomputed > 1)
@@ -232,6 +234,7 @@ class NodeService:
             kv_blocks_used=bm.num_blocks - bm.num_free, kv_blocks_free=bm.num_free, kv_blocks_total=bm.num_blocks,
             kv_blocks_held=sum(len(b) for b in list(s.held.values())), kv_blocks_cached=bm.num_cached,
             kv_transfers_held=self.sender.held() if self.sender is not None else 0,
+            prefix_queries=pc.queries, prefix_hits=pc.hits,
         )  # fmt: skip
 
     async def drain(self, timeout_s: float) -> bool:

@@ -2,7 +2,8 @@
 
  1. admitted (``Admission.slot``), tokenized by the API layer;
  2. routed: ``router.pick`` over the nodes holding the request's model ready, minus those this
-    request failed on; with none, the request is held by the ``Activator`` until its deadline
+    request failed on, each scored by its load and the prompt's prefix its cache holds
+    (``prefix_index``: the nodes' cache reports, and what this gateway sent where); with none, the request is held by the ``Activator`` until its deadline
     (then ``NotPlaced``: 503 with Retry-After). The choices of one ``n > 1`` request share an
     ``Affinity``: their first attempts take one route, so the node computes their prompt once
     (``fork_group``, compute/engine/scheduler.py); a retry routes on its own;
@@ -86,10 +87,14 @@ class Relay:
 
     async def _route(self, req: GenRequest, exclude: set[str]) -> Route:
         aff = req.affinity
+
+        def hold():  # scored by the prompt's cached prefix too (router.py)
+            return self.activator.hold(req.model or None, req.deadline, exclude, req.prompt_ids, req.params.cache_salt)
+
         if aff is None or req.attempts or exclude:
-            return await self.activator.hold(req.model or None, req.deadline, exclude)
+            return await hold()
         if aff.route is None:
-            aff.route = asyncio.ensure_future(self.activator.hold(req.model or None, req.deadline, exclude))
+            aff.route = asyncio.ensure_future(hold())
             aff.route.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even if no one waits
         return await asyncio.shield(aff.route)  # one member gone does not cancel the others' route
 
