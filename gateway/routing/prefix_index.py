@@ -121,6 +121,11 @@ class PrefixIndex:
     def nodes(self) -> list[str]:
         return list(self._nodes)
 
+    def summary(self) -> dict[str, dict[str, int]]:
+        """url -> model -> blocks it reported holding (the status page's; safe from another thread)."""
+        return {url: {m: len(c.hashes) for m in list(caches) if (c := caches.get(m)) is not None}
+                for url, caches in list(self._nodes.items())}  # fmt: skip
+
     def block_sizes(self, model: str) -> dict[str, int]:
         """url -> the block size its engine of ``model`` reported."""
         return {url: c[model].block_size for url, c in self._nodes.items() if model in c}
