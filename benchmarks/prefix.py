@@ -17,6 +17,10 @@ Same run, interleaved, medians and ratios (issue 26, section 5's engine-level pa
    per turn (median over the conversations), cache on vs off; turn N / turn 2 (target <= 1.15 at turn 8).
 
 Prefill chunks are the node's default (512 tokens a step). If the store lacks ``--model`` it is imported first.
+
+``--part routing`` runs the pool scenario instead (shared system prompts through a real gateway and 2 nodes:
+routing by cache vs by load vs cache off), ``--part weights`` the router's weight measurement, ``--part all``
+everything (benchmarks/prefix_routing.py).
 """
 
 from __future__ import annotations
@@ -55,6 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=8, help="part 3: turns per conversation")
     p.add_argument("--answer-tokens", type=int, default=16, help="part 3: tokens per answer")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--part", choices=("engine", "routing", "weights", "all"), default="engine",
+                   help="engine: parts 1-3 in process; routing: the pool scenario; weights: the router's weights")
+    p.add_argument("--pool-prompts", type=int, default=8, help="routing: shared system prompts")
+    p.add_argument("--pool-users", type=int, default=3, help="routing: users asking each system prompt")
+    p.add_argument("--pool-tokens", type=int, default=1500, help="routing: tokens per system prompt")
+    p.add_argument("--pool-clients", type=int, default=2, help="routing: concurrent clients")
+    p.add_argument("--pool-threads", type=int, default=1, help="routing: threads per node")
+    p.add_argument("--pool-kv-blocks", type=int, default=1024, help="routing: KV blocks per node (16 tokens each)")
+    p.add_argument("--pool-modes", default="cache,load,off", help="routing: modes, in this order")
     p.add_argument("--out", default="bench-results/prefix.json")
 
 
@@ -70,26 +83,49 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     cfg = store_config(args)
     ensure_model(cfg, args.model)
-    with ParamStore(cfg) as store:
-        inj = WeightInjector(store, args.model, kernels=args.kernels, measure="blocking").start()
-        inj.wait()
+    if args.part == "routing":  # the nodes load the model; this process only needs its tokenizer
+        inj = type("NoModel", (), {"model": None, "bundle": None})()
+    else:
+        with ParamStore(cfg) as store:
+            inj = WeightInjector(store, args.model, kernels=args.kernels, measure="blocking").start()
+            inj.wait()
     bench = Bench(inj.model, inj.bundle)
     report = {"model": args.model, "kernels": args.kernels, "threads": args.threads, "repeat": args.repeat,
               "cpu": cpu_line(), "cpu_flags": cpu_flags(), "load_average_start": loadavg()}  # fmt: skip
-    report["repeated_prefix"] = bench.repeated_prefix(args.prefix_tokens, args.repeat)
-    _show("repeated prefix", report["repeated_prefix"])
-    report["zero_hits"] = bench.zero_hits(args.distinct, args.distinct_tokens, args.output_tokens, args.repeat)
-    _show("0% hits", report["zero_hits"])
-    if args.conversations > 0:
-        report["multi_turn"] = bench.multi_turn(args.conversations, args.turns, args.answer_tokens)
-        _show("multi-turn", {k: v for k, v in report["multi_turn"].items() if not isinstance(v, list)})
+    if args.part in ("engine", "all"):
+        report["repeated_prefix"] = bench.repeated_prefix(args.prefix_tokens, args.repeat)
+        _show("repeated prefix", report["repeated_prefix"])
+        report["zero_hits"] = bench.zero_hits(args.distinct, args.distinct_tokens, args.output_tokens, args.repeat)
+        _show("0% hits", report["zero_hits"])
+        if args.conversations > 0:
+            report["multi_turn"] = bench.multi_turn(args.conversations, args.turns, args.answer_tokens)
+            _show("multi-turn", {k: v for k, v in report["multi_turn"].items() if not isinstance(v, list)})
+    if args.part in ("weights", "all"):
+        from benchmarks import prefix_routing
+
+        report["router_weights"] = prefix_routing.weights(inj.model, inj.bundle, POLICY, args.prefix_tokens,
+                                                          args.repeat)  # fmt: skip
+        _show("router weights", report["router_weights"])
+    if args.part in ("routing", "all"):
+        from benchmarks import prefix_routing
+
+        del inj, bench  # the nodes need the memory and the cores
+        report["routing"] = prefix_routing.pool(args, cfg.locations, _bundle(cfg, args.model), POLICY, QUESTIONS)
+        print("\n".join(prefix_routing.table(report["routing"])))
     report["load_average_end"] = loadavg()
-    _print_table(report)
+    if "repeated_prefix" in report:
+        _print_table(report)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {args.out}")
     return 0
+
+
+def _bundle(cfg, model: str):
+    from benchmarks.common import bundle
+
+    return bundle(list(cfg.locations), model)
 
 
 class Bench:
