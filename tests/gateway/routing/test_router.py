@@ -71,7 +71,7 @@ def test_equal_cost_goes_to_the_most_free_kv_blocks():
 
 def test_running_streams_cost_their_weight():
     nodes = [B("a", q=0, running=10), B("b", q=30, running=0)]
-    assert pick(nodes, prompt_tokens=100).both == "b"  # 0 + 10 * 4 > 30
+    assert pick(nodes, prompt_tokens=100).both == "b"  # 0 + 10 * 7 > 30
     assert pick(nodes, prompt_tokens=100, w=Weights(running=1.0)).both == "a"  # 10 < 30
 
 
