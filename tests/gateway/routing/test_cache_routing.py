@@ -2,7 +2,8 @@
 random weights) and a gateway over them. A prefix one node holds draws its repeats there (the nodes' hit
 metrics and each answer's cached_tokens say so); a new prompt goes by load; a salted prompt does not match
 an unsalted holder; the index folded from a node's events equals the node's snapshot; a node drained or
-removed leaves the registry's index."""
+removed leaves the registry's index; on a split pool (2 prefill + 1 decode), the prefill node holding the prefix
+is taken."""
 
 from __future__ import annotations
 
@@ -155,3 +156,29 @@ def test_a_drained_or_removed_node_leaves_the_index(svc):
             await reg.stop()
 
     asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory, real_model_store):
+    store = import_tiny_chat_models(tmp_path_factory, *real_model_store, (MODEL,), "routing-split-store", context=1024)
+    services = Services(store.locations, None, str(tmp_path_factory.mktemp("routing-split")), TOKEN)
+    try:
+        prefills = [services.node("prefill", kv_blocks=256, model=MODEL, extra=FIXED) for _ in range(2)]
+        decode = services.node("decode", kv_blocks=256, model=MODEL, extra=FIXED)
+        gw = services.gateway([*(("prefill", n) for n in prefills), ("decode", decode)])
+        for p in (*prefills, decode, gw):
+            p.wait_ready()
+        lo, hi = sorted(prefills, key=lambda n: n.url)
+        yield {"lo": lo, "hi": hi, "gw": gw}
+    finally:
+        services.stop_all()
+
+
+def test_a_split_route_takes_the_prefill_node_holding_the_prefix(split):
+    lo, hi, gw = split["lo"], split["hi"], split["gw"]
+    a = prompt(5)
+    node_generate(hi, "warm-split", a, 1)  # the prefill node hi holds A
+    wait_for(lambda: indexed(gw, hi) >= len(a) // BS - 1, 10, "the gateway's index to see hi's blocks")
+    lo_q, hi_h = queries(lo), hits(hi)
+    cached = [complete(gw, a) for _ in range(2)]
+    assert all(c > 0 for c in cached) and hits(hi) - hi_h == sum(cached) and queries(lo) == lo_q
