@@ -14,9 +14,9 @@ and over the repeats (a request whose system prompt was asked before in the run)
 computed (``pdserve_node_prompt_tokens_computed_total``) against those they received, and against the ideal
 (each system prompt once in the pool, every question once); the gateway's routed_total by hit / load.
 
-weights — where the router's weights come from (docs/gateway.md): on one engine, the TTFT of a prompt alone
-and behind a queued one (what one queued prompt token costs, in the prompt's own prefill tokens), and one
-prefill chunk's step with k running decodes against without (what one running stream adds to each step).
+weights — where the router's weights come from (docs/gateway.md): on one engine, the TTFT of a prompt alone,
+behind a queued prompt of its length (what one queued prompt token costs, in the prompt's own prefill
+tokens) and beside ``RUNNING`` streams decoding (what one running stream costs it, in the same unit).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 
+RUNNING = 48  # weights: streams decoding beside the measured prompt
 MODES = {"cache": ((), ()), "load": ((), ("--routing", "load")), "off": (("--no-prefix-cache",), ("--routing", "load"))}
 
 
@@ -131,42 +132,31 @@ def weights(model, bundle, policy: str, prompt_tokens: int, repeat: int) -> dict
         return Engine.for_model(model, num_blocks=(4 * prompt_tokens) // 16 + 256, prefix_cache=False,
                                 max_num_batched_tokens=512, max_num_seqs=64)  # fmt: skip
 
-    def ttft(prompts: list[list[int]]) -> float:
+    def ttft(prompts: list[list[int]], running: int = 0) -> float:
+        """The last prompt's first token, the others queued before it, ``running`` streams decoding beside."""
         eng = engine()
+        for i in range(running):
+            eng.add_request([5 + i] + base[:63], SamplingParams(max_tokens=256, temperature=0, ignore_eos=True))
+        while eng.scheduler.waiting:
+            eng.step()
         sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         t0, ids = time.perf_counter(), [eng.add_request(p, sp) for p in prompts]
         while True:
             if any(o.seq_id == ids[-1] and o.new_token_ids for o in eng.step()):
                 return time.perf_counter() - t0
 
-    def step(k: int) -> float:
-        """One step of a fresh 512-token chunk beside ``k`` running decodes."""
-        eng = engine()
-        for i in range(k):
-            eng.add_request([5 + i] + base[:63], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
-        while eng.scheduler.waiting:
-            eng.step()
-        eng.add_request(a[:512], SamplingParams(max_tokens=1, temperature=0))
-        t0 = time.perf_counter()
-        eng.step()
-        return time.perf_counter() - t0
-
-    alone, behind, steps = [], [], {0: [], 8: [], 32: []}
+    alone, behind, beside = [], [], []
     for _ in range(repeat):
         alone.append(ttft([a]))
         behind.append(ttft([b, a]))
-        for k in steps:
-            steps[k].append(step(k))
-    t_alone, t_behind = statistics.median(alone), statistics.median(behind)
+        beside.append(ttft([a], RUNNING))
+    t_alone, t_behind, t_beside = statistics.median(alone), statistics.median(behind), statistics.median(beside)
     per_token = t_alone / prompt_tokens
-    s = {k: statistics.median(v) for k, v in steps.items()}
-    # a decode takes one token of the step's 512 budget: s[k] - s[0] = k * (decode - prefill token)
-    decode_cost = {k: (s[k] - s[0]) / k / (s[0] / 512) + 1 for k in (8, 32)}  # one decode token, in prefill tokens
-    chunks = -(-prompt_tokens // 512)
     return {"prompt_tokens": prompt_tokens, "ttft_alone_s": t_alone, "ttft_behind_one_s": t_behind,
+            "ttft_beside_running_s": t_beside, "running": RUNNING,
             "queued_token_over_prompt_token": (t_behind - t_alone) / prompt_tokens / per_token,
-            "step_s": s, "decode_token_in_prefill_tokens": decode_cost, "chunks_per_prompt": chunks,
-            "running_weight": decode_cost[32] * chunks}  # fmt: skip  (the larger k: the difference stands above noise)
+            "running_weight": (t_beside - t_alone) / RUNNING / per_token,
+            "samples_s": {"alone": alone, "behind": behind, "beside": beside}}  # fmt: skip
 
 
 def _pct(xs: list[float], q: int) -> float | None:

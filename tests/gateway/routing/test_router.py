@@ -70,9 +70,9 @@ def test_equal_cost_goes_to_the_most_free_kv_blocks():
 
 
 def test_running_streams_cost_their_weight():
-    nodes = [B("a", q=0, running=10), B("b", q=30, running=0)]
-    assert pick(nodes, prompt_tokens=100).both == "b"  # 0 + 10 * 7 > 30
-    assert pick(nodes, prompt_tokens=100, w=Weights(running=1.0)).both == "a"  # 10 < 30
+    nodes = [B("a", q=0, running=10), B("b", q=15, running=0)]
+    assert pick(nodes, prompt_tokens=100).both == "b"  # 0 + 10 * 2 > 15
+    assert pick(nodes, prompt_tokens=100, w=Weights(running=1.0)).both == "a"  # 10 < 15
 
 
 def test_a_node_without_kv_room_for_the_uncached_part_is_avoided():
