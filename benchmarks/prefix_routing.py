@@ -35,14 +35,16 @@ MODES = {"cache": ((), ()), "load": ((), ("--routing", "load")), "off": (("--no-
 def pool(args, locations: list[str], bundle, policy: str, questions: list[str]) -> dict:
     """The routing scenario, every mode in ``--pool-modes`` (in that order)."""
     base = bundle.encode(policy)
-    systems = [bundle.encode(f"Company {i}: {random.Random(i).randrange(10**6)}. ") +
-               (base * (args.pool_tokens // max(1, len(base)) + 1))[: args.pool_tokens] for i in range(args.pool_prompts)]
+    body = (base * (args.pool_tokens // max(1, len(base)) + 1))[: args.pool_tokens]
+    systems = [bundle.encode(f"Company {i}: {random.Random(i).randrange(10**6)}. ") + body
+               for i in range(args.pool_prompts)]  # fmt: skip
     asks = [bundle.encode(" Question: " + questions[u % len(questions)]) for u in range(args.pool_users)]
     order = [(i, u) for u in range(args.pool_users) for i in range(args.pool_prompts)]
     random.Random(0).shuffle(order)
     ideal = sum(map(len, systems)) + sum(len(asks[u]) for _, u in order)
     out: dict = {"prompts": args.pool_prompts, "users": args.pool_users, "clients": args.pool_clients,
-                 "system_tokens": statistics.median(map(len, systems)), "requests": len(order), "ideal_tokens": ideal}  # fmt: skip
+                 "system_tokens": statistics.median(map(len, systems)), "requests": len(order),
+                 "ideal_tokens": ideal}  # fmt: skip
     for mode in args.pool_modes.split(","):
         out[mode] = _mode(args, locations, mode, [systems[i] + asks[u] for i, u in order], [i for i, _ in order])
         out[mode]["computed_over_ideal"] = out[mode]["prompt_tokens_computed"] / ideal
@@ -182,7 +184,8 @@ def table(r: dict) -> list[str]:
         m = r.get(mode)
         if m:
             out.append(f"| {mode} | {m['ttft_p50_s']:.3f} | {m['ttft_p90_s']:.3f} | {m['repeat_ttft_p50_s']:.3f} / "
-                       f"{m['repeat_ttft_p90_s']:.3f} | {m['prompt_tokens_computed']:.0f} / {m['prompt_tokens_received']} "
+                       f"{m['repeat_ttft_p90_s']:.3f} | {m['prompt_tokens_computed']:.0f} / "
+                       f"{m['prompt_tokens_received']} "
                        f"({m['computed_over_received']:.2f}) | {m['computed_over_ideal']:.2f}x | "
                        f"{m['routed_by']['hit']:.0f} / {m['routed_by']['load']:.0f} |")  # fmt: skip
     return out

@@ -46,7 +46,8 @@ TTFT = Histogram("pdserve_gateway_ttft_seconds", "Time to first token at the gat
                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))  # fmt: skip
 ROUTED = Counter("pdserve_gateway_routed_total", "Requests by what chose their node: hit (its cached prefix) or load",
                  ["by"])  # fmt: skip
-HIT_TOKENS = Histogram("pdserve_gateway_prefix_hit_tokens", "Prompt tokens the chosen node's cache was expected to give",
+HIT_TOKENS = Histogram("pdserve_gateway_prefix_hit_tokens",
+                       "Prompt tokens the chosen node's cache was expected to give",
                        buckets=(0, 16, 64, 256, 512, 1024, 2048, 4096, 8192))  # fmt: skip
 for _by in ("hit", "load"):
     ROUTED.labels(_by)

@@ -1,5 +1,6 @@
 """`pdserve status`: per model, the gateway's traffic, its nodes by role and state with their load and
-prefix cache hit rate (prompt tokens found cached / looked up, from the node's /load), and the autoscaler's last decision and reason for its keys; the standby runtimes (no model) apart;
+prefix cache hit rate (prompt tokens found cached / looked up, from the node's /load), and the autoscaler's
+last decision and reason for its keys; the standby runtimes (no model) apart;
 the local nodes' restarts and crash loops (`pdserve up`: the actuator's supervised slots, with a
 crashing node's last log lines), and the autoscaler's last report with the bound its machine or cluster
 puts on serving nodes (machine cores, memory, what Kubernetes can schedule) — why the service did not grow."""

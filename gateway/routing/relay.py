@@ -3,9 +3,10 @@
  1. admitted (``Admission.slot``), tokenized by the API layer;
  2. routed: ``router.pick`` over the nodes holding the request's model ready, minus those this
     request failed on, each scored by its load and the prompt's prefix its cache holds
-    (``prefix_index``: the nodes' cache reports, and what this gateway sent where); with none, the request is held by the ``Activator`` until its deadline
-    (then ``NotPlaced``: 503 with Retry-After). The choices of one ``n > 1`` request share an
-    ``Affinity``: their first attempts take one route, so the node computes their prompt once
+    (``prefix_index``: the nodes' cache reports, and what this gateway sent where); with none, the
+    request is held by the ``Activator`` until its deadline (then ``NotPlaced``: 503 with
+    Retry-After). The choices of one ``n > 1`` request share an ``Affinity``: their first attempts
+    take one route, so the node computes their prompt once
     (``fork_group``, compute/engine/scheduler.py); a retry routes on its own;
  3. split route: POST /internal/prefill -> first token + KV handle; POST /internal/decode
     with the handle streams the rest. ``both`` route: POST /internal/generate. Every body
@@ -88,8 +89,10 @@ class Relay:
     async def _route(self, req: GenRequest, exclude: set[str]) -> Route:
         aff = req.affinity
 
-        def hold():  # scored by the prompt's cached prefix too (router.py)
-            return self.activator.hold(req.model or None, req.deadline, exclude, req.prompt_ids, req.params.cache_salt)
+        def hold():  # scored by the prompt's cached prefix too (router.py), unless the node will take none of it
+            sp = req.params  # (a request for prompt logprobs computes every prompt row: compute/engine/prefix_cache.py)
+            prompt = req.prompt_ids if sp.prompt_logprobs is None else None
+            return self.activator.hold(req.model or None, req.deadline, exclude, prompt, sp.cache_salt)
 
         if aff is None or req.attempts or exclude:
             return await hold()
