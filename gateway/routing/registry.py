@@ -15,8 +15,8 @@ A node may hold several models (its /load, ``protocol.LoadReport``, has ``models
 "ready", with that model's queue, streams and free KV blocks.
 
 The registry also keeps the prefix index (``index``, gateway/routing/prefix_index.py; None when the
-gateway routes by load only): each poll of a routable node also asks for its prefix cache's changes
-(POST /internal/cache, from the cursor of its last report), and a node removed, marked draining,
+gateway routes by load only): each poll of a routable node also asks, in the background (one ask per node
+in flight), for its prefix cache's changes (POST /internal/cache, from the cursor of its last report), and a node removed, marked draining,
 reporting draining, or evicted by failed health checks leaves the index.
 """
 
@@ -126,6 +126,7 @@ class NodeRegistry:
         self._polled = 0.0  # monotonic time of the last poll of every node
         self._poll_lock: asyncio.Lock | None = None
         self.index = index  # which node holds which prefix blocks (None: routing by load only)
+        self._cache_asks: dict[str, asyncio.Task] = {}  # url -> its cache report in flight
 
     def add(self, url: str, role: str, source: str = "static") -> NodeState:
         url = url.rstrip("/")
@@ -183,6 +184,10 @@ class NodeRegistry:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
+        for task in list(self._cache_asks.values()):
+            task.cancel()
+        if self._cache_asks:
+            await asyncio.gather(*self._cache_asks.values(), return_exceptions=True)
         if self._task:
             self._task.cancel()
             try:
@@ -258,13 +263,23 @@ class NodeRegistry:
             if (n.view().routable and not was_routable) or new:
                 log.info("node ready: %s (%s)%s", n.url, n.role, f": {', '.join(sorted(new))}" if new else "")
                 self.changed.set()
-            await self._poll_cache(n)
+            self._ask_cache(n)
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:  # InvalidURL is no HTTPError: a URL httpx
             n.failures += 1  # refuses (a static or discovered one: the admin API checks its own) fails the check
             if n.failures >= self.max_failures and n.healthy:
                 log.warning("node evicted after %d failed health checks: %s (%s)", n.failures, n.url, e)
                 n.healthy = False
                 self._forget(n.url)
+
+    def _ask_cache(self, n: NodeState) -> None:
+        """Ask for the node's cache in the background, one ask per node at a time: the node answers between two
+        engine steps (up to a prefill chunk's step later), and the health poll must not wait for that."""
+        if self.index is None or n.url in self._cache_asks:
+            return
+        task = asyncio.ensure_future(self._poll_cache(n))
+        self._cache_asks[n.url] = task
+        task.add_done_callback(lambda t, url=n.url: self._cache_asks.pop(url, None) if self._cache_asks.get(url)
+                               is t else None)  # fmt: skip
 
     async def _poll_cache(self, n: NodeState) -> None:
         """The node's prefix cache since its last report into the index (a draining node: out of it). A node
@@ -275,7 +290,7 @@ class NodeRegistry:
             return self._forget(n.url)
         try:
             report = await self._client.cache(n.url, self.index.cursors(n.url))
-        except (httpx.HTTPError, ValueError) as e:
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
             log.debug("prefix cache of %s not read: %s", n.url, e)
             return self._forget(n.url)
         if self.nodes.get(n.url) is n and not n.draining:  # not removed or marked draining meanwhile

@@ -15,7 +15,7 @@ import pytest
 
 from compute.node.client import AsyncNodeClient
 from tests.conftest import import_tiny_chat_models
-from tests.services import AUTH, TOKEN, node_generate, wait_for
+from tests.services import AUTH, TOKEN, node_generate, until, wait_for
 from compute.node.launcher import Services
 
 from gateway.routing.prefix_index import PrefixIndex
@@ -142,10 +142,11 @@ def test_a_drained_or_removed_node_leaves_the_index(svc):
         reg = NodeRegistry(TOKEN, interval_s=60, index=PrefixIndex())
         reg.add(lo.url, "both")
         reg.add(hi.url, "both")
-        await reg.start()
+        await reg.start()  # the first poll; each node's cache is asked for beside it
         try:
             full = (len(a) - 2) // BS * BS
-            assert reg.index.match(MODEL, a).hits == {lo.url: full, hi.url: full}
+            await until(lambda: reg.index.match(MODEL, a).hits == {lo.url: full, hi.url: full}, 10,
+                        "both nodes' reports in the index")  # fmt: skip
             reg.mark_draining(lo.url)
             assert reg.index.held(lo.url, MODEL) == set()
             await reg.poll_once()  # a draining node is not asked again
