@@ -10,8 +10,10 @@ Same run, interleaved, medians and ratios (issue 26, section 5's engine-level pa
    common), alone on the engine; ratio miss / hit (target >= 5x). Whether the greedy answers agree is
    reported too (bit-for-bit only promised under ``--kernels invariant``).
 2. 0% hits: distinct prompts (random tokens from the first: not even the chat template in common) run to
-   completion with the cache on and off, fresh engines, interleaved; throughput (prompt + output tokens / s)
-   and the cost: 1 - on / off (target <= 1%).
+   completion with the cache on and off: two fresh engines with the same requests, stepped alternately and
+   each step timed (a paired measurement: the shared box's load falls on both); throughput (prompt + output
+   tokens / engine-seconds), the cost 1 - on / off (median of the repeats' ratios; target <= 1%), and the
+   share of the time spent in the cache's own calls (hashing, lookup, publish).
 3. multi-turn: ``--conversations`` chats of ``--turns`` turns over one ~600-token system prompt, each turn
    appending the answer (``--answer-tokens``) and a new question; a turn's requests start together; TTFT
    per turn (median over the conversations), cache on vs off; turn N / turn 2 (target <= 1.15 at turn 8).
@@ -58,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=8, help="part 3: concurrent conversations (0: skip part 3)")
     p.add_argument("--turns", type=int, default=8, help="part 3: turns per conversation")
     p.add_argument("--answer-tokens", type=int, default=16, help="part 3: tokens per answer")
+    p.add_argument("--engine-parts", default="1,2,3", help="--part engine: which of parts 1-3 to run (comma-separated)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--part", choices=("engine", "routing", "weights", "all"), default="engine",
                    help="engine: parts 1-3 in process; routing: the pool scenario; weights: the router's weights")
@@ -92,12 +95,15 @@ def main(args: argparse.Namespace) -> int:
     bench = Bench(inj.model, inj.bundle)
     report = {"model": args.model, "kernels": args.kernels, "threads": args.threads, "repeat": args.repeat,
               "cpu": cpu_line(), "cpu_flags": cpu_flags(), "load_average_start": loadavg()}  # fmt: skip
+    parts = set(args.engine_parts.split(","))
     if args.part in ("engine", "all"):
-        report["repeated_prefix"] = bench.repeated_prefix(args.prefix_tokens, args.repeat)
-        _show("repeated prefix", report["repeated_prefix"])
-        report["zero_hits"] = bench.zero_hits(args.distinct, args.distinct_tokens, args.output_tokens, args.repeat)
-        _show("0% hits", report["zero_hits"])
-        if args.conversations > 0:
+        if "1" in parts:
+            report["repeated_prefix"] = bench.repeated_prefix(args.prefix_tokens, args.repeat)
+            _show("repeated prefix", report["repeated_prefix"])
+        if "2" in parts:
+            report["zero_hits"] = bench.zero_hits(args.distinct, args.distinct_tokens, args.output_tokens, args.repeat)
+            _show("0% hits", report["zero_hits"])
+        if "3" in parts and args.conversations > 0:
             report["multi_turn"] = bench.multi_turn(args.conversations, args.turns, args.answer_tokens)
             _show("multi-turn", {k: v for k, v in report["multi_turn"].items() if not isinstance(v, list)})
     if args.part in ("weights", "all"):
@@ -168,36 +174,52 @@ class Bench:
         return out
 
     def zero_hits(self, n: int, n_tokens: int, out_tokens: int, repeat: int) -> dict:
-        """Throughput of distinct prompts with the cache on and off (fresh engines, interleaved)."""
+        """Throughput of distinct prompts with the cache on and off: two fresh engines given the same requests,
+        stepped alternately (on, off, off, on, ...), each step timed: the box's load falls on both alike."""
         from compute.engine.sampling import SamplingParams
 
         vocab = self.model.config.vocab_size
         rates: dict[str, list[float]] = {"on": [], "off": []}
-        hits = 0
+        hits, book, wall = 0, 0.0, 0.0
+        sp = SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True)
+        self.engine(True, 64 * 16).generate([[100 + i for i in range(n_tokens)]], sp)  # warm-up, untimed
         for r in range(repeat):
             rng = random.Random(r)
             prompts = [[rng.randrange(100, vocab) for _ in range(n_tokens)] for _ in range(n)]
-            for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                eng = self.engine(mode == "on", n * (n_tokens + out_tokens + 16))
-                sp = SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True)
-                t0 = time.perf_counter()
-                eng.generate(prompts, sp)
-                rates[mode].append(n * (n_tokens + out_tokens) / (time.perf_counter() - t0))
-                if mode == "on":
-                    hits += eng.prefix_cache_stats().hits
+            engines = {mode: self.engine(mode == "on", n * (n_tokens + out_tokens + 16)) for mode in ("on", "off")}
+            timer = _Timed(engines["on"].scheduler.cache)
+            spent = {"on": 0.0, "off": 0.0}
+            for eng in engines.values():
+                for p in prompts:
+                    eng.add_request(p, sp)
+            i = 0
+            while any(e.has_unfinished() for e in engines.values()):
+                for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
+                    if engines[mode].has_unfinished():
+                        t0 = time.perf_counter()
+                        engines[mode].step()
+                        spent[mode] += time.perf_counter() - t0
+                i += 1
+            for mode in spent:
+                rates[mode].append(n * (n_tokens + out_tokens) / spent[mode])
+            hits += engines["on"].prefix_cache_stats().hits
+            book, wall = book + timer.seconds, wall + spent["on"]
         on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
-        return {"tokens_per_s_on": on, "tokens_per_s_off": off, "cost": 1 - on / off, "hits": hits,
-                "samples_on": rates["on"], "samples_off": rates["off"]}  # fmt: skip
+        ratios = [a / b for a, b in zip(rates["on"], rates["off"])]
+        return {"tokens_per_s_on": on, "tokens_per_s_off": off, "cost": 1 - statistics.median(ratios), "hits": hits,
+                "bookkeeping_share": book / wall, "samples_on": rates["on"], "samples_off": rates["off"]}  # fmt: skip
 
     def multi_turn(self, n_conv: int, turns: int, answer_tokens: int) -> dict:
-        """TTFT per turn (median over conversations whose turn starts together), cache on vs off."""
+        """TTFT per turn (median over conversations whose turn starts together), cache on vs off, turn by turn
+        interleaved (two engines, each its own conversations)."""
         system = self.bundle.decode((self.bundle.encode(POLICY) * 16)[:600])
         out: dict = {"conversations": n_conv, "turns": turns, "answer_tokens": answer_tokens}
-        for mode in ("on", "off"):
-            convs = [[{"role": "system", "content": system}] for _ in range(n_conv)]
-            eng = self.engine(mode == "on", n_conv * (600 + turns * (answer_tokens + 40)) + 64 * 16)
-            ttft, lens, cached = [], [], []
-            for t in range(turns):
+        state = {mode: ([[{"role": "system", "content": system}] for _ in range(n_conv)],
+                        self.engine(mode == "on", n_conv * (600 + turns * (answer_tokens + 40)) + 64 * 16),
+                        [], [], []) for mode in ("on", "off")}  # fmt: skip
+        for t in range(turns):
+            for mode in ("on", "off") if t % 2 == 0 else ("off", "on"):
+                convs, eng, ttft, lens, cached = state[mode]
                 for i, c in enumerate(convs):
                     c.append({"role": "user", "content": QUESTIONS[(i + t) % len(QUESTIONS)]})
                 prompts = [self._chat(c) for c in convs]
@@ -209,10 +231,29 @@ class Bench:
                     c.append({"role": "assistant", "content": self.bundle.decode(a)})
                 print(f"multi-turn {mode} turn {t + 1}: TTFT {ttft[-1]:.3f} s, prompt {lens[-1]:.0f}, "
                       f"cached {cached[-1]:.0f}", file=sys.stderr, flush=True)  # fmt: skip
+        for mode, (_, _, ttft, lens, cached) in state.items():
             out[f"ttft_{mode}_s"], out["prompt_tokens"], out[f"cached_{mode}"] = ttft, lens, cached
             out[f"last_over_turn2_{mode}"] = ttft[-1] / ttft[1] if turns > 1 else None
         out["last_turn_off_over_on"] = out["ttft_off_s"][-1] / out["ttft_on_s"][-1]
         return out
+
+
+class _Timed:
+    """Wall seconds spent in a ``PrefixCache``'s calls (hashing, lookup, take, publish) of one engine."""
+
+    def __init__(self, cache) -> None:
+        self.seconds = 0.0
+        for name in ("prepare", "lookup", "take", "computed", "reset"):
+            setattr(cache, name, self._wrap(getattr(cache, name)))
+
+    def _wrap(self, fn):
+        def timed(*a):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
 
 
 def _first_token(eng, prompt: list[int], sp) -> tuple[float, list[int], int]:
@@ -255,13 +296,15 @@ def _show(what: str, d: dict) -> None:
 
 def _print_table(r: dict) -> None:
     print(f"CPU: {r['cpu']} (flags: {' '.join(r['cpu_flags'])}); kernels = {r['kernels']}, {r['threads']} threads")
-    rp, z = r["repeated_prefix"], r["zero_hits"]
+    rp, z = r.get("repeated_prefix"), r.get("zero_hits")
     print("| measurement | cache off / miss | cache on / hit | ratio |")
     print("|---|---|---|---|")
-    print(f"| TTFT, {rp['prompt_tokens']:.0f}-token prompt, {rp['cached_tokens_hit']:.0f} cached (s) | "
-          f"{rp['ttft_miss_s']:.3f} | {rp['ttft_hit_s']:.3f} | {rp['speedup']:.1f}x sooner |")
-    print(f"| 0% hits throughput (tok/s) | {z['tokens_per_s_off']:.1f} | {z['tokens_per_s_on']:.1f} | "
-          f"cost {100 * z['cost']:+.2f}% |")
+    if rp:
+        print(f"| TTFT, {rp['prompt_tokens']:.0f}-token prompt, {rp['cached_tokens_hit']:.0f} cached (s) | "
+              f"{rp['ttft_miss_s']:.3f} | {rp['ttft_hit_s']:.3f} | {rp['speedup']:.1f}x sooner |")
+    if z:
+        print(f"| 0% hits throughput (tok/s) | {z['tokens_per_s_off']:.1f} | {z['tokens_per_s_on']:.1f} | "
+              f"cost {100 * z['cost']:+.2f}% (bookkeeping {100 * z['bookkeeping_share']:.3f}% of the time) |")
     mt = r.get("multi_turn")
     if mt:
         for t in range(mt["turns"]):

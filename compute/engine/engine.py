@@ -51,6 +51,10 @@ class Engine:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.scheduler.cache.stats()
 
+    def clear_prefix_cache(self) -> int:
+        """Forget every cached block's name (the KV numbers changed: another kernel plan); returns how many."""
+        return self.scheduler.blocks.clear()
+
     def drain_cache_events(self) -> list:
         """The prefix cache's events since the last drain (``compute.engine.block_manager.CacheEvent``)."""
         return self.scheduler.blocks.drain_events()

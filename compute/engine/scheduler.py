@@ -257,7 +257,7 @@ class Scheduler:
             prefill_end = max(r, seq.num_computed + 1)
         if n > 1 and prefill_end - (seq.num_computed + n) == 1:
             n -= 1  # never leave one prefill token for a chunk of its own: it would run the decode path (other
-            # numbers: a prompt's logits would depend on where the budget cut it; compute/prefix_cache.py)
+            # numbers: a prompt's logits would depend on where the budget cut it; compute/engine/prefix_cache.py)
         end = seq.num_computed + n
         self.blocks.allocate(seq, end)
         chunk = seq.token_ids[seq.num_computed : end]

@@ -117,9 +117,14 @@ class Held:
             self.svc, self.meter = parts
             self.weights_bytes = tensor_bytes(inj.model)
             worker = self.svc.worker
+
+            def swapped() -> None:  # on the engine thread, between two steps
+                self.weights_bytes = tensor_bytes(inj.model)
+                worker.engine.clear_prefix_cache()  # cached KV was computed by the old kernels: other numbers
+
             inj.attach(post=lambda fn: worker.post(lambda engine: fn()), served=lambda: worker.steps > 0,
                        busy=lambda: worker.engine is not None and worker.engine.has_unfinished(),
-                       on_swap=lambda: setattr(self, "weights_bytes", tensor_bytes(inj.model)))  # fmt: skip
+                       on_swap=swapped)  # fmt: skip
             self.kv_bytes = self.svc.worker.engine.runner.cache.kv.nbytes
             self.ready_s = time.perf_counter() - t0
             self.state = "ready"
