@@ -30,6 +30,8 @@ class GatewayConfig:
     backoff_max_s: float = 1.0
     health_interval_s: float = 0.5  # node /load polling period
     health_failures: int = 2  # consecutive failures before a node is evicted
+    routing: str = "cache"  # cache: by each node's cached prefix and load (gateway/routing/router.py) | load: load only
+    prefix_ttl_s: float = 10.0  # a request sent counts as its prompt's blocks on that node this long (before its report)
     node_timeout_s: float = 60.0  # longest silence from a node mid-request
     max_model_len: int | None = None  # context limit (default: the model's)
     max_tokens_limit: int | None = None  # most tokens one request may generate: max_tokens' maximum and default
@@ -55,6 +57,10 @@ class GatewayConfig:
             raise ValueError("max_tokens_limit must be >= 1 (or unset: up to the context)")
         if self.retry_attempts < 0 or self.queue_timeout_s <= 0 or self.node_timeout_s <= 0:
             raise ValueError("retry_attempts >= 0, queue_timeout_s > 0, node_timeout_s > 0")
+        if self.routing not in ("cache", "load"):
+            raise ValueError(f"routing must be 'cache' or 'load', not {self.routing!r}")
+        if self.prefix_ttl_s < 0:
+            raise ValueError("prefix_ttl_s must be >= 0")
         for role, _ in self.nodes:
             if role not in ("prefill", "decode", "both"):
                 raise ValueError(f"invalid node role {role!r}")

@@ -40,6 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-queue", type=int, help="requests waiting for admission (default 256)")
     p.add_argument("--queue-timeout", type=float, help="longest wait for admission, s (default 30)")
     p.add_argument("--retries", type=int, help="extra attempts after a node failure (default 3)")
+    p.add_argument("--routing", choices=("cache", "load"), help="route by each node's cached prefix and load "
+                   "(cache, the default) or by load only")  # fmt: skip
     p.add_argument("--log-level", default="info")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as JSON and exit")
 
@@ -67,7 +69,7 @@ def gateway_config(args, tables: dict, path: str | None, **fixed):
     flags = {"host": getattr(args, "host", None),
              "port": getattr(args, "port", None), "max_running": getattr(args, "max_running", None),
              "max_queue": getattr(args, "max_queue", None), "queue_timeout_s": getattr(args, "queue_timeout", None),
-             "retry_attempts": getattr(args, "retries", None),
+             "retry_attempts": getattr(args, "retries", None), "routing": getattr(args, "routing", None),
              "admin_open": True if getattr(args, "open_admin", False) else None, **fixed}  # fmt: skip
     node_flags = getattr(args, "node", None)
     flags["nodes"] = parse_nodes(node_flags, "--node") if node_flags else None

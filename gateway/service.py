@@ -31,6 +31,7 @@ from gateway.config import GatewayConfig
 from gateway.api.formats import grammar_spec
 from gateway.models import ModelCatalogue, Text
 from gateway.routing.nodes import NodeClient
+from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.registry import NodeRegistry
 from gateway.routing.relay import Affinity, GenRequest, Relay
 from gateway.api.stops import StopMatcher
@@ -43,6 +44,13 @@ REQUEST_SECONDS = Histogram("pdserve_gateway_request_seconds", "Whole-request la
                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))  # fmt: skip
 TTFT = Histogram("pdserve_gateway_ttft_seconds", "Time to first token at the gateway",
                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))  # fmt: skip
+ROUTED = Counter("pdserve_gateway_routed_total", "Requests by what chose their node: hit (its cached prefix) or load",
+                 ["by"])  # fmt: skip
+HIT_TOKENS = Histogram("pdserve_gateway_prefix_hit_tokens",
+                       "Prompt tokens the chosen node's cache was expected to give",
+                       buckets=(0, 16, 64, 256, 512, 1024, 2048, 4096, 8192))  # fmt: skip
+for _by in ("hit", "load"):
+    ROUTED.labels(_by)
 
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -65,13 +73,15 @@ class Delta:
     finish_reason: str | None = None
     logprobs: list | None = None  # per token [logprob, [[id, logprob], ...]] as the node sent them
     prompt_logprobs: list | None = None  # with the first delta, if asked: null, then one per prompt token
+    cached_tokens: int | None = None  # with the first delta: prompt tokens the node's prefix cache gave (usage)
 
 
 class Gateway:
     def __init__(self, config: GatewayConfig, models: ModelCatalogue):
         self.config = config
         self.models = models
-        self.registry = NodeRegistry(config.internal_token, config.health_interval_s, config.health_failures)
+        index = PrefixIndex(config.prefix_ttl_s) if config.routing == "cache" else None
+        self.registry = NodeRegistry(config.internal_token, config.health_interval_s, config.health_failures, index)
         for role, url in config.nodes:
             self.registry.add(url, role)
         self.client = NodeClient(config.internal_token, config.node_timeout_s)
@@ -224,20 +234,23 @@ class Gateway:
         eos = text.bundle.eos_token_ids
         matcher = StopMatcher(stops)
         async with aclosing(self.relay.run(req)) as stream:
-            async for toks, reason, lps, plps in stream:
+            async for toks, reason, lps, plps, cached in stream:
                 marks["n"] += len(toks)
                 if marks["first"] is None:
+                    hit = req.route.hit_tokens if req.route is not None else 0
+                    ROUTED.labels("hit" if hit else "load").inc()  # the route that gave the first token
+                    HIT_TOKENS.observe(hit)
                     marks["first"] = time.monotonic()
                     timing["ttft"] = marks["first"] - t0
                     TTFT.observe(timing["ttft"])
                     self.traffic.first_token(req.model, timing["ttft"])
                 out, stopped = matcher.feed(detok.add([t for t in toks if t not in eos]))
                 if stopped:
-                    yield Delta(out, toks, "stop", lps, plps)
+                    yield Delta(out, toks, "stop", lps, plps, cached)
                     return
                 if reason:
                     tail, hit = matcher.feed(detok.flush())
                     tail = tail if hit else tail + matcher.flush()
-                    yield Delta(out + tail, toks, "stop" if reason in ("stop", "eos") else reason, lps, plps)
+                    yield Delta(out + tail, toks, "stop" if reason in ("stop", "eos") else reason, lps, plps, cached)
                     return
-                yield Delta(out, toks, None, lps, plps)
+                yield Delta(out, toks, None, lps, plps, cached)

@@ -1,5 +1,6 @@
-"""`pdserve status`: per model, the gateway's traffic, its nodes by role and state with their load
-and the autoscaler's last decision and reason for its keys; the standby runtimes (no model) apart;
+"""`pdserve status`: per model, the gateway's traffic, its nodes by role and state with their load and
+prefix cache hit rate (prompt tokens found cached / looked up, from the node's /load), and the autoscaler's
+last decision and reason for its keys; the standby runtimes (no model) apart;
 the local nodes' restarts and crash loops (`pdserve up`: the actuator's supervised slots, with a
 crashing node's last log lines), and the autoscaler's last report with the bound its machine or cluster
 puts on serving nodes (machine cores, memory, what Kubernetes can schedule) — why the service did not grow."""
@@ -68,12 +69,19 @@ def capacity_lines(report: dict) -> list[str]:
     return out
 
 
-NODE_HEADER = f"  {'ROLE':8} {'STATE':10} {'URL':28} {'RUN':>4} {'QUEUED_TOK':>10} {'KV_USED':>8}"
+NODE_HEADER = f"  {'ROLE':8} {'STATE':10} {'URL':28} {'RUN':>4} {'QUEUED_TOK':>10} {'KV_USED':>9} {'PREFIX_HIT':>10}"
+
+
+def hit_rate(ld: dict) -> str:
+    """The node's prefix cache hit rate, in prompt tokens since it started ("-" before its first query)."""
+    queries = ld.get("prefix_queries") or 0
+    return f"{100 * (ld.get('prefix_hits') or 0) / queries:.1f}%" if queries else "-"
 
 
 def _node_line(n: dict, ld: dict, state: str) -> str:
+    kv = f"{ld.get('kv_blocks_used', 0)}/{ld.get('kv_blocks_total', 0)}"
     return (f"  {n['role']:8} {state:10} {n['url']:28} {ld.get('running', 0):>4} {ld.get('queued_prompt_tokens', 0):>10} "
-            f"{ld.get('kv_blocks_used', 0):>4}/{ld.get('kv_blocks_total', 0)}")  # fmt: skip
+            f"{kv:>9} {hit_rate(ld):>10}")  # fmt: skip
 
 
 def render(st: dict) -> list[str]:

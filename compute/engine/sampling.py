@@ -59,6 +59,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (prompt scoring)
     grammar: dict | None = None  # structured output (compute.engine.grammar): json_object | json_schema | regex spec
     fork_group: str | None = None  # the choices of one n > 1 request: they share the prompt's KV (compute.engine.scheduler)
+    cache_salt: str | None = None  # enters the first KV block's hash: only requests with this salt share cached KV
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

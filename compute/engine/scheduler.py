@@ -27,6 +27,10 @@ Lifecycle of a request through the scheduler:
    leader finishes at its first token: its blocks, held for the KV transfer, serve forks until
    released. The prompt is prefilled once; a choice that cannot fork (leader gone, prompt logprobs
    asked, a failover's replay, no free block) runs as a request of its own.
+7. prefix cache (``compute.engine.prefix_cache``, on unless ``prefix_cache = False``): a sequence leaving
+   WAITING with an empty table starts from the cached blocks matching its prompt (shared as forks'
+   are) and computes the rest; computed full prompt blocks are named by content after each step and
+   stay cached at count 0 until their memory is needed.
 
 Because every admitted request fits alone, preemption always lets the oldest
 running sequence progress: the scheduler cannot deadlock.
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 
 from compute.engine.block_manager import BlockManager
 from compute.errors import RequestTooLarge
+from compute.engine.prefix_cache import PrefixCache
 from compute.engine.sequence import FinishReason, Sequence, Status
 
 
@@ -52,6 +57,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256  # tokens per step (the prefill chunk budget)
     max_model_len: int = 2048  # the model's context
     eos_token_ids: tuple[int, ...] = ()  # finish on these unless a request ignores EOS
+    prefix_cache: bool = True  # reuse full KV blocks by content (compute.engine.prefix_cache)
+    cache_extra: tuple[str, ...] = ()  # what else names a block's numbers (compute.engine.prefix_hash.extra_keys)
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
@@ -89,6 +96,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.cache = PrefixCache(self.blocks, config.prefix_cache, config.cache_extra)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
@@ -111,6 +119,7 @@ class Scheduler:
             )
         seq.status = Status.WAITING
         self.seqs[seq.seq_id] = seq
+        self.cache.prepare(seq)
         if not self._join(seq):
             self.waiting.append(seq)
 
@@ -143,6 +152,7 @@ class Scheduler:
             raise CacheFull(f"no free KV blocks for {num_cached} imported tokens")
         self.blocks.allocate(seq, num_cached)
         seq.num_computed = num_cached
+        seq.cache_stop = 0  # KV another node computed: not published here (issue 26, section 2)
         seq.status = Status.IMPORTING
         self.importing[seq.seq_id] = seq
         self.seqs[seq.seq_id] = seq
@@ -175,19 +185,22 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            self._take(seq, n, out)
+            budget -= self._take(seq, n, out)
             taken.add(seq.seq_id)
-            budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            if not self.blocks.can_allocate(seq, seq.num_computed + n):
+            fresh = not seq.block_table and not seq.num_computed  # not a fork: it may start from cached blocks
+            hit = self.cache.lookup(seq) if fresh else []
+            start = len(hit) * self.config.block_size if fresh else seq.num_computed
+            n = min(seq.num_tokens - start, budget)
+            if not self.blocks.can_allocate(seq, start + n, hit):
                 break
             self.waiting.popleft()
+            if fresh:
+                self.cache.take(seq, hit)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._take(seq, n, out)
-            budget -= n
+            budget -= self._take(seq, n, out)
         return out
 
     def postprocess(self, batch: ScheduledBatch, tokens: dict[int, int]) -> list[Sequence]:
@@ -198,6 +211,7 @@ class Scheduler:
             if seq is None or seq.status is not Status.RUNNING:
                 continue  # aborted or failed meanwhile
             seq.num_computed = max(seq.num_computed, s.start_pos + len(s.token_ids))
+            self.cache.computed(seq, s.start_pos, len(s.token_ids))
             if seq.seq_id in self.parked and seq.num_computed >= seq.num_prompt_tokens - 1:
                 self._fork_parked(seq)  # before a finish can free the prompt's blocks
             if not s.sample:
@@ -228,20 +242,32 @@ class Scheduler:
                 failed.append(seq)
         return failed
 
+    def check_blocks(self) -> None:
+        """Assert the block manager's invariants against every table and held list (tests)."""
+        self.blocks.check([q.block_table for q in self.seqs.values()] + list(self.held.values()))
+
     # -- internals ---------------------------------------------------------------------------
 
-    def _take(self, seq: Sequence, n: int, out: ScheduledBatch) -> None:
+    def _take(self, seq: Sequence, n: int, out: ScheduledBatch) -> int:
+        """Schedule ``n`` of ``seq``'s tokens (fewer, see below); returns how many."""
+        prefill_end = seq.num_tokens
         if seq.replay_from is not None:  # replayed output: one token per step, like the decode that made it
             r = seq.replay_from
             n = 1 if seq.num_computed >= r else min(n, r - seq.num_computed)
+            prefill_end = max(r, seq.num_computed + 1)
+        if n > 1 and prefill_end - (seq.num_computed + n) == 1:
+            n -= 1  # never leave one prefill token for a chunk of its own: it would run the decode path (other
+            # numbers: a prompt's logits would depend on where the budget cut it; compute/engine/prefix_cache.py)
         end = seq.num_computed + n
         self.blocks.allocate(seq, end)
         chunk = seq.token_ids[seq.num_computed : end]
         out.seqs.append(ScheduledSeq(seq.seq_id, chunk, seq.num_computed, list(seq.block_table), end == seq.num_tokens))
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        self.cache.reset(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -317,6 +343,8 @@ class Scheduler:
             self.blocks.allocate(seq, shared)
             self.copies.append((blocks[full], seq.block_table[full]))
         seq.num_computed = shared
+        seq.num_published = full  # the leader's blocks (published by the leader, if fit)
+        seq.num_cached_tokens = lead.num_cached_tokens  # one request: its choices report the prompt's hit
         self.waiting.appendleft(seq)  # next, within the step's seats and budget
         self.num_forked += 1
         return True

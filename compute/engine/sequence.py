@@ -66,6 +66,13 @@ class Sequence:
         self.prompt_len = len(prompt_token_ids)
         self.prompt_logprobs: list = []  # params.prompt_logprobs: per prompt token, None for the first
         self.matcher = None  # params.grammar: its matcher (compute.engine.grammar), advanced by the sampler
+        # prefix cache (compute.engine.prefix_cache): the chained hashes of the prompt's full blocks, how many of this
+        # table's blocks are named by them, where KV fit to share ends (positions computed one token a step went
+        # down the decode path: other numbers than a prefill's), and the tokens a hit gave it on first admission
+        self.block_hashes: list[bytes] = []
+        self.num_published = 0
+        self.cache_stop = self.prompt_len
+        self.num_cached_tokens: int | None = None
 
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, {self.status.value}, {self.num_tokens} tokens, {self.num_computed} cached)"

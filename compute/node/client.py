@@ -125,6 +125,14 @@ class AsyncNodeClient:
         r.raise_for_status()
         return P.decode(r.content, P.LoadReport)
 
+    async def cache(self, url: str, since: dict[str, P.CacheCursor], timeout_s: float = 5.0) -> P.CacheReport:
+        """POST /internal/cache: per ready model, its prefix cache's change since ``since[model]`` (a model
+        not in it: a snapshot); httpx.HTTPError or ValueError if it fails."""
+        r = await self.client.post(url + "/internal/cache", content=P.encode(P.CacheQuery(since)), headers=JSON,
+                                   timeout=timeout_s)  # fmt: skip
+        r.raise_for_status()
+        return P.decode(r.content, P.CacheReport)
+
     async def prove(self, url: str, nonce: str, timeout_s: float = 2.0) -> tuple[int, str | None, str]:
         """The challenge, unsigned -> (status, proof or None, body text); raises on transport errors and 5xx."""
         r = await self.client.post(url + "/prove", json={"nonce": nonce, "url": url}, auth=None, timeout=timeout_s)

@@ -117,9 +117,14 @@ class Held:
             self.svc, self.meter = parts
             self.weights_bytes = tensor_bytes(inj.model)
             worker = self.svc.worker
+
+            def swapped() -> None:  # on the engine thread, between two steps
+                self.weights_bytes = tensor_bytes(inj.model)
+                worker.engine.clear_prefix_cache()  # cached KV was computed by the old kernels: other numbers
+
             inj.attach(post=lambda fn: worker.post(lambda engine: fn()), served=lambda: worker.steps > 0,
                        busy=lambda: worker.engine is not None and worker.engine.has_unfinished(),
-                       on_swap=lambda: setattr(self, "weights_bytes", tensor_bytes(inj.model)))  # fmt: skip
+                       on_swap=swapped)  # fmt: skip
             self.kv_bytes = self.svc.worker.engine.runner.cache.kv.nbytes
             self.ready_s = time.perf_counter() - t0
             self.state = "ready"
@@ -170,7 +175,8 @@ def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeSe
     eos = inj.eos_token_ids or model.config.eos_token_ids
     engine = Engine.for_model(model, num_blocks=cfg.kv_blocks, block_size=cfg.block_size,
                               max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                              eos_token_ids=eos, kv_cache_dtype=cfg.kv_dtype)  # fmt: skip
+                              eos_token_ids=eos, kv_cache_dtype=cfg.kv_dtype, prefix_cache=cfg.prefix_cache,
+                              cache_key=f"{inj.manifest.ref}/{inj.weights}")  # fmt: skip
     meter = CapacityMeter(cfg.tpot_target_s, cfg.max_num_seqs)
     worker = EngineWorker(engine, loop, meter=meter, name=f"engine-{name}", model=name)
     svc = NodeService(dataclasses.replace(cfg, model=name, weights=inj.weights), worker, model.config.vocab_size)

@@ -40,6 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-transport", choices=["nixl", "tcp", "fake"], help="default tcp")
     p.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float32"],
                    help="KV cache dtype (default auto: bf16, fp32 for fp32 weights)")  # fmt: skip
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False, default=None,
+                   help="compute every prompt from its first token (default: reuse cached KV blocks by content)")
     p.add_argument("--kv-compression", choices=["none", "bf16", "fp16", "int8"], help="default none")
     p.add_argument("--kv-hold-s", type=float, help="prefill: hold KV this long for the decode side (default 30)")
     p.add_argument("--kv-timeout-s", type=float, help="decode: fail a KV transfer after this (default 10)")
@@ -85,6 +87,7 @@ def node_config(args):
     store_cfg = store_config(args, tables=tables)
     flags = {"role": args.role, "model": args.model, "host": args.host, "port": args.port, "weights": args.weights,
              "kv_blocks": args.kv_blocks, "kv_dtype": args.kv_dtype, "block_size": args.block_size,
+             "prefix_cache": args.prefix_cache,
              "max_num_seqs": args.max_num_seqs,
              "max_num_batched_tokens": args.max_batched_tokens, "kv_transport": args.kv_transport,
              "kv_compression": args.kv_compression, "kv_hold_s": args.kv_hold_s, "kv_timeout_s": args.kv_timeout_s,

@@ -20,6 +20,10 @@ the models the node holds (``HeldGauges``), so a model unloaded leaves no stale 
   pdserve_node_kv_blocks_used, _total{model}               vllm:kv_cache_usage_perc (used / total)
   pdserve_node_requests_running{model}                     vllm:num_requests_running
   pdserve_node_requests_waiting{model}                     vllm:num_requests_waiting
+  pdserve_node_prefix_cache_queries_total{model}           vllm:prefix_cache_queries_total (prompt tokens looked up)
+  pdserve_node_prefix_cache_hits_total{model}              vllm:prefix_cache_hits_total (of them, found cached)
+  pdserve_node_prefix_cache_evictions_total{model}         (cached blocks reused for other content)
+  pdserve_node_kv_blocks_cached{model}                     (blocks a prompt can hit now, free or in use)
 
 Where each is measured: TTFT from a request's arrival on this node to its first token (on a prefill
 node the request's first token; on a decode node its first token after the KV handoff); TPOT between
@@ -49,12 +53,20 @@ PROMPT_COMPUTED = Counter("pdserve_node_prompt_tokens_computed_total",
                           "Prompt positions this node ran through the model (an n > 1 request's choices share theirs)",
                           ["model"])  # fmt: skip
 
+PREFIX_QUERIES = Counter("pdserve_node_prefix_cache_queries_total",
+                         "Prompt tokens looked up in the prefix cache (each admission of a request)", ["model"])
+PREFIX_HITS = Counter("pdserve_node_prefix_cache_hits_total", "Prompt tokens found in the prefix cache (not computed)",
+                      ["model"])  # fmt: skip
+PREFIX_EVICTIONS = Counter("pdserve_node_prefix_cache_evictions_total", "Cached KV blocks reused for other content",
+                           ["model"])  # fmt: skip
+
 FINISH_REASONS = ("stop", "length", "abort", "error")  # compute.engine.sequence.FinishReason's values
 
 
 def start_series(model: str) -> None:
     """Every per-model series of a model now held, at zero: a rate or ratio over them exists before traffic."""
-    for family in (TTFT, TPOT, REQUEST_SECONDS, GENERATED, PROMPT_COMPUTED):
+    for family in (TTFT, TPOT, REQUEST_SECONDS, GENERATED, PROMPT_COMPUTED, PREFIX_QUERIES, PREFIX_HITS,
+                   PREFIX_EVICTIONS):  # fmt: skip
         family.labels(model)
     for reason in FINISH_REASONS:
         FINISHED.labels(model, reason)
@@ -68,6 +80,8 @@ VLLM_NAMES = (  # (our family, vLLM's family name): vLLM's exposition is ours re
     (FINISHED, "vllm:request_success"),  # family name: the sample is vllm:request_success_total
     (PROMPT_COMPUTED, "vllm:prompt_tokens"),
     (GENERATED, "vllm:generation_tokens"),
+    (PREFIX_QUERIES, "vllm:prefix_cache_queries"),
+    (PREFIX_HITS, "vllm:prefix_cache_hits"),
 )
 
 
@@ -114,6 +128,8 @@ class HeldGauges(Collector):
                                     labels=["model"])  # fmt: skip
         waiting = GaugeMetricFamily("pdserve_node_requests_waiting", "Requests queued or importing their KV",
                                     labels=["model"])  # fmt: skip
+        cached = GaugeMetricFamily("pdserve_node_kv_blocks_cached", "KV blocks named by content (a prompt can hit "
+                                   "them), free or in use", labels=["model"])  # fmt: skip
         vl = ["model_name", "engine"]
         usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100% (pdserve: "
                                   "pdserve_node_kv_blocks_used / pdserve_node_kv_blocks_total)", labels=vl)  # fmt: skip
@@ -129,10 +145,11 @@ class HeldGauges(Collector):
             total.add_metric([name], n_total)
             running.add_metric([name], m.running)
             waiting.add_metric([name], n_wait)
+            cached.add_metric([name], m.kv_blocks_cached)
             usage.add_metric([name, ENGINE], n_used / n_total if n_total else 0.0)
             v_running.add_metric([name, ENGINE], m.running)
             v_waiting.add_metric([name, ENGINE], n_wait)
-        yield from (used, total, running, waiting, usage, v_running, v_waiting)
+        yield from (used, total, running, waiting, cached, usage, v_running, v_waiting)
 
 
 def host_registry(view) -> CollectorRegistry:

@@ -62,7 +62,8 @@ async def prefill(svc: NodeService, msg: GenerateRequest) -> PrefillReply:
     if out.finish_reason in ("error", "abort"):
         return PrefillReply([], out.finish_reason, error=out.error)
     line = output_line(out)  # the first token, its logprobs and the prompt's, if asked
-    reply = PrefillReply(line.token_ids, None, line.logprobs, line.prompt_logprobs, line.error)
+    reply = PrefillReply(line.token_ids, None, line.logprobs, line.prompt_logprobs, line.error,
+                         cached_tokens=line.cached_tokens)  # fmt: skip
     ended = out.finish_reason == "stop" or want.max_tokens == 1
     if ended:
         svc.worker.post(lambda e: e.scheduler.release(seq.seq_id))

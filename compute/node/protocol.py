@@ -9,6 +9,7 @@ talk to a node only through ``compute.node.client``. Routes (every one but /heal
   POST /internal/decode    DecodeRequest    -> NDJSON of StreamLine
   POST /internal/abort     AbortRequest     -> AbortReply
   POST /internal/drain?timeout_s=S          -> DrainReply
+  POST /internal/cache     CacheQuery       -> CacheReport (per model: the prefix cache's changes since a cursor)
   POST /internal/models/load   ModelLoadRequest   -> ModelLoadReply (202 while it loads)
   POST /internal/models/unload ModelUnloadRequest -> ModelUnloadReply
   GET  /load                                -> LoadReport (per model: ModelLoad)
@@ -95,6 +96,7 @@ class StreamLine(msgspec.Struct, omit_defaults=True):
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # once, on the first line, if asked
     error: str | None = None
+    cached_tokens: int | None = None  # once, with the first token this node sampled: prompt tokens its prefix cache gave
 
 
 class PrefillReply(StreamLine, omit_defaults=False):
@@ -151,6 +153,9 @@ class EngineLoad(msgspec.Struct, kw_only=True):
     kv_blocks_total: int = 0
     kv_blocks_held: int = 0
     kv_transfers_held: int = 0
+    kv_blocks_cached: int = 0  # named by content: a prompt can hit them (free ones count in kv_blocks_free too)
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache since start
+    prefix_hits: int = 0  # of them, found cached (hit rate = prefix_hits / prefix_queries)
 
 
 class ModelLoad(EngineLoad, kw_only=True):
@@ -201,6 +206,48 @@ class ModelsReport(msgspec.Struct):
     models: list[ModelLoad]
     memory_budget_bytes: int
     memory_used_bytes: int
+
+
+# ---- the prefix cache, as a consumer (the gateway's index) follows it ----------------------------
+
+
+class CacheCursor(msgspec.Struct, array_like=True):
+    """Where a consumer is in one model's cache log: the log's ``epoch`` (a new one per engine: a model
+    reloaded or a node restarted starts over) and the ``seq`` of the last change it folded."""
+
+    epoch: str
+    seq: int
+
+
+class CacheQuery(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /internal/cache: per model, the cursor of the last report folded (a model not named, or a
+    cursor the log no longer reaches: a full snapshot)."""
+
+    since: dict[str, CacheCursor] = {}
+
+
+class ModelCache(msgspec.Struct, kw_only=True):
+    """One model's prefix cache since the consumer's cursor (compute/node/cache_feed.py).
+
+    Apply in this order: ``cleared`` or ``resync`` -> forget every hash of this node and model; then
+    ``removed``, then ``stored`` (the net change over the range: a hash appears in one list at most). With
+    ``resync``, ``stored`` is every hash the node holds now. Hashes are hex SHA-256 block hashes
+    (compute/engine/prefix_hash.py) over ``extra`` and ``block_size``, as the node's engine computes them."""
+
+    block_size: int
+    extra: list[str]  # the engine's extra keys (model ref/weights, KV dtype, block size)
+    enabled: bool = True  # False: the node runs without a prefix cache (no hash ever stored)
+    cursor: CacheCursor  # the consumer's next ``since``
+    stored: list[str] = []
+    removed: list[str] = []
+    cleared: bool = False
+    resync: bool = False
+
+
+class CacheReport(msgspec.Struct):
+    """POST /internal/cache: per ready model."""
+
+    models: dict[str, ModelCache] = {}
 
 
 # ---- errors, by what the caller should do --------------------------------------------------------

@@ -140,6 +140,21 @@ def create_app(host: ModelHost) -> FastAPI:
 
     app.post("/internal/abort")(guard(abort, P.AbortRequest))
 
+    async def cache(msg: P.CacheQuery):
+        """Per ready model, its prefix cache since the consumer's cursor (compute/node/cache_feed.py)."""
+        out = {}
+        for name, h in list(host.models.items()):
+            svc = h.svc
+            if h.state != "ready" or svc is None:
+                continue
+            try:
+                out[name] = await svc.cache_feed.report(msg.since.get(name))
+            except (asyncio.TimeoutError, AttributeError):  # unloaded meanwhile: its engine thread is gone
+                continue
+        return raw(P.CacheReport(out))
+
+    app.post("/internal/cache")(guard(cache, P.CacheQuery))
+
     @app.post("/internal/drain")
     async def drain(timeout_s: float = 60.0):
         return raw(P.DrainReply(await host.drain(timeout_s)))

@@ -21,6 +21,7 @@ from compute.errors import RequestTooLarge
 from compute.engine.sampling import SamplingParams
 from compute.engine.sequence import Sequence, Status
 
+from compute.node.cache_feed import CacheFeed
 from compute.node.config import NodeConfig
 from compute.node import protocol as P
 from compute.node.protocol import GenerateRequest, StreamLine, encode_line
@@ -100,7 +101,8 @@ def logprobs_json(lps: list | None) -> list | None:
 def output_line(o) -> StreamLine:
     """One step output as a stream line (prompt logprobs ride on the first token's line)."""
     return StreamLine(o.new_token_ids, o.finish_reason, logprobs_json(o.logprobs) if o.logprobs else None,
-                      None if o.prompt_logprobs is None else logprobs_json(o.prompt_logprobs), o.error or None)
+                      None if o.prompt_logprobs is None else logprobs_json(o.prompt_logprobs), o.error or None,
+                      o.cached_tokens)  # fmt: skip
 
 
 def new_sequence(msg: GenerateRequest, sp: SamplingParams, grammars=None) -> Sequence:
@@ -136,6 +138,7 @@ class NodeService:
         self.tokenizer_json: bytes | None = None  # the model's, for structured output (set by the loader)
         self.eos_token_ids: tuple[int, ...] = ()
         self._grammars = None
+        self.cache_feed = CacheFeed(worker)  # the prefix cache's changes, for POST /internal/cache
         start_series(config.model)
 
     @property
@@ -221,7 +224,7 @@ class NodeService:
     def load(self) -> P.EngineLoad:
         """This model's queue and KV use, for its /load entry."""
         s = self.scheduler
-        bm = s.blocks
+        bm, pc = s.blocks, s.cache
         waiting = list(s.waiting)
         queued_tokens = sum(q.num_uncomputed for q in waiting)
         queued_tokens += sum(q.num_uncomputed for q in list(s.running) if q.num_uncomputed > 1)
@@ -229,8 +232,9 @@ class NodeService:
             queued=len(waiting), running=len([q for q in list(s.running) if q.status is Status.RUNNING]),
             importing=len(s.importing), queued_prompt_tokens=queued_tokens, active_requests=len(self.active),
             kv_blocks_used=bm.num_blocks - bm.num_free, kv_blocks_free=bm.num_free, kv_blocks_total=bm.num_blocks,
-            kv_blocks_held=sum(len(b) for b in list(s.held.values())),
+            kv_blocks_held=sum(len(b) for b in list(s.held.values())), kv_blocks_cached=bm.num_cached,
             kv_transfers_held=self.sender.held() if self.sender is not None else 0,
+            prefix_queries=pc.queries, prefix_hits=pc.hits,
         )  # fmt: skip
 
     async def drain(self, timeout_s: float) -> bool:

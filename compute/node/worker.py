@@ -22,7 +22,7 @@ from prometheus_client import Histogram
 
 from compute.engine.engine import Engine, StepOutput
 
-from compute.node.metrics import GENERATED, PROMPT_COMPUTED
+from compute.node.metrics import GENERATED, PREFIX_EVICTIONS, PREFIX_HITS, PREFIX_QUERIES, PROMPT_COMPUTED
 
 log = logging.getLogger("pdserve.node")
 STEP_SECONDS = Histogram("pdserve_node_step_seconds", "One engine step",
@@ -34,6 +34,8 @@ class EngineWorker:
                  meter=None, name: str = "engine", model: str = ""):  # fmt: skip
         self.engine, self.loop, self.idle_wait_s = engine, loop, idle_wait_s
         self._generated, self._prompt_computed = GENERATED.labels(model), PROMPT_COMPUTED.labels(model)
+        self._prefix = (PREFIX_QUERIES.labels(model), PREFIX_HITS.labels(model), PREFIX_EVICTIONS.labels(model))
+        self._prefix_seen = (0, 0, 0)  # the engine's prefix-cache counters at the last step
         self.meter = meter  # a CapacityMeter fed with every step (or None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, asyncio.Queue] = {}
@@ -88,10 +90,19 @@ class EngineWorker:
                 dt = time.perf_counter() - t0
                 self._prompt_computed.inc(self.engine.prompt_tokens_computed - before)
                 STEP_SECONDS.observe(dt)
+                self._count_prefix()
                 if self.meter is not None:
                     self.meter.record(*self.engine.last_step, dt)
                 self.steps += 1
                 self._dispatch(outs)
+
+    def _count_prefix(self) -> None:
+        st = self.engine.prefix_cache_stats()
+        now = (st.queries, st.hits, st.evictions)
+        for counter, new, old in zip(self._prefix, now, self._prefix_seen):
+            if new > old:
+                counter.inc(new - old)
+        self._prefix_seen = now
 
     def _drain(self, block: bool) -> None:
         try:

@@ -76,6 +76,8 @@ class _Sampling(BaseModel):
                      Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # fmt: skip
     stop_token_ids: list[Int(ge=0)] | None = None  # extension (vLLM)
     allowed_token_ids: Annotated[list[Int(ge=0)], Field(min_length=1)] | None = None  # extension (vLLM)
+    # extension (vLLM): enters the first KV block's hash, so only requests with the same salt share cached KV
+    cache_salt: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
     response_format: ResponseFormat | None = None
     # accepted and ignored (IGNORED): they cannot change the result
     user: str | None = None
@@ -200,10 +202,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV the node's prefix cache held (not computed)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # when the node reported its prefix-cache hit
 
 
 class TopLogprob(BaseModel):

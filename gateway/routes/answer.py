@@ -58,7 +58,12 @@ class Answers:
             picked = choices.best(parts, req.n, best_of, req.num_logprobs() is not None) if best_of > req.n \
                 else [r["choices"][0] for r in parts]  # fmt: skip
             n_out = sum(r["usage"]["completion_tokens"] for r in parts)
-            usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+            hits: dict[int, int] = {}  # per prompt (its choices share one prefill): the largest hit reported
+            for j, r in zip(todo, parts):
+                c = r["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
+                if c is not None:
+                    hits[id(j.prompt)] = max(c, hits.get(id(j.prompt), 0))
+            usage = _usage(n_prompt, n_out, sum(hits.values()) if hits else None)
             return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                     "model": req.model, "choices": picked, "usage": usage}  # fmt: skip
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -122,7 +127,7 @@ class Answers:
             await gen.aclose()
         REQUESTS.labels("200").inc()
         REQUEST_SECONDS.observe(time.monotonic() - t0)
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+        usage = _usage(len(prompt), n, first.cached_tokens)
         if chat:
             message, reason = tools.message(calls, out, reason)
             choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
@@ -176,8 +181,7 @@ class Answers:
                 counts[index] = n  # part of a batch: the merged stream ends it
                 return
             if req.include_usage:
-                yield chunk(usage={"prompt_tokens": n_prompt, "completion_tokens": n,
-                                   "total_tokens": n_prompt + n}, choices=False)  # fmt: skip
+                yield chunk(usage=_usage(n_prompt, n, first.cached_tokens), choices=False)
         except (Unavailable, RequestRejected) as e:
             status = "503"
             yield f"data: {json.dumps(error_body(str(e), 'server_error', code=503))}\n\n"
@@ -190,10 +194,18 @@ class Answers:
         yield "data: [DONE]\n\n"
 
 
+def _usage(n_prompt: int, n_out: int, cached: int | None) -> dict:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when the node said how much its prefix cache gave."""
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
 async def _scored_only(gen, first):
     """``max_tokens: 0``: the one token the node made is dropped (its prompt logprobs kept), the stream closed."""
     await gen.aclose()
-    return Delta("", [], "length", None, first.prompt_logprobs)
+    return Delta("", [], "length", None, first.prompt_logprobs, first.cached_tokens)
 
 
 class _Logprobs:

@@ -30,7 +30,8 @@ def snapshot(gw) -> dict:
     return {"model": gw.config.model, "t": time.time(), "queue_depth": gw.admission.waiting,
             "running": gw.admission.running, "queue_wait_p99_s": gw.admission.wait_p99(),
             "held": gw.activator.held_total(), "served": gw.models.names, "models": model_status(gw),
-            "nodes": [n.as_dict() for n in nodes], "autoscaler": gw.autoscaler_status}  # fmt: skip
+            "nodes": [n.as_dict() for n in nodes], "autoscaler": gw.autoscaler_status,
+            "prefix_index": gw.registry.index.summary() if gw.registry.index is not None else None}  # fmt: skip
 
 
 def model_status(gw) -> dict[str, dict]:

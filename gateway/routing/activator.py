@@ -49,20 +49,30 @@ class Activator:
         self._called: dict[str, float] = {}  # model -> when activate was last called for it
         self._tasks: set[asyncio.Task] = set()
 
-    def route(self, model: str | None, exclude: frozenset[str] | set[str] = frozenset()) -> Route | None:
-        """A route for `model` now (None: any node, the one-model gateway of old), or None."""
+    def route(self, model: str | None, exclude: frozenset[str] | set[str] = frozenset(),
+              prompt: list[int] | None = None, salt: str | None = None) -> Route | None:  # fmt: skip
+        """A route for `model` now (None: any node, the one-model gateway of old), or None. With the request's
+        `prompt` (and `cache_salt`), scored by each node's cached prefix too (the registry's prefix index),
+        and the prompt's blocks recorded on the node chosen (what this gateway sent where)."""
         views = self.registry.views(model or None)
-        route = pick(views, exclude)
+        index = getattr(self.registry, "index", None)
+        match = index.match(model, prompt, salt) if index is not None and model and prompt else None
+        hits, n = (match.hits, len(prompt)) if match is not None else ({}, len(prompt or ()))
+        route = pick(views, exclude, hits, n)
         if route is None and exclude:  # every node failed once: allow them again rather than give up
-            route = pick(views)
+            route = pick(views, frozenset(), hits, n)
+        if route is not None and match is not None:
+            index.record(match, route.both or route.prefill)
         return route
 
     def held_total(self) -> int:
         return sum(self.held.values())
 
-    async def hold(self, model: str | None, deadline: float, exclude: frozenset[str] | set[str] = frozenset()) -> Route:
-        """A route for `model`, waiting (held) until `deadline` (monotonic) for one; else NotPlaced."""
-        route = self.route(model, exclude)
+    async def hold(self, model: str | None, deadline: float, exclude: frozenset[str] | set[str] = frozenset(),
+                   prompt: list[int] | None = None, salt: str | None = None) -> Route:  # fmt: skip
+        """A route for `model` (by `prompt`'s cached prefix too: ``route``), waiting (held) until `deadline`
+        (monotonic) for one; else NotPlaced."""
+        route = self.route(model, exclude, prompt, salt)
         if route is not None:
             return route
         key = model or ""
@@ -77,10 +87,10 @@ class Activator:
                 if left <= 0:
                     raise self._not_placed(key, self.clock() - t0)
                 await self.registry.wait_changed(min(left, self.poll_s))
-                route = self.route(model, exclude)
+                route = self.route(model, exclude, prompt, salt)
                 if route is None:
                     await self.registry.poll_stale(self.poll_s)
-                    route = self.route(model, exclude)
+                    route = self.route(model, exclude, prompt, salt)
                 if route is not None:
                     log.info("model %s: held request routed after %.2f s", key or "-", self.clock() - t0)
                     return route

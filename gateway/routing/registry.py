@@ -13,11 +13,17 @@ loading weights reports ready=false and is not routed to.
 A node may hold several models (its /load, ``protocol.LoadReport``, has ``models``: NAME -> ``ModelLoad``):
 ``views(model)`` sees each node as it serves that one model — routable only where that model is
 "ready", with that model's queue, streams and free KV blocks.
+
+The registry also keeps the prefix index (``index``, gateway/routing/prefix_index.py; None when the
+gateway routes by load only): each poll of a routable node also asks, in the background (one ask per node
+in flight), for its prefix cache's changes (POST /internal/cache, from the cursor of its last report), and a node removed, marked draining,
+reporting draining, or evicted by failed health checks leaves the index.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -29,6 +35,7 @@ from compute.node import auth
 from compute.node import protocol as P
 from compute.node.client import AsyncNodeClient
 
+from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.router import NodeView
 
 log = logging.getLogger("pdserve.gateway")
@@ -106,7 +113,8 @@ REFUSED_MAX = 256  # refused URLs remembered (for status and logs), oldest forgo
 
 
 class NodeRegistry:
-    def __init__(self, token: str | None, interval_s: float = 0.5, failures: int = 2):
+    def __init__(self, token: str | None, interval_s: float = 0.5, failures: int = 2,
+                 index: PrefixIndex | None = None):  # fmt: skip
         self.nodes: dict[str, NodeState] = {}
         self.refused: dict[str, str] = {}  # url -> why it failed the proof
         self.token = token
@@ -117,6 +125,8 @@ class NodeRegistry:
         self.changed = asyncio.Event()  # set whenever a node (or a model on it) becomes routable
         self._polled = 0.0  # monotonic time of the last poll of every node
         self._poll_lock: asyncio.Lock | None = None
+        self.index = index  # which node holds which prefix blocks (None: routing by load only)
+        self._cache_asks: dict[str, asyncio.Task] = {}  # url -> its cache report in flight
 
     def add(self, url: str, role: str, source: str = "static") -> NodeState:
         url = url.rstrip("/")
@@ -127,6 +137,7 @@ class NodeRegistry:
         return self.nodes[url]
 
     def remove(self, url: str) -> bool:
+        self._forget(url.rstrip("/"))
         return self.nodes.pop(url.rstrip("/"), None) is not None
 
     def mark_draining(self, url: str) -> None:
@@ -134,6 +145,11 @@ class NodeRegistry:
         n = self.nodes.get(url.rstrip("/"))
         if n:
             n.draining = True
+            self._forget(n.url)
+
+    def _forget(self, url: str) -> None:
+        if self.index is not None:
+            self.index.forget(url)
 
     async def refresh(self, url: str) -> str | None:
         """Check one node now (a node just announced ready is routable without waiting a poll); why it
@@ -145,8 +161,12 @@ class NodeRegistry:
         return self.refused.get(url)
 
     def views(self, model: str | None = None) -> list[NodeView]:
-        """Every node as it serves `model` (None: as a whole)."""
-        return [n.view(model) for n in self.nodes.values()]
+        """Every node as it serves `model` (None: as a whole); with the block size its cache reported."""
+        views = [n.view(model) for n in self.nodes.values()]
+        if self.index is None or model is None:
+            return views
+        sizes = self.index.block_sizes(model)
+        return [dataclasses.replace(v, block_size=sizes[v.url]) if v.url in sizes else v for v in views]
 
     def routable_models(self) -> set[str]:
         """The models some ready node holds ready now (a split route may still lack a role)."""
@@ -164,6 +184,10 @@ class NodeRegistry:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
+        for task in list(self._cache_asks.values()):
+            task.cancel()
+        if self._cache_asks:
+            await asyncio.gather(*self._cache_asks.values(), return_exceptions=True)
         if self._task:
             self._task.cancel()
             try:
@@ -219,6 +243,7 @@ class NodeRegistry:
 
     def _refuse(self, n: NodeState, why: str) -> None:
         self.nodes.pop(n.url, None)
+        self._forget(n.url)
         self.refused[n.url] = why
         while len(self.refused) > REFUSED_MAX:
             self.refused.pop(next(iter(self.refused)))
@@ -238,11 +263,38 @@ class NodeRegistry:
             if (n.view().routable and not was_routable) or new:
                 log.info("node ready: %s (%s)%s", n.url, n.role, f": {', '.join(sorted(new))}" if new else "")
                 self.changed.set()
+            self._ask_cache(n)
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:  # InvalidURL is no HTTPError: a URL httpx
             n.failures += 1  # refuses (a static or discovered one: the admin API checks its own) fails the check
             if n.failures >= self.max_failures and n.healthy:
                 log.warning("node evicted after %d failed health checks: %s (%s)", n.failures, n.url, e)
                 n.healthy = False
+                self._forget(n.url)
+
+    def _ask_cache(self, n: NodeState) -> None:
+        """Ask for the node's cache in the background, one ask per node at a time: the node answers between two
+        engine steps (up to a prefill chunk's step later), and the health poll must not wait for that."""
+        if self.index is None or n.url in self._cache_asks:
+            return
+        task = asyncio.ensure_future(self._poll_cache(n))
+        self._cache_asks[n.url] = task
+        task.add_done_callback(lambda t, url=n.url: self._cache_asks.pop(url, None) if self._cache_asks.get(url)
+                               is t else None)  # fmt: skip
+
+    async def _poll_cache(self, n: NodeState) -> None:
+        """The node's prefix cache since its last report into the index (a draining node: out of it). A node
+        that cannot say (an older one, a slow engine) is left out until it can: routed by load meanwhile."""
+        if self.index is None:
+            return
+        if not n.view().routable or self.nodes.get(n.url) is not n:
+            return self._forget(n.url)
+        try:
+            report = await self._client.cache(n.url, self.index.cursors(n.url))
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
+            log.debug("prefix cache of %s not read: %s", n.url, e)
+            return self._forget(n.url)
+        if self.nodes.get(n.url) is n and not n.draining:  # not removed or marked draining meanwhile
+            self.index.apply(n.url, report)
 
     async def wait_changed(self, timeout: float) -> None:
         self.changed.clear()

@@ -2,9 +2,11 @@
 
  1. admitted (``Admission.slot``), tokenized by the API layer;
  2. routed: ``router.pick`` over the nodes holding the request's model ready, minus those this
-    request failed on; with none, the request is held by the ``Activator`` until its deadline
-    (then ``NotPlaced``: 503 with Retry-After). The choices of one ``n > 1`` request share an
-    ``Affinity``: their first attempts take one route, so the node computes their prompt once
+    request failed on, each scored by its load and the prompt's prefix its cache holds
+    (``prefix_index``: the nodes' cache reports, and what this gateway sent where); with none, the
+    request is held by the ``Activator`` until its deadline (then ``NotPlaced``: 503 with
+    Retry-After). The choices of one ``n > 1`` request share an ``Affinity``: their first attempts
+    take one route, so the node computes their prompt once
     (``fork_group``, compute/engine/scheduler.py); a retry routes on its own;
  3. split route: POST /internal/prefill -> first token + KV handle; POST /internal/decode
     with the handle streams the rest. ``both`` route: POST /internal/generate. Every body
@@ -74,6 +76,7 @@ class Chunk(NamedTuple):
     finish_reason: str | None
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # once, with the first tokens, if asked: null then one per prompt token
+    cached_tokens: int | None = None  # once, with the first tokens: prompt tokens the node's prefix cache gave
 
 
 class Relay:
@@ -85,10 +88,16 @@ class Relay:
 
     async def _route(self, req: GenRequest, exclude: set[str]) -> Route:
         aff = req.affinity
+
+        def hold():  # scored by the prompt's cached prefix too (router.py), unless the node will take none of it
+            sp = req.params  # (a request for prompt logprobs computes every prompt row: compute/engine/prefix_cache.py)
+            prompt = req.prompt_ids if sp.prompt_logprobs is None else None
+            return self.activator.hold(req.model or None, req.deadline, exclude, prompt, sp.cache_salt)
+
         if aff is None or req.attempts or exclude:
-            return await self.activator.hold(req.model or None, req.deadline, exclude)
+            return await hold()
         if aff.route is None:
-            aff.route = asyncio.ensure_future(self.activator.hold(req.model or None, req.deadline, exclude))
+            aff.route = asyncio.ensure_future(hold())
             aff.route.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even if no one waits
         return await asyncio.shield(aff.route)  # one member gone does not cancel the others' route
 
@@ -175,7 +184,7 @@ def _unpack(url: str, msg: StreamLine) -> Chunk:
     reason = msg.finish_reason
     if reason in ("error", "abort"):  # the gateway never asked for it: the node failed or is leaving
         raise NodeFailed(url, msg.error or f"request ended by the node ({reason})")
-    return Chunk(msg.token_ids, reason, msg.logprobs, msg.prompt_logprobs)
+    return Chunk(msg.token_ids, reason, msg.logprobs, msg.prompt_logprobs, msg.cached_tokens)
 
 
 def wire(sp: SamplingParams) -> SamplingWire:

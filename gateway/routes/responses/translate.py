@@ -101,7 +101,8 @@ def call_item(call: dict, status: str = "completed", item_id: str | None = None)
 def usage(chat_usage: dict | None) -> dict | None:
     if chat_usage is None:
         return None
-    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+    cached = chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}  # fmt: skip
 

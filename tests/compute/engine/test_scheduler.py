@@ -18,8 +18,9 @@ def seq(n_prompt: int, max_tokens: int = 8, **kw) -> Sequence:
 
 
 def check_invariants(s: Scheduler) -> None:
-    owned = sum(len(q.block_table) for q in s.seqs.values())
+    owned = len({b for q in s.seqs.values() for b in q.block_table})  # distinct: prefix-cache hits share blocks
     assert s.blocks.num_free + owned == s.blocks.num_blocks
+    s.check_blocks()
     for q in s.running:
         assert q.status is Status.RUNNING and len(q.block_table) * s.config.block_size >= q.num_computed
     for q in s.waiting:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -45,10 +46,14 @@ def test_kill_prefill_mid_prompt_retries_on_the_other_prefill_node(svc):
     # one look at the nodes' load; the look must be short against the prefill (it is repeated at a fraction of
     # it, so the kill lands mid-prefill): on a machine where it is not, the prompt is made longer until it is
     items, context = 48, 8192 - 64
+
+    def fresh() -> dict:  # each request its own cache salt: every one computes its whole prompt (no prefix hit)
+        return {"extra_body": {"cache_salt": uuid.uuid4().hex}}
+
     while True:
         kw = {"model": svc["name"], "messages": messages(items), "max_tokens": 16, "temperature": 0}
         t0 = time.monotonic()
-        with c.chat.completions.create(stream=True, **kw) as stream:
+        with c.chat.completions.create(stream=True, **kw, **fresh()) as stream:
             next(ch for ch in stream if ch.choices and ch.choices[0].delta.content)
         prefill_s = time.monotonic() - t0
         t0 = time.monotonic()
@@ -57,14 +62,14 @@ def test_kill_prefill_mid_prompt_retries_on_the_other_prefill_node(svc):
         look_s = time.monotonic() - t0
         if look_s < prefill_s / 5:
             break
-        tokens = c.chat.completions.create(**kw | {"max_tokens": 1}).usage.prompt_tokens
+        tokens = c.chat.completions.create(**kw | {"max_tokens": 1}, **fresh()).usage.prompt_tokens
         why = f"a look ({look_s:.3f} s) is long against the prefill of {tokens} tokens ({prefill_s:.3f} s)"
         assert 2 * tokens < context, why
         items *= 2
-    want = c.chat.completions.create(**kw).choices[0].message.content
+    want = c.chat.completions.create(**kw, **fresh()).choices[0].message.content
     retries = _prefill_retries(svc["gw"])
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(lambda: c.chat.completions.create(**kw))
+        pending = pool.submit(lambda: c.chat.completions.create(**kw, **fresh()))
         victim, deadline = None, time.monotonic() + 60
         while victim is None:
             assert time.monotonic() < deadline and not pending.done(), "no prefill node ever ran the prompt"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.routing.router import NodeView, Route, pick
+from gateway.routing.router import NodeView, Route, Weights, pick, prefill_cost
 
 
 def P(url, q=0, running=0, **kw):
@@ -48,3 +48,47 @@ def test_nothing_routable():
     assert pick([]) is None
     assert pick([P("p1", ready=False), D("d1")]) is None
     assert pick([B("b1")], exclude={"b1"}) is None
+
+
+# --- scoring by cache: hit tokens against load (router.prefill_cost) ---------------------------------
+
+
+def test_a_hit_wins_over_a_lighter_queue_until_the_queue_costs_more_than_the_hit_saves():
+    nodes = [B("b1", q=0, free=100), B("b2", q=300, free=100)]
+    assert pick(nodes, hits={"b2": 512}, prompt_tokens=600) == Route(both="b2", hit_tokens=512)  # 300 + 88 < 600
+    assert pick(nodes, hits={"b2": 256}, prompt_tokens=600) == Route(both="b1", hit_tokens=0)  # 300 + 344 > 600
+
+
+def test_no_hit_anywhere_is_least_load_and_an_empty_node_just_joined_wins():
+    nodes = [B("old", q=40, free=10, running=3), B("new", q=0, free=500)]
+    assert pick(nodes, hits={}, prompt_tokens=400) == Route(both="new")
+    assert pick(nodes, hits={"old": 0, "new": 0}, prompt_tokens=400).both == "new"
+
+
+def test_equal_cost_goes_to_the_most_free_kv_blocks():
+    assert pick([B("a", free=10), B("b", free=90)], prompt_tokens=100).both == "b"
+
+
+def test_running_streams_cost_their_weight():
+    nodes = [B("a", q=0, running=10), B("b", q=15, running=0)]
+    assert pick(nodes, prompt_tokens=100).both == "b"  # 0 + 10 * 2 > 15
+    assert pick(nodes, prompt_tokens=100, w=Weights(running=1.0)).both == "a"  # 10 < 15
+
+
+def test_a_node_without_kv_room_for_the_uncached_part_is_avoided():
+    nodes = [B("small", free=2), B("big", q=500, free=400)]
+    assert pick(nodes, prompt_tokens=300).both == "big"  # small: 300 tokens need 19 blocks, 2 free
+    assert prefill_cost(B("small", free=2), 300, hit=288) == 12  # what is left fits in one block
+
+
+def test_prefill_role_scored_by_hit_decode_by_free_blocks_and_its_hit():
+    nodes = [P("p1", q=0), P("p2", q=100), D("d1", free=50), D("d2", free=45)]
+    assert pick(nodes, hits={"p2": 480}, prompt_tokens=500) == Route(prefill="p2", decode="d1", hit_tokens=480)
+    assert pick(nodes, hits={"d2": 160}, prompt_tokens=500).decode == "d2"  # 45 + 10 blocks it would not need
+
+
+def test_weights_are_checked():
+    import pytest
+
+    with pytest.raises(ValueError):
+        Weights(running=-1)
