@@ -46,9 +46,10 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()  # measurements running in this proce
 
 
 @atexit.register
-def _stop_all() -> None:
-    """At exit, end every measurement after its slice: a thread inside a torch op at interpreter teardown aborts
-    the process ("terminate called without an active exception")."""
+def stop_all() -> None:
+    """End every measurement of this process after its slice: at exit (a thread inside a torch op at interpreter
+    teardown aborts the process: "terminate called without an active exception"), or before a caller counts
+    measurements of its own."""
     for m in list(_LIVE):
         m.stop()
 

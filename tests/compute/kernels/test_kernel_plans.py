@@ -68,6 +68,7 @@ def test_a_bad_plan_in_the_store_is_ignored_with_one_line(tmp_path, measured, da
 def test_two_measurements_on_one_machine_measure_once(tmp_path, store):
     """The second waits on the lock and takes the first's table from the cache ("peer"); the store gets it."""
     cache, got = str(tmp_path / "int8.json"), {}
+    plans.stop_all()  # an earlier test's model may still measure in this process: the counter is per process
     before = plans.SHAPES_MEASURED._value.get()
     ms = [plans.BackgroundMeasure(SHAPES, 1, cache, store, lambda t, s, i=i: got.__setitem__(i, s),
                                          poll_s=0.05) for i in range(2)]  # fmt: skip
