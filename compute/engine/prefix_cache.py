@@ -11,6 +11,11 @@ decides which are named and which are taken):
    manager's ``share``: the same counting as ``n > 1`` forks) and ``num_computed`` skips them.
 3. ``publish`` (after each step): full blocks whose K/V the sequence has now computed by a prefill
    (prompt positions, before ``cache_stop``) get their hash: later prompts can take them.
+   On a decode node (``lookup_imported`` / ``take_imported``, issue 26 section 2): a request's
+   imported KV starts from this node's own cached blocks of the prompt (only the rest is pulled);
+   once it has landed, the imported full prompt blocks the *prefill node* computed by prefill
+   (``cacheable``, its ``cache_stop``) are named here too, so turn N of a conversation finds
+   turn N-1's prompt on the decode node that decoded it.
 4. finish / abort / preemption / ``release`` of held KV: the blocks' counts drop; a named block at
    count 0 stays cached (its hash kept) until ``allocate`` needs its memory (LRU, tail first).
 
@@ -23,7 +28,8 @@ boundary, with two exceptions this module closes:
   other rounding). A hit that left only the last prompt token to compute would make that token's
   logits differ from a miss's: ``_usable`` leaves at least ``MIN_COMPUTED`` = 2 tokens (one block
   less in the ``len % block_size == 1`` case).
-- K/V computed one token a step (decode output, a failover's replay, a fork's last prompt token, a
+- K/V computed one token a step (decode output — on a decode node too: its decoded answer is
+  never cached, the next turn pulls it from the prefill node, which recomputed it by prefill — a failover's replay, a fork's last prompt token, a
   chunk the budget cut to one token) carry those other numbers: they are never published. Only
   prompt positions computed by a prefill chunk are (``cache_stop``). A multi-turn conversation so
   hits turn N-1's prompt and recomputes its (short) answer, which the next turn then hits.
@@ -89,6 +95,26 @@ class PrefixCache:
             self.blocks.share(hit, seq)
             seq.num_published = len(hit)
             seq.num_computed = len(hit) * self.bs
+
+    def lookup_imported(self, seq: Sequence, num_imported: int) -> list[int]:
+        """Decode side: the cached blocks an imported prompt (``num_imported`` tokens' KV on the way) starts
+        from. Any full prompt block may hit: the decode node computes its first token by the decode path
+        whatever the hit, so no ``MIN_COMPUTED`` cut (unlike ``lookup``)."""
+        if not self.enabled or seq.block_table or seq.num_computed:
+            return []
+        return self.blocks.match(seq.block_hashes[: num_imported // self.bs])
+
+    def take_imported(self, seq: Sequence, hit: list[int], cacheable: int) -> None:
+        """Decode side: ``seq`` starts from ``hit`` (not pulled); the imported blocks before ``cacheable``
+        (the prefill node's prefill-computed full blocks) are named at ``computed`` once they landed."""
+        seq.cache_stop = min(seq.prompt_len, max(cacheable, len(hit)) * self.bs)  # never name the decode path's
+        if not self.enabled:
+            return
+        self.queries += seq.prompt_len
+        self.hits += len(hit) * self.bs
+        if hit:
+            self.blocks.share(hit, seq)
+            seq.num_published = len(hit)
 
     def computed(self, seq: Sequence, start: int, n: int) -> None:
         """``seq`` computed ``n`` tokens from ``start``: publish the full prefill-computed prompt blocks."""

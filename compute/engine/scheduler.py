@@ -17,7 +17,9 @@ Lifecycle of a request through the scheduler:
 4. ``abort(seq_id)`` / ``fail(seq_ids, error)``: finish from any state, blocks freed.
 5. disaggregation: a ``hold_kv`` sequence keeps its blocks at finish (``held``) until
    ``release``; ``add_imported`` allocates blocks for KV arriving from a prefill node
-   (IMPORTING, never scheduled) and ``activate`` turns it into a running decode.
+   (IMPORTING, never scheduled), starting from this node's own cached blocks of the prompt
+   (only the rest is pulled), and ``activate`` turns it into a running decode and names the
+   imported prompt blocks the prefill node computed by prefill, for later turns to hit.
 6. forks (``n > 1``: one request's choices, ``SamplingParams.fork_group``): the first of a group
    to arrive leads; a later one with the same prompt waits (parked) until the leader has computed
    all but the prompt's last token, then *forks*: it shares the leader's full prompt blocks
@@ -137,32 +139,38 @@ class Scheduler:
         self.leaders = {g: q for g, q in self.leaders.items() if q.seq_id != seq_id}  # no blocks left to fork from
         return True
 
-    def add_imported(self, seq: Sequence, num_cached: int) -> list[int]:
+    def add_imported(self, seq: Sequence, num_cached: int, cacheable: int = 0) -> tuple[list[int], int]:
         """Allocate blocks for ``num_cached`` tokens whose KV another node computed.
 
-        ``seq.token_ids`` is the prompt plus the first sampled token; returns the block
-        table the KV must be written into. ``RequestTooLarge`` if it can never fit,
-        ``CacheFull`` (retry elsewhere) if there is no room now."""
+        ``seq.token_ids`` is the prompt plus the first sampled token. The table starts with this
+        node's cached blocks matching the prompt (``PrefixCache.lookup_imported``): returns the
+        table and how many of its first blocks are already here; the KV of the others must be
+        written into them. ``cacheable``: the leading blocks the sender computed by prefill (fit
+        to name here at ``activate``). ``RequestTooLarge`` if it can never fit, ``CacheFull``
+        (retry elsewhere) if there is no room now."""
         from compute.errors import CacheFull
 
         need = seq.num_prompt_tokens + seq.params.max_tokens
         if need > self.max_len:
             raise RequestTooLarge(f"request {seq.seq_id}: {need} tokens exceed the limit of {self.max_len}")
-        if not self.blocks.can_allocate(seq, num_cached + 1):
+        self.cache.prepare(seq)
+        hit = self.cache.lookup_imported(seq, num_cached)
+        if not self.blocks.can_allocate(seq, num_cached + 1, hit):
             raise CacheFull(f"no free KV blocks for {num_cached} imported tokens")
+        self.cache.take_imported(seq, hit, cacheable)
         self.blocks.allocate(seq, num_cached)
         seq.num_computed = num_cached
-        seq.cache_stop = 0  # KV another node computed: not published here (issue 26, section 2)
         seq.status = Status.IMPORTING
         self.importing[seq.seq_id] = seq
         self.seqs[seq.seq_id] = seq
-        return list(seq.block_table)
+        return list(seq.block_table), len(hit)
 
     def activate(self, seq_id: int) -> bool:
         """The imported KV has landed: the sequence joins the running batch as a decode."""
         seq = self.importing.pop(seq_id, None)
         if seq is None:
             return False
+        self.cache.computed(seq, 0, seq.num_computed)  # the landed prompt blocks fit to name: cached here
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True

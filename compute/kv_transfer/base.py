@@ -244,14 +244,18 @@ class KVReceiver(abc.ABC):
         self._ledger = ReceiverLedger()
 
     @abc.abstractmethod
-    def start(self, handle: dict, dst_block_ids: list[int]) -> str:
+    def start(self, handle: dict, dst_block_ids: list[int], first_block: int = 0) -> str:
         """Begin receiving ``handle``'s KV into ``dst_block_ids``; returns a transfer id.
 
-        ``dst_block_ids`` are the decode engine's preallocated blocks in position
-        order (at least ``handle['num_blocks']``; the first ones are written).
-        They must stay allocated until the transfer is terminal. Never blocks on
-        the network. ``ValueError`` on a handle of another backend or layout or
-        bad ids; ``TransferFailed`` if the transfer cannot begin (expired handle).
+        ``dst_block_ids`` are the decode engine's blocks in position order (at
+        least ``handle['num_blocks']``). ``first_block``: the receiver already
+        holds blocks ``[0, first_block)`` (its own prefix cache's hit): only
+        blocks ``[first_block, num_blocks)`` cross the wire, into
+        ``dst_block_ids[first_block:num_blocks]``. The written blocks must stay
+        allocated until the transfer is terminal. Never blocks on the network.
+        ``ValueError`` on a handle of another backend or layout, bad ids or a
+        ``first_block`` out of ``[0, num_blocks]``; ``TransferFailed`` if the
+        transfer cannot begin (expired handle).
         """
 
     def poll(self, transfer_id: str) -> TransferState:
@@ -304,7 +308,8 @@ class KVReceiver(abc.ABC):
 
     # ---- for backends ---------------------------------------------------------------------
 
-    def _check_handle(self, handle: dict, dst_block_ids: list[int]) -> list[int]:
+    def _check_handle(self, handle: dict, dst_block_ids: list[int], first_block: int = 0) -> list[int]:
+        """The destination blocks written: ``dst_block_ids[first_block:num_blocks]``."""
         if handle.get("version") != HANDLE_VERSION or handle.get("backend") != self.backend:
             raise ValueError(f"handle for {handle.get('backend')!r} v{handle.get('version')} "
                              f"given to a {self.backend} receiver")  # fmt: skip
@@ -313,12 +318,18 @@ class KVReceiver(abc.ABC):
         dst = self.pool.check_blocks(dst_block_ids)
         if len(dst) < handle["num_blocks"]:
             raise ValueError(f"need {handle['num_blocks']} destination blocks, got {len(dst)}")
-        return dst[: handle["num_blocks"]]
+        if not 0 <= first_block <= handle["num_blocks"]:
+            raise ValueError(f"first_block {first_block} out of [0, {handle['num_blocks']}]")
+        return dst[first_block : handle["num_blocks"]]
 
-    def _new(self, handle: dict, dst: list[int]) -> Transfer:
-        """Register a transfer; FAILED('expired') at once if it could not finish before
-        the sender's deadline (then it never touches the sender's blocks)."""
-        t = self._ledger.add(handle["request_id"], dst, self.timeout_s, handle["nbytes"], handle["wire_nbytes"])
+    def _new(self, handle: dict, dst: list[int], first_block: int = 0) -> Transfer:
+        """Register a transfer of ``dst`` (blocks ``[first_block, num_blocks)``: its bytes are that share of
+        the handle's); FAILED('expired') at once if it could not finish before the sender's deadline (then it
+        never touches the sender's blocks)."""
+        n, k = handle["num_blocks"], len(dst)
+        t = self._ledger.add(handle["request_id"], dst, self.timeout_s, handle["nbytes"] * k // n,
+                             handle["wire_nbytes"] * k // n)  # fmt: skip
+        t.first = first_block
         if time.time() + self.timeout_s > handle["expires_at"]:
             self._finish(t, TransferState.FAILED, "expired")
         return t

@@ -49,9 +49,9 @@ class FakeReceiver(KVReceiver):
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
 
-    def start(self, handle, dst_block_ids):
-        dst = self._check_handle(handle, dst_block_ids)
-        t = self._new(handle, dst)
+    def start(self, handle, dst_block_ids, first_block=0):
+        dst = self._check_handle(handle, dst_block_ids, first_block)
+        t = self._new(handle, dst, first_block)
         t.extra.update(handle=handle, polls=self.delay_polls)
         return t.id
 
@@ -85,10 +85,12 @@ class FakeReceiver(KVReceiver):
                 self._fail(t, "injected")
                 return
             codec = get_codec(h["codec"])
-            data = sender.pool.gather(hold.block_ids[: hold.n])
-            if codec.name != "none":
-                data = codec.decode(codec.encode(data), self.layout)
-            self.pool.scatter(t.dst, data)
+            if t.dst:  # blocks [first, n): the receiver holds the others
+                data = sender.pool.gather(hold.block_ids[t.first : hold.n])
+                if codec.name != "none":
+                    data = codec.decode(codec.encode(data), self.layout)
+                self.pool.scatter(t.dst, data)
+            hold.wire_nbytes = t.wire_nbytes
             self._finish(t, TransferState.DONE)
             sender._finish(h["request_id"], TransferState.DONE)
 

@@ -123,6 +123,7 @@ class Transfer:
     deadline: float  # monotonic: FAILED('timeout') after this
     nbytes: int  # uncompressed KV bytes
     wire_nbytes: int  # bytes on the transport
+    first: int = 0  # the handle's blocks [0, first) the receiver already held: not moved
     state: str = "bootstrapping"
     reason: str = ""
     ended: float | None = None

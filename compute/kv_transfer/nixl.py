@@ -189,10 +189,21 @@ class NixlReceiver(KVReceiver):
         self._thread = threading.Thread(target=self._loop, name="kv-nixl-receiver", daemon=True)
         self._thread.start()
 
-    def start(self, handle, dst_block_ids):
-        dst = self._check_handle(handle, dst_block_ids)
-        t = self._new(handle, dst)
+    def start(self, handle, dst_block_ids, first_block=0):
+        dst = self._check_handle(handle, dst_block_ids, first_block)
+        t = self._new(handle, dst, first_block)
         if t.terminal:
+            return t.id
+        if not dst:  # the receiver holds every block: nothing to READ, the sender is told done
+            t.extra.update(sender=handle["sender"], expires_at=handle["expires_at"])
+            try:
+                t.extra["peer"] = self.agent.peer(base64.b64decode(handle["metadata"]))
+            except Exception as e:  # noqa: BLE001 - bad metadata / dead peer: its hold expires
+                log.warning("nixl: cannot reach the sender of %s: %s", t.request_id, e)
+            with self._lock:
+                self._ledger.moving(t)
+                self._finish(t, TransferState.DONE)
+                self._notify(t, TransferState.DONE, "")
             return t.id
         codec = get_codec(handle["codec"])
         scratch, reg = self._take_scratch(len(dst), codec.wire_nbytes(self.layout))
@@ -201,7 +212,8 @@ class NixlReceiver(KVReceiver):
         try:
             t.extra["peer"] = self.agent.peer(base64.b64decode(handle["metadata"]))
             remote, local = BlockRegion.from_dict(handle["region"]), BlockRegion.of(scratch)
-            so, do, ln = paired_runs(remote.offsets(handle["blocks"]), local.offsets(list(range(len(dst)))),
+            remote_blocks = handle["blocks"][first_block : handle["num_blocks"]]  # those the receiver lacks
+            so, do, ln = paired_runs(remote.offsets(remote_blocks), local.offsets(list(range(len(dst)))),
                                      local.unit_nbytes)  # fmt: skip
             zero = np.zeros_like(ln)
             rdesc = np.stack((remote.base + so, ln, zero), 1).astype(np.uint64)
@@ -260,6 +272,10 @@ class NixlReceiver(KVReceiver):
         """Under ``self._lock``: settle the READ, finish, tell the sender."""
         self._settle(t, state)
         self._finish(t, state, reason)
+        self._notify(t, state, reason)
+
+    def _notify(self, t, state: TransferState, reason: str) -> None:
+        """Under ``self._lock``: tell the sender the transfer ended (it releases its hold)."""
         if "peer" in t.extra and reason != "peer_lost":  # a lost peer released (or died) already
             op = "done" if state == TransferState.DONE else "abort"
             self.agent.notify(t.extra["peer"], f"{op}:{t.extra['sender']}:{t.request_id}")

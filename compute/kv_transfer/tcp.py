@@ -2,15 +2,16 @@
 
 Wire protocol (one connection per transfer; frames are ``!I`` length + JSON)::
 
-    decode -> prefill   {"op": "get", "request_id": rid, "secret": s}
+    decode -> prefill   {"op": "get", "request_id": rid, "secret": s, "first": k}
     prefill -> decode   {"ok": true, "wire_nbytes": N, "codec": c}  |  {"ok": false, "reason": r}
-    prefill -> decode   N raw bytes: the units in canonical order (layer, kv, block)
+    prefill -> decode   N raw bytes: the units of blocks [k, n) in canonical order (layer, kv, block)
     prefill -> decode   !Q xxh3_64 of those N bytes
     decode -> prefill   {"ok": true}  |  {"ok": false, "reason": "checksum"}   (the confirmation)
 
 Uncompressed, both ends move bytes straight between the cache and the socket
 (``sendmsg`` / ``recvmsg_into`` over views of the cache, adjacent blocks merged):
-no intermediate copy. Compressed, the prefill side encodes into one buffer as
+no intermediate copy. ``first`` (k, default 0): the decode side already holds the offer's
+first k blocks (its prefix cache): they are not sent. Compressed, the prefill side encodes into one buffer as
 it streams and the decode side decodes into its blocks after the checksum.
 
 Threads: the sender runs one accept thread (which also expires holds) and one
@@ -157,11 +158,15 @@ class TcpSender(KVSender):
             if h is None or not hmac.compare_digest(h.extra.get("secret", ""), str(req.get("secret", ""))):
                 _send_frame(conn, {"ok": False, "reason": "unknown"})
                 return
+            first = req.get("first", 0)
+            if type(first) is not int or not 0 <= first <= h.n:
+                _send_frame(conn, {"ok": False, "reason": "rejected"})
+                return
             h, reason = self._ledger.begin(rid)
             if h is None:
                 _send_frame(conn, {"ok": False, "reason": reason})
                 return
-            state, reason = self._send(conn, h)
+            state, reason = self._send(conn, h, first)
             self._finish(rid, state, reason)
         except Exception as e:  # noqa: BLE001 - a bad connection never takes the sender down
             log.debug("tcp stream ended: %r", e)
@@ -169,12 +174,15 @@ class TcpSender(KVSender):
             conn.close()
             self._streams.discard(threading.current_thread())
 
-    def _send(self, conn, h) -> tuple[TransferState, str]:
+    def _send(self, conn, h, first: int = 0) -> tuple[TransferState, str]:
         end = time.monotonic() + self.timeout_s
         try:
+            blocks = h.block_ids[first : h.n]
+            h.wire_nbytes = len(blocks) * 2 * self.layout.num_layers * self.codec.wire_nbytes(self.layout)
             _send_frame(conn, {"ok": True, "wire_nbytes": h.wire_nbytes, "codec": self.codec.name})
-            blocks = h.block_ids[: h.n]
-            if self.codec.name == "none":
+            if not blocks:
+                views = []
+            elif self.codec.name == "none":
                 views = _views(self._mv, self.pool.region.segments(blocks))
             else:
                 payload = self.codec.encode(self.pool.gather(blocks))  # [L, 2, n, wire]
@@ -212,9 +220,9 @@ class TcpReceiver(KVReceiver):
         self._mv = memoryview(flat_bytes(pool.tensor))
         self._write = threading.Lock()  # a decode into the cache vs abort
 
-    def start(self, handle, dst_block_ids):
-        dst = self._check_handle(handle, dst_block_ids)
-        t = self._new(handle, dst)
+    def start(self, handle, dst_block_ids, first_block=0):
+        dst = self._check_handle(handle, dst_block_ids, first_block)
+        t = self._new(handle, dst, first_block)
         if not t.terminal:
             t.extra.update(handle=handle, cut=threading.Event(), sock=None)
             th = threading.Thread(target=self._fetch, args=(t,), name="kv-tcp-fetch", daemon=True)
@@ -246,17 +254,19 @@ class TcpReceiver(KVReceiver):
             if cut.is_set():
                 raise _Cut
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _send_frame(sock, {"op": "get", "request_id": h["request_id"], "secret": h["secret"]})
+            _send_frame(sock, {"op": "get", "request_id": h["request_id"], "secret": h["secret"], "first": t.first})
             resp = _recv_frame(sock)
             if not resp.get("ok"):
                 reason = str(resp.get("reason", "rejected"))
                 raise ConnectionError(reason)
-            if resp.get("wire_nbytes") != h["wire_nbytes"] or resp.get("codec") != h["codec"]:
+            if resp.get("wire_nbytes") != t.wire_nbytes or resp.get("codec") != h["codec"]:
                 reason = "rejected"
                 raise ConnectionError("stream does not match the handle")
             self._ledger.moving(t)
             codec = get_codec(h["codec"])
-            if codec.name == "none":
+            if not t.dst:
+                payload, views = None, []
+            elif codec.name == "none":
                 payload, views = None, _views(self._mv, self.pool.region.segments(t.dst))
             else:
                 payload = torch.empty((self.layout.num_layers, 2, len(t.dst), codec.wire_nbytes(self.layout)),

@@ -3,12 +3,17 @@
 Lifecycle of a request on a decode node:
  1. POST /internal/decode with the prompt, the first token and the prefill node's KV handle;
  2. the engine thread allocates blocks for the prompt's KV (``scheduler.add_imported``: the
-    sequence is IMPORTING, never scheduled); no room -> 503 (the gateway tries elsewhere);
- 3. the KV receiver pulls the prefill node's blocks into them (``start``, then ``poll`` until
-    DONE or FAILED within ``kv_timeout_s``); the prefill side is told and frees its copy;
+    sequence is IMPORTING, never scheduled), its table starting with this node's own cached
+    blocks of the prompt (k of them: an earlier turn's prompt it imported); no room -> 503
+    (the gateway tries elsewhere);
+ 3. the KV receiver pulls the prefill node's blocks [k, n) into the rest (``start`` with
+    ``first_block=k``, then ``poll`` until DONE or FAILED within ``kv_timeout_s``): only what
+    this node lacks crosses the wire; the prefill side is told and frees its copy;
  4. FAILED: the sequence is aborted (blocks freed) and the request answered 503 with the
     reason — only this request fails, and the gateway re-prefills it on a healthy pair;
- 5. DONE: ``activate`` — the sequence joins the running batch as a decode, its first step
+ 5. DONE: ``activate`` — the imported prompt blocks the prefill node computed by prefill (its
+    handle's ``cacheable_blocks``) are cached here by their hashes (never the decoded answer's:
+    decode-path numbers); the sequence joins the running batch as a decode, its first step
     computes the first token's KV and samples the second; outputs stream as NDJSON lines;
  6. a client that goes away aborts it; blocks return to the free list in every case.
 """
@@ -57,7 +62,9 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     if rid in svc.active:
         raise BadNodeRequest(f"duplicate request_id {rid!r}")
     try:
-        blocks = await svc.worker.call(lambda e: e.scheduler.add_imported(seq, len(prompt)))
+        cacheable = handle.get("cacheable_blocks", 0)  # lossy (compressed) KV is never cached: not a prefill's numbers
+        cacheable = cacheable if type(cacheable) is int and handle.get("codec") == "none" else 0
+        blocks, first = await svc.worker.call(lambda e: e.scheduler.add_imported(seq, len(prompt), cacheable))
     except RequestTooLarge as e:
         raise BadNodeRequest(str(e)) from None
     except CacheFull as e:
@@ -65,7 +72,7 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     q = svc.worker.open_stream(seq.seq_id)
     svc.active[rid] = Active(seq.seq_id, time.monotonic(), "decode")
     try:
-        await _receive(svc, handle, blocks, rid)
+        await _receive(svc, handle, blocks, rid, first)
         await svc.worker.call(lambda e: e.scheduler.activate(seq.seq_id))
     except BaseException:
         svc.abort(rid)
@@ -73,11 +80,11 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     return rid, q
 
 
-async def _receive(svc: NodeService, handle: dict, blocks: list[int], rid: str) -> None:
+async def _receive(svc: NodeService, handle: dict, blocks: list[int], rid: str, first: int = 0) -> None:
     from compute.kv_transfer import TransferState
 
     try:
-        tid = svc.receiver.start(handle, blocks)
+        tid = svc.receiver.start(handle, blocks, first)
     except ValueError as e:
         raise BadNodeRequest(f"bad KV handle: {e}") from None
     except Exception as e:  # noqa: BLE001 - TransferFailed (expired...) : retry elsewhere

@@ -8,7 +8,8 @@ Lifecycle of a request on a prefill node:
  3. the KV sender ``offer``s those blocks and returns a handle (backend, peer address
     or NIXL metadata, descriptors) beside the first token — the gateway passes the
     handle to a decode node;
- 4. the decode node pulls the blocks (NIXL READ / TCP) and confirms; the sender's
+ 4. the decode node pulls the blocks it lacks (NIXL READ / TCP: those past its own cached
+    prefix of the prompt; the handle's ``cacheable_blocks`` says which it may cache) and confirms; the sender's
     ``on_release`` fires, and the blocks go back to the free list on the engine thread;
  5. no confirmation within ``kv_hold_s``, an abort, or the first token already ending
     the request (EOS, max_tokens 1): the blocks are released the same way. No leak.
@@ -73,6 +74,8 @@ async def prefill(svc: NodeService, msg: GenerateRequest) -> PrefillReply:
     svc.held[rid] = seq.seq_id
     try:
         reply.kv = KVHandle(svc.sender.offer(rid, blocks, len(prompt)))
+        # the leading full blocks computed here by prefill (or hit): a decode node may cache those, not the rest
+        reply.kv["cacheable_blocks"] = min(seq.num_published, seq.cache_stop // svc.scheduler.config.block_size)
     except Exception as e:  # noqa: BLE001 - TransferFailed/TransportDead: this request only
         svc.held.pop(rid, None)
         svc.worker.post(lambda e: e.scheduler.release(seq.seq_id))

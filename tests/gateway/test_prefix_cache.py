@@ -88,4 +88,5 @@ def test_the_prefill_node_reports_its_hit_on_a_split(split):
                 {"role": "user", "content": "What color is the sky on a clear day?"}]  # fmt: skip
     first, second = _ask(split, messages), _ask(split, messages)
     assert first[2] == 0 and second[2] > 0 and first[0] == second[0]
-    assert _metric(split["nodes"][0], "pdserve_node_prefix_cache_hits_total") >= second[2]
+    # the prefill node's hit, or the decode node's own when it held all but a few tokens (gateway/routing/router.py)
+    assert sum(_metric(n, "pdserve_node_prefix_cache_hits_total") for n in split["nodes"]) >= second[2]

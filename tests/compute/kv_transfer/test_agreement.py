@@ -79,7 +79,7 @@ def _score(model, cache, ids, cont, blocks, bs):
 def _scored(sch, cache, model, ids, want, payload):
     """Teacher-forced argmaxes over `want` with `payload` as the prompt's KV, in fresh blocks."""
     seq = Sequence(ids + want, SamplingParams(max_tokens=1, temperature=0))
-    dst = sch.add_imported(seq, len(ids))
+    dst, _ = sch.add_imported(seq, len(ids))
     sch.blocks.allocate(seq, len(ids) + len(want))
     cache.kv[:, :, dst[: payload.shape[2]]] = payload
     out = _score(model, cache, ids, want, list(seq.block_table), cache.block_size)
@@ -90,7 +90,7 @@ def _scored(sch, cache, model, ids, want, payload):
 def _start_free_running(sch, cache, ids, want, payload) -> Sequence:
     """A greedy decode from `payload` as the prompt's KV, first token given (run by the next steps)."""
     seq = Sequence(ids + want[:1], SamplingParams(max_tokens=len(want) - 1, temperature=0, ignore_eos=True))
-    dst = sch.add_imported(seq, len(ids))
+    dst, _ = sch.add_imported(seq, len(ids))
     cache.kv[:, :, dst] = payload
     sch.activate(seq.seq_id)
     return seq

@@ -87,3 +87,13 @@ def test_fake_200_requests_with_failures_and_aborts_leak_nothing(layout):
     assert released == Counter(offered)  # every offer released exactly once
     states = Counter(r.poll(t).value for t in tids)
     assert states["done"] > 100 and states["failed"] > 30, states
+
+
+def test_fake_moves_only_blocks_past_the_receivers_own(layout):
+    src, dst = KVPool(layout, random_cache(layout, 12, 1)), KVPool.allocate(layout, 8)
+    with make_transfer("fake", "prefill", layout, src) as s, make_transfer("fake", "decode", layout, dst) as r:
+        tid = r.start(s.offer("r1", SRC_BLOCKS, NUM_TOKENS), DST_BLOCKS, first_block=2)
+        assert wait(r.poll, tid, 5) == TransferState.DONE and s.held() == 0
+        assert r.stats(tid).wire_nbytes == layout.bytes_per_block
+        assert torch.equal(dst.gather(DST_BLOCKS[2:]), src.gather(SRC_BLOCKS[2:]))
+        assert not dst.gather(DST_BLOCKS[:2]).any()

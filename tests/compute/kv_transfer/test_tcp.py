@@ -162,3 +162,24 @@ def test_tcp_in_process_bf16_cache(layout, dtype):
         tid = r.start(s.offer("b1", SRC_BLOCKS, NUM_TOKENS), DST_BLOCKS)
         assert wait(r.poll, tid, 5) == DONE
         assert torch.equal(dst.gather(DST_BLOCKS), src.gather(SRC_BLOCKS))
+
+
+def test_tcp_moves_only_blocks_past_the_receivers_own(peer, layout):
+    """first_block k: the decode side holds blocks [0, k) (its prefix cache); only [k, n) cross the wire."""
+    src = KVPool(layout, random_cache(layout, 12, 1))
+    for k in (1, 2, 3):  # 3 == all: nothing moves, the sender is still told (and releases)
+        dst = KVPool.allocate(layout, 8)
+        with make_transfer("tcp", "decode", layout, dst) as r:
+            before = metrics.BYTES.labels("tcp", "received")._value.get()
+            tid = r.start(peer.call("offer", "tcp", f"f{k}", SRC_BLOCKS, NUM_TOKENS), DST_BLOCKS, first_block=k)
+            assert wait(r.poll, tid, 10) == DONE
+            assert peer.call("wait", "tcp", f"f{k}", 5) == ("done", "")
+            moved = (3 - k) * layout.bytes_per_block
+            assert r.stats(tid).wire_nbytes == moved == r.stats(tid).nbytes
+            assert metrics.BYTES.labels("tcp", "received")._value.get() - before == moved
+            assert torch.equal(dst.gather(DST_BLOCKS[k:]), src.gather(SRC_BLOCKS[k:]))
+            assert not dst.gather(DST_BLOCKS[:k]).any()  # the held blocks were not written
+    assert peer.call("held", "tcp", 5) == 0
+    with make_transfer("tcp", "decode", layout, KVPool.allocate(layout, 8)) as r:
+        with pytest.raises(ValueError):
+            r.start(peer.call("offer", "tcp", "f4", SRC_BLOCKS, NUM_TOKENS), DST_BLOCKS, first_block=4)

@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -24,6 +25,7 @@ from tests.services import AUTH, TOKEN, node_generate, nodes_up, start_node, wai
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
+BLOCK_SIZE = 16  # the nodes' default
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +122,55 @@ def test_int8_kv_compression_through_processes(cluster, prompts):
     agreement = same / total
     print(f"int8 KV: greedy token agreement {agreement:.2%}, {saved} bytes saved on the wire")
     assert agreement >= 0.75, agreement
+
+
+def _received(node) -> float:
+    """KV wire bytes a decode node has received (its tcp receiver's counter)."""
+    text = httpx.get(node.url + "/metrics", timeout=10).text
+    key = 'pdserve_kv_transfer_bytes_total{backend="tcp",direction="received"}'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(key))
+
+
+def test_a_later_turn_pulls_only_the_blocks_the_decode_node_lacks(cluster, prompts):
+    """A 3-turn conversation (each turn: the last prompt, its answer, a new question) through the tcp pair: the
+    decode node keeps the prompt blocks it imported, so turn N pulls only the blocks past turn N-1's prompt
+    (bytes counted on the decode node); every turn answers what the `both` node answers; no block leaks, after
+    the turns and after an aborted decode. KV that came compressed (int8) is never cached on the decode node."""
+    p, d, salt = cluster["tcp_p"], cluster["tcp_d"], f"turns-{uuid.uuid4().hex}"  # nothing of it cached anywhere
+    ids, held, moved, whole = [t for q in prompts for t in q], 0, [], []  # a long first turn (a system prompt's worth)
+    for turn in range(3):
+        before = _received(d)
+        got, pre = pd(p, d, f"turn-{salt}-{turn}", ids, cache_salt=salt)
+        kv = pre["kv"]
+        per_block = kv["nbytes"] // kv["num_blocks"]
+        moved.append(_received(d) - before)
+        whole.append(kv["num_blocks"])
+        assert moved[-1] == (kv["num_blocks"] - held) * per_block, (turn, moved, held, kv["num_blocks"])
+        assert got == generate(cluster["both"], f"turn-both-{salt}-{turn}", ids, cache_salt=salt), turn
+        held = kv["cacheable_blocks"]  # what the decode node keeps of this turn's prompt
+        assert held == len(ids) // BLOCK_SIZE  # the whole prompt was computed by prefill: every full block
+        ids = ids + got + prompts[turn]
+    print(f"KV bytes pulled per turn: {moved} ({per_block} per block; the prompts' blocks: {whole})")
+    assert moved[1] < moved[0] / 2 and moved[2] < moved[0] / 2
+    # an aborted decode of a cached prefix: its shared blocks go back cached, none leaks on either node
+    params = {"max_tokens": 64, "temperature": 0, "ignore_eos": True, "cache_salt": salt}
+    with httpx.Client(auth=AUTH, timeout=60) as c:
+        pre = c.post(p.url + "/internal/prefill", json={"request_id": f"ab-{salt}", "prompt_token_ids": ids,
+                                                        "params": params}).json()  # fmt: skip
+        body = {"request_id": f"ab-{salt}", "prompt_token_ids": ids, "first_token_id": pre["token_ids"][0],
+                "kv": pre["kv"], "params": dict(params, max_tokens=63)}  # fmt: skip
+        with c.stream("POST", d.url + "/internal/decode", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+            c.post(d.url + "/internal/abort", json={"request_id": f"ab-{salt}"})
+    loads = wait_blocks_free([p, d])
+    assert [ld["kv_blocks_used"] for ld in loads] == [0, 0], loads
+    # compressed KV lands lossy: the decode node names none of it, the next pull is whole
+    lossy = f"int8-{uuid.uuid4().hex}"
+    pd(cluster["int8_p"], d, f"lossy-{lossy}", prompts[1], cache_salt=lossy)
+    before = _received(d)
+    _, pre = pd(p, d, f"exact-{lossy}", prompts[1], cache_salt=lossy)
+    assert _received(d) - before == pre["kv"]["nbytes"]
 
 
 @pytest.mark.parametrize("when", ["before-pull", "mid-pull"])

@@ -3,7 +3,7 @@ random weights) and a gateway over them. A prefix one node holds draws its repea
 metrics and each answer's cached_tokens say so); a new prompt goes by load; a salted prompt does not match
 an unsalted holder; the index folded from a node's events equals the node's snapshot; a node drained or
 removed leaves the registry's index; on a split pool (2 prefill + 1 decode), the prefill node holding the prefix
-is taken."""
+is taken, and a decode node holding all but a few tokens takes the whole request."""
 
 from __future__ import annotations
 
@@ -170,9 +170,21 @@ def split(tmp_path_factory, real_model_store):
         for p in (*prefills, decode, gw):
             p.wait_ready()
         lo, hi = sorted(prefills, key=lambda n: n.url)
-        yield {"lo": lo, "hi": hi, "gw": gw}
+        yield {"lo": lo, "hi": hi, "gw": gw, "decode": decode}
     finally:
         services.stop_all()
+
+
+def test_a_decode_node_holding_all_but_a_few_tokens_takes_the_whole_request(split):
+    """Conditional disaggregation (gateway/routing/router.py, ``Weights.local_tokens``): the decode node kept the
+    8 full blocks it imported; the same 130-token prompt again leaves 2 tokens, which it computes itself."""
+    lo, hi, gw, decode = split["lo"], split["hi"], split["gw"], split["decode"]
+    a = prompt(61, n=8 * BS + 2)
+    assert complete(gw, a) == 0  # split: the decode node imports the prompt and keeps its full blocks
+    wait_for(lambda: indexed(gw, decode) >= 8, 10, "the gateway's index to see the decode node's blocks")
+    asked, got = queries(lo) + queries(hi), hits(decode)
+    assert complete(gw, a) == 8 * BS  # the decode node's own hit
+    assert hits(decode) - got == 8 * BS and queries(lo) + queries(hi) == asked  # no prefill node was asked
 
 
 def test_a_split_route_takes_the_prefill_node_holding_the_prefix(split):

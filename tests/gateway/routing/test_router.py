@@ -87,6 +87,14 @@ def test_prefill_role_scored_by_hit_decode_by_free_blocks_and_its_hit():
     assert pick(nodes, hits={"d2": 160}, prompt_tokens=500).decode == "d2"  # 45 + 10 blocks it would not need
 
 
+def test_a_decode_node_holding_all_but_a_few_tokens_takes_the_whole_request():
+    nodes = [P("p1"), D("d1", free=50), D("d2", free=45)]
+    assert pick(nodes, hits={"d2": 496}, prompt_tokens=500) == Route(both="d2", hit_tokens=496)  # 4 left: no pull
+    assert pick(nodes, hits={"d2": 480}, prompt_tokens=500).split  # 20 left: the prefill node computes them
+    assert pick(nodes, hits={"d2": 496}, prompt_tokens=500, w=Weights(local_tokens=0)).split  # turned off
+    assert pick(nodes, hits={"p1": 496}, prompt_tokens=500).split  # a prefill node's hit is no reason
+
+
 def test_weights_are_checked():
     import pytest
 
