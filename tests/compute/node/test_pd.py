@@ -124,10 +124,10 @@ def test_int8_kv_compression_through_processes(cluster, prompts):
     assert agreement >= 0.75, agreement
 
 
-def _received(node) -> float:
-    """KV wire bytes a decode node has received (its tcp receiver's counter)."""
+def _received(node, backend: str = "tcp") -> float:
+    """KV wire bytes a decode node has received (its receiver's counter)."""
     text = httpx.get(node.url + "/metrics", timeout=10).text
-    key = 'pdserve_kv_transfer_bytes_total{backend="tcp",direction="received"}'
+    key = f'pdserve_kv_transfer_bytes_total{{backend="{backend}",direction="received"}}'
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(key))
 
 
@@ -171,6 +171,24 @@ def test_a_later_turn_pulls_only_the_blocks_the_decode_node_lacks(cluster, promp
     before = _received(d)
     _, pre = pd(p, d, f"exact-{lossy}", prompts[1], cache_salt=lossy)
     assert _received(d) - before == pre["kv"]["nbytes"]
+
+
+def test_a_later_turn_reads_only_the_missing_blocks_over_nixl(request, cluster, prompts):
+    """The same over the nixl pair: turn 2 READs only the blocks past what the decode node kept of turn 1's
+    prompt (bytes counted on the decode node), and both turns answer what the `both` node answers."""
+    pair = request.getfixturevalue("nixl_pair")
+    p, d, salt = pair["nixl_p"], pair["nixl_d"], f"nixl-turns-{uuid.uuid4().hex}"
+    ids, held, moved = [t for q in prompts for t in q], 0, []
+    for turn in range(2):
+        before = _received(d, "nixl")
+        got, pre = pd(p, d, f"nixl-turn-{salt}-{turn}", ids, cache_salt=salt)
+        kv = pre["kv"]
+        moved.append(_received(d, "nixl") - before)
+        assert moved[-1] == (kv["num_blocks"] - held) * (kv["nbytes"] // kv["num_blocks"]), (turn, moved, held)
+        assert got == generate(cluster["both"], f"nixl-turn-both-{salt}-{turn}", ids, cache_salt=salt), turn
+        held = kv["cacheable_blocks"]
+        ids = ids + got + prompts[turn]
+    assert 0 < moved[1] < moved[0] / 2, moved
 
 
 @pytest.mark.parametrize("when", ["before-pull", "mid-pull"])
