@@ -87,13 +87,7 @@ class PrefixCache:
         """``seq`` starts from ``hit`` (``lookup``'s answer, admitted): shared, not computed."""
         if seq.num_cached_tokens is None:  # what the request is told: its first admission's hit
             seq.num_cached_tokens = len(hit) * self.bs
-        if not self.enabled:
-            return
-        self.queries += seq.prompt_len
-        self.hits += len(hit) * self.bs
-        if hit:
-            self.blocks.share(hit, seq)
-            seq.num_published = len(hit)
+        if self._share(seq, hit):
             seq.num_computed = len(hit) * self.bs
 
     def lookup_imported(self, seq: Sequence, num_imported: int) -> list[int]:
@@ -108,13 +102,18 @@ class PrefixCache:
         """Decode side: ``seq`` starts from ``hit`` (not pulled); the imported blocks before ``cacheable``
         (the prefill node's prefill-computed full blocks) are named at ``computed`` once they landed."""
         seq.cache_stop = min(seq.prompt_len, max(cacheable, len(hit)) * self.bs)  # never name the decode path's
+        self._share(seq, hit)
+
+    def _share(self, seq: Sequence, hit: list[int]) -> bool:
+        """Count the lookup and start ``seq``'s table with ``hit``; whether it shared any block."""
         if not self.enabled:
-            return
+            return False
         self.queries += seq.prompt_len
         self.hits += len(hit) * self.bs
         if hit:
             self.blocks.share(hit, seq)
             seq.num_published = len(hit)
+        return bool(hit)
 
     def computed(self, seq: Sequence, start: int, n: int) -> None:
         """``seq`` computed ``n`` tokens from ``start``: publish the full prefill-computed prompt blocks."""
