@@ -68,6 +68,22 @@ def indexed(gw, node) -> int:
     return (st.get("prefix_index") or {}).get(node.url, {}).get(MODEL, 0)
 
 
+def seen_idle(gw, node) -> bool:
+    """The gateway's last /load of ``node`` shows nothing queued or running: a warm-up sent straight to the node
+    is over in its view too (a stale reading would weigh the finished warm-up's prompt against the node)."""
+    st = httpx.get(gw.url + "/internal/status", auth=AUTH, timeout=5).json()
+    ld = next((n["load"] for n in st["nodes"] if n["url"] == node.url), None)
+    return ld is not None and not ld.get("queued_prompt_tokens") and not ld.get("running")
+
+
+def settled(gw, *nodes) -> None:
+    """Wait until the gateway's view of ``nodes`` shows the requests just served as over. The router weighs a
+    node's last /load (polled every 0.5 s): a request that just finished there still counts against it for up
+    to one poll, so a repeat sent at once may be routed elsewhere (a known limit, in the closing note)."""
+    for n in nodes:
+        wait_for(lambda n=n: seen_idle(gw, n), 10, f"the gateway to see {n.url} idle")
+
+
 def hits(node) -> float:
     return metric(node.url, "pdserve_node_prefix_cache_hits_total")
 
@@ -82,9 +98,13 @@ def test_a_repeated_prefix_goes_to_its_holder_and_a_new_one_by_load(svc):
     before = indexed(gw, hi)
     node_generate(hi, "warm-a", a, 1)  # hi holds A; by load alone the gateway would pick lo
     wait_for(lambda: indexed(gw, hi) >= before + len(a) // BS - 1, 10, "the gateway's index to see hi's blocks")
+    wait_for(lambda: seen_idle(gw, hi), 10, "the gateway to see hi idle after its warm-up")
     lo_h, hi_h, lo_q = hits(lo), hits(hi), queries(lo)
     by_hit = metric(gw.url, "pdserve_gateway_routed_total", by="hit")
-    cached = [complete(gw, a) for _ in range(3)]
+    cached = []
+    for _ in range(3):
+        cached.append(complete(gw, a))
+        settled(gw, lo, hi)
     assert all(c >= (len(a) - 2) // BS * BS - BS for c in cached), cached
     assert hits(hi) - hi_h == sum(cached) and hits(lo) == lo_h and queries(lo) == lo_q
     assert metric(gw.url, "pdserve_gateway_routed_total", by="hit") - by_hit == 3
@@ -92,6 +112,7 @@ def test_a_repeated_prefix_goes_to_its_holder_and_a_new_one_by_load(svc):
     by_load = metric(gw.url, "pdserve_gateway_routed_total", by="load")
     assert complete(gw, b) == 0 and queries(lo) - lo_q == len(b)
     assert metric(gw.url, "pdserve_gateway_routed_total", by="load") - by_load == 1
+    settled(gw, lo, hi)
     assert complete(gw, b) > 0 and hits(lo) > lo_h  # the repeat hits lo: its events or what the gateway sent
 
 
@@ -101,10 +122,13 @@ def test_a_salted_request_does_not_match_an_unsalted_holder(svc):
     before = indexed(gw, hi)
     node_generate(hi, "warm-salt", a, 1)
     wait_for(lambda: indexed(gw, hi) >= before + len(a) // BS - 1, 10, "the gateway's index to see hi's blocks")
+    wait_for(lambda: seen_idle(gw, hi), 10, "the gateway to see hi idle after its warm-up")
     lo_q, hi_q = queries(lo), queries(hi)
     assert complete(gw, a, cache_salt="tenant-1") == 0
     assert queries(lo) - lo_q == len(a) and queries(hi) == hi_q  # routed by load, not to the unsalted holder
+    settled(gw, lo, hi)
     assert complete(gw, a, cache_salt="tenant-1") > 0  # its own salt's blocks, where it went
+    settled(gw, lo, hi)
     assert complete(gw, a) > 0  # unsalted: the holder
 
 
@@ -192,6 +216,11 @@ def test_a_split_route_takes_the_prefill_node_holding_the_prefix(split):
     a = prompt(5)
     node_generate(hi, "warm-split", a, 1)  # the prefill node hi holds A
     wait_for(lambda: indexed(gw, hi) >= len(a) // BS - 1, 10, "the gateway's index to see hi's blocks")
+    wait_for(lambda: seen_idle(gw, hi), 10, "the gateway to see hi idle after its warm-up")
     lo_q, hi_h = queries(lo), hits(hi)
-    cached = [complete(gw, a) for _ in range(2)]
-    assert all(c > 0 for c in cached) and hits(hi) - hi_h == sum(cached) and queries(lo) == lo_q
+    cached = []
+    for _ in range(2):
+        cached.append(complete(gw, a))
+        settled(gw, lo, hi, split["decode"])
+    got = (cached, hits(hi) - hi_h, queries(lo) - lo_q)
+    assert all(c > 0 for c in cached) and hits(hi) - hi_h == sum(cached) and queries(lo) == lo_q, got
