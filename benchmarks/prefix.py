@@ -70,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-clients", type=int, default=2, help="routing: concurrent clients")
     p.add_argument("--pool-threads", type=int, default=1, help="routing: threads per node")
     p.add_argument("--pool-kv-blocks", type=int, default=1024, help="routing: KV blocks per node (16 tokens each)")
+    p.add_argument("--pool-roles", choices=("both", "split"), default="both",
+                   help="routing: 2 both nodes, or split: 2 prefill + 2 decode nodes")
     p.add_argument("--pool-modes", default="cache,load,off", help="routing: modes, in this order")
     p.add_argument("--out", default="bench-results/prefix.json")
 

@@ -1,7 +1,7 @@
 """`pdserve bench prefix --part routing|weights`: the pool-level parts of the prefix-cache benchmark.
 
-routing — shared system prompts through a real gateway and 2 `both` nodes (issue 26, section 5's second
-scenario): ``--pool-prompts`` system prompts of ~``--pool-tokens`` tokens (distinct from their first token),
+routing — shared system prompts through a real gateway and 2 `both` nodes, or (``--pool-roles split``)
+2 prefill + 2 decode nodes (issue 26, section 5's second scenario): ``--pool-prompts`` system prompts of ~``--pool-tokens`` tokens (distinct from their first token),
 each asked by ``--pool-users`` users (a short question appended), in one shuffled order, from
 ``--pool-clients`` concurrent clients, once per mode, each on fresh nodes (cold caches) and a fresh gateway:
 
@@ -29,6 +29,7 @@ import threading
 import time
 
 RUNNING = 48  # weights: streams decoding beside the measured prompt
+ROLES = {"both": ("both", "both"), "split": ("prefill", "prefill", "decode", "decode")}  # --pool-roles
 MODES = {"cache": ((), ()), "load": ((), ("--routing", "load")), "off": (("--no-prefix-cache",), ("--routing", "load"))}
 
 
@@ -60,11 +61,12 @@ def _mode(args, locations: list[str], mode: str, prompts: list[list[int]], keys:
     node_flags, gw_flags = MODES[mode]
     svc = Services(locations, args.model, tempfile.mkdtemp(prefix=f"pdserve-bench-prefix-{mode}-"))
     try:
-        nodes = [svc.node("both", args.pool_threads, kv_blocks=args.pool_kv_blocks, extra=node_flags)
-                 for _ in range(2)]  # fmt: skip
+        roles = ROLES[args.pool_roles]
+        nodes = [svc.node(role, args.pool_threads, kv_blocks=args.pool_kv_blocks, extra=node_flags)
+                 for role in roles]  # fmt: skip
         for n in nodes:
             n.wait_ready(300)
-        gw = svc.gateway([("both", n) for n in nodes], extra=gw_flags).wait_ready(60)
+        gw = svc.gateway(list(zip(roles, nodes)), extra=gw_flags).wait_ready(60)
         computed0 = sum(_metric(n.url, "pdserve_node_prompt_tokens_computed_total") for n in nodes)
         t0 = time.perf_counter()
         ttfts = _drive(gw.url, args.model, prompts, args.pool_clients)

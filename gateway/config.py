@@ -31,6 +31,7 @@ class GatewayConfig:
     health_interval_s: float = 0.5  # node /load polling period
     health_failures: int = 2  # consecutive failures before a node is evicted
     routing: str = "cache"  # cache: by each node's cached prefix and load (gateway/routing/router.py) | load: load only
+    cache_isolation: str = "per_key"  # per_key: each API key's requests share cached KV only among themselves | shared
     prefix_ttl_s: float = 10.0  # a request sent counts as its prompt's blocks on that node this long (before its report)
     node_timeout_s: float = 60.0  # longest silence from a node mid-request
     max_model_len: int | None = None  # context limit (default: the model's)
@@ -59,6 +60,8 @@ class GatewayConfig:
             raise ValueError("retry_attempts >= 0, queue_timeout_s > 0, node_timeout_s > 0")
         if self.routing not in ("cache", "load"):
             raise ValueError(f"routing must be 'cache' or 'load', not {self.routing!r}")
+        if self.cache_isolation not in ("per_key", "shared"):
+            raise ValueError(f"cache_isolation must be 'per_key' or 'shared', not {self.cache_isolation!r}")
         if self.prefix_ttl_s < 0:
             raise ValueError("prefix_ttl_s must be >= 0")
         for role, _ in self.nodes:

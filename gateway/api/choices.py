@@ -73,6 +73,24 @@ def best(parts: list[dict], n: int, best_of: int, keep_logprobs: bool) -> list[d
     return choices
 
 
+def usage(n_prompt: int, n_out: int, cached: int | None) -> dict:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when the node said how much its prefix cache gave."""
+    got = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    if cached is not None:
+        got["prompt_tokens_details"] = {"cached_tokens": cached}
+    return got
+
+
+def usage_of(n_prompt: int, outs: list[tuple[int, object, int | None]]) -> dict:
+    """The usage of several choices, each ``(tokens out, its prompt, cached_tokens)``: every token out counts,
+    and each prompt's cached tokens once (its choices share one prefill: the largest any of them reported)."""
+    hits: dict[int, int] = {}
+    for _, prompt, cached in outs:
+        if cached is not None:
+            hits[id(prompt)] = max(cached, hits.get(id(prompt), 0))
+    return usage(n_prompt, sum(o[0] for o in outs), sum(hits.values()) if hits else None)
+
+
 async def merged(parts: list, obj: str, rid: str, created: int, model: str, include_usage: bool, n_prompt: int,
                  counts: dict):  # fmt: skip
     """Several choices' SSE events as one stream, in arrival order; then usage (if asked) and [DONE]."""
@@ -95,8 +113,7 @@ async def merged(parts: list, obj: str, rid: str, created: int, model: str, incl
             else:
                 yield e
         if include_usage:
-            n = sum(counts.values())
-            usage = {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
+            usage = usage_of(n_prompt, list(counts.values()))
             body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"

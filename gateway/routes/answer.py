@@ -21,6 +21,7 @@ from gateway.admission.control import Overloaded
 from gateway.api import choices, tools
 from gateway.api import logprobs as lg
 from gateway.api.protocol import error_body
+from gateway.routes.auth import salted
 from gateway.routes.errors import error_reply
 from gateway.routing.activator import NotPlaced
 from gateway.routing.nodes import RequestRejected
@@ -57,13 +58,9 @@ class Answers:
         if not req.stream:
             picked = choices.best(parts, req.n, best_of, req.num_logprobs() is not None) if best_of > req.n \
                 else [r["choices"][0] for r in parts]  # fmt: skip
-            n_out = sum(r["usage"]["completion_tokens"] for r in parts)
-            hits: dict[int, int] = {}  # per prompt (its choices share one prefill): the largest hit reported
-            for j, r in zip(todo, parts):
-                c = r["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
-                if c is not None:
-                    hits[id(j.prompt)] = max(c, hits.get(id(j.prompt), 0))
-            usage = _usage(n_prompt, n_out, sum(hits.values()) if hits else None)
+            usage = choices.usage_of(n_prompt, [(r["usage"]["completion_tokens"], j.prompt,
+                                                 r["usage"].get("prompt_tokens_details", {}).get("cached_tokens"))
+                                                for j, r in zip(todo, parts)])  # fmt: skip
             return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                     "model": req.model, "choices": picked, "usage": usage}  # fmt: skip
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -75,12 +72,13 @@ class Answers:
                       rid: str | None = None, created: int | None = None, counts: dict | None = None,
                       extra: dict | None = None, affinity=None, plan: tools.ToolPlan | None = None):  # fmt: skip
         """One choice. ``counts`` given: part of several (``respond_many``): a stream comes back as its
-        generator of SSE events (no usage, no [DONE]; its token count lands in ``counts[index]``);
+        generator of SSE events (no usage, no [DONE]; its tokens out, prompt and cached tokens land in
+        ``counts[index]``);
         ``extra``: node params of this choice (seed, fork group); ``affinity``: its group's route;
         ``plan``: the tools offered (gateway/api/tools.py: their grammar, the calls parsed out of the answer)."""
         rid = rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = created or int(time.time())
-        params, stops = replace(self.gw.node_params(req), **(extra or {})), req.stop_list()
+        params, stops = salted(replace(self.gw.node_params(req), **(extra or {}))), req.stop_list()
         if plan is not None and plan.grammar is not None:
             params = replace(params, grammar=plan.grammar)
         timing: dict = {}
@@ -127,7 +125,7 @@ class Answers:
             await gen.aclose()
         REQUESTS.labels("200").inc()
         REQUEST_SECONDS.observe(time.monotonic() - t0)
-        usage = _usage(len(prompt), n, first.cached_tokens)
+        usage = choices.usage(len(prompt), n, first.cached_tokens)
         if chat:
             message, reason = tools.message(calls, out, reason)
             choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
@@ -178,10 +176,10 @@ class Answers:
                     break
                 d = await gen.__anext__()
             if counts is not None:
-                counts[index] = n  # part of a batch: the merged stream ends it
+                counts[index] = (n, prompt, first.cached_tokens)  # part of a batch: the merged stream ends it
                 return
             if req.include_usage:
-                yield chunk(usage=_usage(n_prompt, n, first.cached_tokens), choices=False)
+                yield chunk(usage=choices.usage(n_prompt, n, first.cached_tokens), choices=False)
         except (Unavailable, RequestRejected) as e:
             status = "503"
             yield f"data: {json.dumps(error_body(str(e), 'server_error', code=503))}\n\n"
@@ -192,14 +190,6 @@ class Answers:
             REQUESTS.labels(status).inc()
             REQUEST_SECONDS.observe(time.monotonic() - t0)
         yield "data: [DONE]\n\n"
-
-
-def _usage(n_prompt: int, n_out: int, cached: int | None) -> dict:
-    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when the node said how much its prefix cache gave."""
-    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-    if cached is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return usage
 
 
 async def _scored_only(gen, first):

@@ -1,13 +1,23 @@
 """Who may call which gateway route: the API keys for /v1/* (and /tokenize, /detokenize, checked in their
 routes), the admin key for /admin/* (none set: closed, 401, unless the gateway runs with --open-admin), and
 requests signed with the internal token for /internal/* (compute/node/auth.py, as requests to nodes are).
-Keys are compared in constant time, every key every time."""
+Keys are compared in constant time, every key every time.
+
+Tenants (``cache_isolation = "per_key"``, the default when API keys are set): a /v1/* request's key names its
+tenant, ``TENANT`` holds that tenant's cache salt for the request (an HMAC of the key under the internal
+token: the same on every gateway of a deployment, and no key can be read back from it), and ``salted`` puts
+it in front of the request's own ``cache_salt``, so one key's requests never share cached KV with another's
+(a prefix cache shared across tenants is a timing side channel), whatever salt a client sends."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+import secrets
 from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 
@@ -16,15 +26,30 @@ from compute.node.auth import SignedOnly
 from gateway.api.protocol import error_body
 
 ADMIN_KEY_HINT = ".pdserve/keys/admin-PORT.key (read by `pdserve status`)"
+TENANT: ContextVar[str | None] = ContextVar("pdserve_tenant", default=None)  # this request's tenant salt
+
+
+def matching(request: Request, keys) -> str | None:
+    """The key among `keys` the request's Bearer token is, or None."""
+    auth = request.headers.get("authorization", "")
+    token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    found = None
+    for k in keys:  # constant time per key, and every key is compared
+        if hmac.compare_digest(token.encode(), k.encode()):
+            found = k
+    return found
 
 
 def authorized(request: Request, keys) -> bool:
-    auth = request.headers.get("authorization", "")
-    token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-    ok = False
-    for k in keys:  # constant time per key, and every key is compared
-        ok |= hmac.compare_digest(token.encode(), k.encode())
-    return ok
+    return matching(request, keys) is not None
+
+
+def salted(params):
+    """`params` (SamplingParams) with this request's tenant salt before its own cache_salt (none: as they are)."""
+    tenant = TENANT.get()
+    if tenant is None:
+        return params
+    return replace(params, cache_salt=tenant if params.cache_salt is None else f"{tenant}/{params.cache_salt}")
 
 
 def install_auth(app: FastAPI, cfg, refuse: Callable) -> None:
@@ -33,11 +58,18 @@ def install_auth(app: FastAPI, cfg, refuse: Callable) -> None:
                        refusal=lambda status, message: json.dumps(error_body(message, "authentication_error", None,
                                                                              status)).encode())  # fmt: skip
 
+    secret = (cfg.internal_token or secrets.token_hex(32)).encode()  # no token: one gateway, salts of its lifetime
+    per_key = cfg.cache_isolation == "per_key"
+
     @app.middleware("http")
     async def keys(request: Request, call_next):
         path = request.url.path
-        if path.startswith("/v1/") and cfg.api_keys and not authorized(request, cfg.api_keys):
-            return refuse(401, "missing or invalid API key", "authentication_error")
+        if path.startswith("/v1/") and cfg.api_keys:
+            key = matching(request, cfg.api_keys)
+            if key is None:
+                return refuse(401, "missing or invalid API key", "authentication_error")
+            if per_key:
+                TENANT.set(hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32])
         if path.startswith("/admin/") and cfg.admin_closed:
             return refuse(401, "the admin API is closed: no admin key is set. `pdserve up` writes one to "
                           f"{ADMIN_KEY_HINT}; else set $PDSERVE_ADMIN_KEY (or start with --open-admin)",

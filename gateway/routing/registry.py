@@ -18,6 +18,12 @@ The registry also keeps the prefix index (``index``, gateway/routing/prefix_inde
 gateway routes by load only): each poll of a routable node also asks, in the background (one ask per node
 in flight), for its prefix cache's changes (POST /internal/cache, from the cursor of its last report), and a node removed, marked draining,
 reporting draining, or evicted by failed health checks leaves the index.
+
+Between two polls the gateway corrects each node's last /load by what it itself did since that poll was
+sent (``sent``): requests it sent there count at once, and requests that finished there stop counting at
+once (their prompt tokens when the first token comes back, their stream when it ends). So a node that just
+finished a request is not weighed as busy for up to a poll interval, and a burst does not all go to the node
+that looked emptiest at the last poll.
 """
 
 from __future__ import annotations
@@ -78,21 +84,38 @@ class NodeState:
     draining: bool = False  # told by the actuator before it drains the node: stop routing at once
     proven: bool = False  # answered the challenge: holds the internal token and is the node at `url`
     proving: asyncio.Future | None = field(default=None, repr=False)  # the challenge in flight (one per node)
+    sent: dict = field(default_factory=dict)  # model -> [prompt tokens, streams] this gateway has open there now
+    polled: dict = field(default_factory=dict)  # the same, as it was when the last /load was asked for
+
+    def _since_poll(self, model: str | None) -> tuple[int, int]:
+        """(prompt tokens, streams) this gateway opened there minus what closed, since the last /load was asked."""
+        keys = self.sent.keys() | self.polled.keys() if model is None else (model,)  # a request's model: its key
+        now = [sum(self.sent.get(k, (0, 0))[i] for k in keys) for i in (0, 1)]
+        then = [sum(self.polled.get(k, (0, 0))[i] for k in keys) for i in (0, 1)]
+        return now[0] - then[0], now[1] - then[1]
 
     def view(self, model: str | None = None) -> NodeView:
         """This node as the router sees it: as a whole (`model` None), or as it serves `model`."""
         ld = self.load
+        tokens, streams = self._since_poll(model)
         if model is None:
             return NodeView(url=self.url, role=self.role, ready=self.healthy and ld.ready,
-                            draining=self.draining or ld.draining, queued_prompt_tokens=ld.queued_prompt_tokens,
-                            running=ld.running, kv_blocks_free=ld.kv_blocks_free)  # fmt: skip
+                            draining=self.draining or ld.draining,
+                            queued_prompt_tokens=max(0, ld.queued_prompt_tokens + tokens),
+                            running=max(0, ld.running + streams), kv_blocks_free=ld.kv_blocks_free)  # fmt: skip
         m = ld.models.get(model)
         if m is None:
             return NodeView(url=self.url, role=self.role, ready=False, draining=self.draining or ld.draining)
         return NodeView(url=self.url, role=self.role, ready=self.healthy and m.state == "ready",
                         draining=self.draining or ld.draining or m.state == "draining",
-                        queued_prompt_tokens=m.queued_prompt_tokens, running=m.running,
-                        kv_blocks_free=m.kv_blocks_free)  # fmt: skip
+                        queued_prompt_tokens=max(0, m.queued_prompt_tokens + tokens),
+                        running=max(0, m.running + streams), kv_blocks_free=m.kv_blocks_free)  # fmt: skip
+
+    def opened(self, model: str | None, tokens: int = 0, streams: int = 0) -> None:
+        """This gateway sent (positive) or saw end (negative) `tokens` prompt tokens / `streams` streams here."""
+        got = self.sent.setdefault(model or "", [0, 0])
+        got[0] += tokens
+        got[1] += streams
 
     def held_models(self) -> dict[str, str]:
         """model -> its state on this node (loading, ready, draining, failed)."""
@@ -107,6 +130,31 @@ class NodeState:
                  else "draining" if self.draining or ld.draining else ld.state)  # fmt: skip
         return {"url": self.url, "role": self.role, "state": state, "models": self.held_models(),
                 "load": ld.as_dict(), "source": self.source}  # fmt: skip
+
+
+class Sending:
+    """One request's share of a node's corrected load (``NodeRegistry.sending``); a node unknown: nothing."""
+
+    __slots__ = ("node", "model", "tokens", "streams")
+
+    def __init__(self, node: NodeState | None, model: str | None, tokens: int, streams: int) -> None:
+        self.node, self.model, self.tokens, self.streams = node, model, tokens, streams
+
+    def __enter__(self) -> Sending:
+        if self.node is not None:
+            self.node.opened(self.model, self.tokens, self.streams)
+        return self
+
+    def prefilled(self) -> None:
+        """The first token came back: the prompt left the node's queue."""
+        if self.node is not None and self.tokens:
+            self.node.opened(self.model, -self.tokens)
+        self.tokens = 0
+
+    def __exit__(self, *exc) -> None:
+        if self.node is not None:
+            self.node.opened(self.model, -self.tokens, -self.streams)
+        self.tokens = self.streams = 0
 
 
 REFUSED_MAX = 256  # refused URLs remembered (for status and logs), oldest forgotten first
@@ -171,6 +219,11 @@ class NodeRegistry:
     def routable_models(self) -> set[str]:
         """The models some ready node holds ready now (a split route may still lack a role)."""
         return set().union(*(n.routable_models() for n in self.nodes.values()))
+
+    def sending(self, url: str, model: str | None, tokens: int = 0, streams: int = 0) -> Sending:
+        """Count a request sent to `url` until it ends (``with``): its `tokens` prompt tokens until
+        ``prefilled()``, its `streams` until the end (see the module's note on ``sent``)."""
+        return Sending(self.nodes.get(url), model, tokens, streams)
 
     def suspect(self, url: str) -> None:
         """A request failed on this node: stop routing to it until its next good health check."""
@@ -256,9 +309,10 @@ class NodeRegistry:
                 if why is not None:
                     return self._refuse(n, why)
                 n.proven = True
+            asked = {k: tuple(v) for k, v in n.sent.items()}  # what the report will already count
             body = await self._client.load(n.url)
             was_routable, before = n.view().routable, n.routable_models()
-            n.load, n.healthy, n.failures, n.seen = body, True, 0, time.monotonic()
+            n.load, n.healthy, n.failures, n.seen, n.polled = body, True, 0, time.monotonic(), asked
             new = n.routable_models() - before
             if (n.view().routable and not was_routable) or new:
                 log.info("node ready: %s (%s)%s", n.url, n.role, f": {', '.join(sorted(new))}" if new else "")

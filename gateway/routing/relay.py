@@ -25,6 +25,7 @@ import asyncio
 import logging
 import random
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -118,13 +119,14 @@ class Relay:
             holding: list[str] = []
             finished = False
             try:
-                async for chunk in self._attempt(req, route, node_rid, holding):
-                    req.produced.extend(chunk.token_ids)
-                    if chunk.finish_reason:
-                        finished = True
-                    yield chunk
-                    if chunk.finish_reason:
-                        return
+                async with aclosing(self._attempt(req, route, node_rid, holding)) as chunks:  # closed with us
+                    async for chunk in chunks:
+                        req.produced.extend(chunk.token_ids)
+                        if chunk.finish_reason:
+                            finished = True
+                        yield chunk
+                        if chunk.finish_reason:
+                            return
                 raise NodeFailed(route.nodes()[-1], "stream ended early")
             except NodeFailed as e:
                 exclude.add(e.url)
@@ -141,14 +143,18 @@ class Relay:
                         await _shielded(self.client.abort(url, node_rid))
 
     async def _attempt(self, req: GenRequest, route: Route, rid: str, holding: list[str]):
+        body, model, sending = self._body(req, rid), req.model or None, self.registry.sending
+        tokens = len(body.prompt_token_ids)
         if not route.split:
             holding.append(route.both)
-            async for msg in self.client.generate(route.both, self._body(req, rid)):
-                yield _unpack(route.both, msg)
+            with sending(route.both, model, tokens, streams=1) as sent:
+                async for msg in self.client.generate(route.both, body):
+                    sent.prefilled()
+                    yield _unpack(route.both, msg)
             return
         holding.append(route.prefill)
-        body = self._body(req, rid)
-        first = await self.client.prefill(route.prefill, body)
+        with sending(route.prefill, model, tokens):
+            first = await self.client.prefill(route.prefill, body)
         chunk = _unpack(route.prefill, first)
         toks = chunk.token_ids
         if chunk.finish_reason or not first.kv:
@@ -156,15 +162,16 @@ class Relay:
             yield chunk._replace(finish_reason=chunk.finish_reason or "stop")
             return
         yield chunk
-        route = req.route = self._decode_still_live(route, req.model or None)
+        route = req.route = self._decode_still_live(route, model)
         holding.append(route.decode)
         params = msgspec.structs.replace(body.params, max_tokens=body.params.max_tokens - len(toks), prompt_logprobs=None)
         dbody = DecodeRequest(body.request_id, body.prompt_token_ids, params, body.model,
                               output_tokens=body.output_tokens, first_token_id=toks[-1],
                               kv=KVHandle(first.kv).reachable_from(route.prefill))  # fmt: skip
-        async for msg in self.client.decode(route.decode, dbody):
-            holding[:] = [route.decode]  # the decode side confirmed the KV: prefill has freed it
-            yield _unpack(route.decode, msg)
+        with sending(route.decode, model, streams=1):
+            async for msg in self.client.decode(route.decode, dbody):
+                holding[:] = [route.decode]  # the decode side confirmed the KV: prefill has freed it
+                yield _unpack(route.decode, msg)
 
     def _decode_still_live(self, route: Route, model: str | None = None) -> Route:
         """The decode node picked before the prefill may have started draining (scale-down) since:

@@ -90,3 +90,15 @@ def test_the_prefill_node_reports_its_hit_on_a_split(split):
     assert first[2] == 0 and second[2] > 0 and first[0] == second[0]
     # the prefill node's hit, or the decode node's own when it held all but a few tokens (gateway/routing/router.py)
     assert sum(_metric(n, "pdserve_node_prefix_cache_hits_total") for n in split["nodes"]) >= second[2]
+
+
+def test_streamed_choices_report_their_prompts_cached_tokens_once(both):
+    messages = [{"role": "user", "content": f"Count to three ({uuid.uuid4().hex[:8]})."}]
+    _ask(both, messages)  # the prompt, cached
+    stream = client(both).chat.completions.create(model=both["name"], messages=messages, max_tokens=4, n=2,
+                                                  temperature=0, stream=True,
+                                                  stream_options={"include_usage": True})  # fmt: skip
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens >= 2
+    cached = usage[0].prompt_tokens_details.cached_tokens
+    assert 0 < cached <= usage[0].prompt_tokens - 2  # the one prompt's hit, not its choices' hits summed

@@ -24,6 +24,7 @@ from gateway.routing.registry import NodeRegistry
 pytestmark = pytest.mark.slow
 MODEL = "tiny-r"
 BS = 16  # the nodes' default block size
+KEYS = ("sk-tenant-a", "sk-tenant-b")  # the keyed gateway's API keys: one tenant each (cache_isolation per_key)
 FIXED = ("--kernels", "fixed")  # no background kernel measurement competing for the 2 cores
 
 
@@ -39,10 +40,11 @@ def svc(tmp_path_factory, real_model_store):
     try:
         nodes = [services.node("both", kv_blocks=256, model=MODEL, extra=FIXED) for _ in range(2)]
         gw = services.gateway([("both", n) for n in nodes])
-        for p in (*nodes, gw):
+        keyed = services.gateway([("both", n) for n in nodes], env={"PDSERVE_API_KEYS": ",".join(KEYS)})
+        for p in (*nodes, gw, keyed):
             p.wait_ready()
         lo, hi = sorted(nodes, key=lambda n: n.url)  # with equal load the router takes `lo` (the URL breaks ties)
-        yield {"lo": lo, "hi": hi, "gw": gw}
+        yield {"lo": lo, "hi": hi, "gw": gw, "keyed": keyed}
     finally:
         services.stop_all()
 
@@ -54,10 +56,11 @@ def metric(url: str, name: str, **labels) -> float:
                if line.startswith(name + "{") and all(w in line for w in want))  # fmt: skip
 
 
-def complete(gw, ids: list[int], **extra) -> int:
-    """One greedy completion of token ids through the gateway; -> its cached_tokens."""
+def complete(gw, ids: list[int], key: str | None = None, **extra) -> int:
+    """One greedy completion of token ids through the gateway (with API key `key`); -> its cached_tokens."""
     r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 2,
-                                                     "temperature": 0, **extra}, timeout=120)  # fmt: skip
+                                                     "temperature": 0, **extra},
+                   headers={"Authorization": f"Bearer {key}"} if key else None, timeout=120)  # fmt: skip
     assert r.status_code == 200, r.text
     return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
@@ -74,14 +77,6 @@ def seen_idle(gw, node) -> bool:
     st = httpx.get(gw.url + "/internal/status", auth=AUTH, timeout=5).json()
     ld = next((n["load"] for n in st["nodes"] if n["url"] == node.url), None)
     return ld is not None and not ld.get("queued_prompt_tokens") and not ld.get("running")
-
-
-def settled(gw, *nodes) -> None:
-    """Wait until the gateway's view of ``nodes`` shows the requests just served as over. The router weighs a
-    node's last /load (polled every 0.5 s): a request that just finished there still counts against it for up
-    to one poll, so a repeat sent at once may be routed elsewhere (a known limit, in the closing note)."""
-    for n in nodes:
-        wait_for(lambda n=n: seen_idle(gw, n), 10, f"the gateway to see {n.url} idle")
 
 
 def hits(node) -> float:
@@ -101,10 +96,7 @@ def test_a_repeated_prefix_goes_to_its_holder_and_a_new_one_by_load(svc):
     wait_for(lambda: seen_idle(gw, hi), 10, "the gateway to see hi idle after its warm-up")
     lo_h, hi_h, lo_q = hits(lo), hits(hi), queries(lo)
     by_hit = metric(gw.url, "pdserve_gateway_routed_total", by="hit")
-    cached = []
-    for _ in range(3):
-        cached.append(complete(gw, a))
-        settled(gw, lo, hi)
+    cached = [complete(gw, a) for _ in range(3)]  # back to back: the gateway discounts what finished since its poll
     assert all(c >= (len(a) - 2) // BS * BS - BS for c in cached), cached
     assert hits(hi) - hi_h == sum(cached) and hits(lo) == lo_h and queries(lo) == lo_q
     assert metric(gw.url, "pdserve_gateway_routed_total", by="hit") - by_hit == 3
@@ -112,7 +104,6 @@ def test_a_repeated_prefix_goes_to_its_holder_and_a_new_one_by_load(svc):
     by_load = metric(gw.url, "pdserve_gateway_routed_total", by="load")
     assert complete(gw, b) == 0 and queries(lo) - lo_q == len(b)
     assert metric(gw.url, "pdserve_gateway_routed_total", by="load") - by_load == 1
-    settled(gw, lo, hi)
     assert complete(gw, b) > 0 and hits(lo) > lo_h  # the repeat hits lo: its events or what the gateway sent
 
 
@@ -126,10 +117,19 @@ def test_a_salted_request_does_not_match_an_unsalted_holder(svc):
     lo_q, hi_q = queries(lo), queries(hi)
     assert complete(gw, a, cache_salt="tenant-1") == 0
     assert queries(lo) - lo_q == len(a) and queries(hi) == hi_q  # routed by load, not to the unsalted holder
-    settled(gw, lo, hi)
     assert complete(gw, a, cache_salt="tenant-1") > 0  # its own salt's blocks, where it went
-    settled(gw, lo, hi)
     assert complete(gw, a) > 0  # unsalted: the holder
+
+
+def test_each_api_key_shares_cached_kv_only_with_itself(svc):
+    keyed, (ka, kb) = svc["keyed"], KEYS
+    a = prompt(11)
+    assert complete(keyed, a, ka) == 0
+    assert complete(keyed, a, ka) > 0  # the same key: its own blocks
+    assert complete(keyed, a, kb) == 0  # another key: nothing in common, wherever it went
+    assert complete(keyed, a, kb) > 0
+    assert complete(keyed, a, kb, cache_salt="x") == 0  # a client's salt adds to its key's, never replaces it
+    assert complete(svc["gw"], a) == 0  # the keyless gateway's requests are no tenant's
 
 
 def test_the_index_folded_from_events_equals_the_nodes_snapshot(svc):
@@ -218,9 +218,6 @@ def test_a_split_route_takes_the_prefill_node_holding_the_prefix(split):
     wait_for(lambda: indexed(gw, hi) >= len(a) // BS - 1, 10, "the gateway's index to see hi's blocks")
     wait_for(lambda: seen_idle(gw, hi), 10, "the gateway to see hi idle after its warm-up")
     lo_q, hi_h = queries(lo), hits(hi)
-    cached = []
-    for _ in range(2):
-        cached.append(complete(gw, a))
-        settled(gw, lo, hi, split["decode"])
+    cached = [complete(gw, a) for _ in range(2)]  # back to back (see the first test)
     got = (cached, hits(hi) - hi_h, queries(lo) - lo_q)
     assert all(c > 0 for c in cached) and hits(hi) - hi_h == sum(cached) and queries(lo) == lo_q, got

@@ -7,6 +7,7 @@ import asyncio
 
 from compute.node.protocol import PrefillReply, StreamLine
 from compute.engine.sampling import SamplingParams
+from gateway.routing.registry import Sending
 from gateway.routing.relay import GenRequest, Relay
 from gateway.routing.router import NodeView
 
@@ -20,6 +21,9 @@ class Registry:
 
     def suspect(self, url):
         pass
+
+    def sending(self, url, model, tokens=0, streams=0):
+        return Sending(None, model, tokens, streams)  # no load correction in this twin
 
     async def wait_changed(self, timeout):
         await asyncio.sleep(timeout)
