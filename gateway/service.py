@@ -34,6 +34,7 @@ from gateway.routing.nodes import NodeClient
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.registry import NodeRegistry
 from gateway.routing.relay import Affinity, GenRequest, Relay
+from gateway.routing.router import PullCost
 from gateway.api.stops import StopMatcher
 from gateway.admission.traffic import Traffic
 
@@ -86,9 +87,11 @@ class Gateway:
             self.registry.add(url, role)
         self.client = NodeClient(config.internal_token, config.node_timeout_s)
         self.admission = Admission(config.max_running, config.max_queue, config.queue_timeout_s)
-        self.activator = Activator(self.registry)
+        pull = PullCost(config.pull_fixed_s, config.pull_bytes_per_s, config.prefill_tokens_per_s)
+        self.activator = Activator(self.registry, pull=pull if config.peer_pull and index is not None else None)
         self.relay = Relay(self.registry, self.client, config.retry_attempts, config.backoff_base_s,
                            config.backoff_max_s, self.activator)  # fmt: skip
+        self.relay.export_timeout_s = config.pull_export_timeout_s
         self.traffic = Traffic()
         self.autoscaler_status: dict = {}
         self.supervisor = None  # () -> dict: the local actuator's status() (`pdserve up`: restarts, crash loops)
