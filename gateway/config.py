@@ -36,9 +36,9 @@ class GatewayConfig:
     # pull_fixed_s + bytes / pull_bytes_per_s < tokens / prefill_tokens_per_s (gateway/routing/router.py PullCost;
     # the defaults measured on a 2-core box: docs/gateway.md, "Peer pull")
     peer_pull: bool = True
-    pull_fixed_s: float = 0.02  # an export + transfer's cost whatever its size
-    pull_bytes_per_s: float = 1.0e9  # the KV link's rate
-    prefill_tokens_per_s: float = 1000.0  # a node's prefill rate
+    pull_fixed_s: float = 0.045  # an export + transfer's cost whatever its size
+    pull_bytes_per_s: float = 0.37e9  # the KV link's rate
+    prefill_tokens_per_s: float = 200.0  # a node's prefill rate until /load reports its measured one
     pull_export_timeout_s: float = 2.0  # a holder's export answers within this, or the node computes the prefix
     node_timeout_s: float = 60.0  # longest silence from a node mid-request
     max_model_len: int | None = None  # context limit (default: the model's)

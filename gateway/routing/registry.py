@@ -93,7 +93,8 @@ class NodeState:
                         draining=self.draining or ld.draining or m.state == "draining",
                         queued_prompt_tokens=m.queued_prompt_tokens, running=m.running,
                         kv_blocks_free=m.kv_blocks_free,
-                        kv_block_bytes=m.kv_bytes // m.kv_blocks_total if m.kv_blocks_total else 0)  # fmt: skip
+                        kv_block_bytes=m.kv_bytes // m.kv_blocks_total if m.kv_blocks_total else 0,
+                        prefill_tokens_per_s=float(m.capacity.get("prefill_tokens_per_s") or 0.0))  # fmt: skip
 
     def held_models(self) -> dict[str, str]:
         """model -> its state on this node (loading, ready, draining, failed)."""

@@ -43,6 +43,7 @@ class NodeView:
     kv_blocks_free: int = 0
     block_size: int = 16  # tokens per KV block (its cache report's; the node default until one came)
     kv_block_bytes: int = 0  # bytes of one KV block, all layers (its /load: kv_bytes / kv_blocks_total; 0: unknown)
+    prefill_tokens_per_s: float = 0.0  # its measured prefill rate (/load's capacity report; 0: not measured yet)
 
     @property
     def routable(self) -> bool:
@@ -72,9 +73,9 @@ class PullCost:
     docs/gateway.md, "Peer pull"). Pulling b blocks takes ``fixed_s + b * block_bytes / bytes_per_s``;
     computing them ``b * block_size / prefill_tokens_per_s``: a node pulls when the first is smaller."""
 
-    fixed_s: float = 0.02  # export round trip + transfer handshake + confirmation, whatever the size
-    bytes_per_s: float = 1.0e9  # the KV link's rate (TCP between two processes here)
-    prefill_tokens_per_s: float = 1000.0  # a node's prefill rate (SmolLM2 int8, 1,500-token prompt)
+    fixed_s: float = 0.045  # export round trip + transfer setup and confirmation, whatever the size (44 ms here)
+    bytes_per_s: float = 0.37e9  # the KV link's rate (TCP between two node processes here: 0.37 GB/s)
+    prefill_tokens_per_s: float = 200.0  # a node's prefill rate until its own is measured (/load capacity; 202 here)
 
     def __post_init__(self) -> None:
         if self.fixed_s < 0 or self.bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0:
@@ -83,9 +84,11 @@ class PullCost:
     def seconds(self, blocks: int, block_bytes: int) -> float:
         return self.fixed_s + blocks * block_bytes / self.bytes_per_s
 
-    def worth(self, blocks: int, block_size: int, block_bytes: int) -> bool:
-        """Whether pulling ``blocks`` blocks beats computing their tokens."""
-        return blocks > 0 and self.seconds(blocks, block_bytes) < blocks * block_size / self.prefill_tokens_per_s
+    def worth(self, blocks: int, block_size: int, block_bytes: int, prefill_tokens_per_s: float = 0.0) -> bool:
+        """Whether pulling ``blocks`` blocks beats computing their tokens (at the node's own measured prefill rate
+        when known, else ``prefill_tokens_per_s``)."""
+        rate = prefill_tokens_per_s or self.prefill_tokens_per_s
+        return blocks > 0 and self.seconds(blocks, block_bytes) < blocks * block_size / rate
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,9 +132,10 @@ def _pulled(n: NodeView, prompt_tokens: int, hits: Mapping[str, int], w: Weights
     theirs = hits.get(h.url, 0) if h is not None else 0
     blocks = (theirs - own) // max(1, n.block_size)
     size = (n.kv_block_bytes or h.kv_block_bytes) if h is not None else 0
-    if h is None or not pull.worth(blocks, n.block_size, size):
+    rate = n.prefill_tokens_per_s or pull.prefill_tokens_per_s
+    if h is None or not pull.worth(blocks, n.block_size, size, rate):
         return best
-    cost = prefill_cost(n, prompt_tokens, theirs, w) + pull.seconds(blocks, size) * pull.prefill_tokens_per_s
+    cost = prefill_cost(n, prompt_tokens, theirs, w) + pull.seconds(blocks, size) * rate
     return (cost, h.url, theirs) if cost < best[0] else best
 
 

@@ -139,3 +139,12 @@ def test_a_prefill_node_pulls_from_any_role_holding_the_prefix():
     nodes = [P("p1", q=5000, kv_block_bytes=BLOCK), P("p2", kv_block_bytes=BLOCK), D("d1", free=100)]
     r = pick(nodes, hits={"p1": 800, "d1": 960}, prompt_tokens=1000, pull=PULL)
     assert (r.prefill, r.decode, r.pull_from, r.pull_tokens) == ("p2", "d1", "d1", 960)
+
+
+def test_a_nodes_own_measured_prefill_rate_decides_over_the_default():
+    slow_default = PullCost(fixed_s=0.045, bytes_per_s=0.37e9, prefill_tokens_per_s=200.0)
+    # 2 blocks: 47 ms to pull; 160 ms to compute at 200 tokens/s, 16 ms at a measured 2,000
+    assert slow_default.worth(2, 16, BLOCK) and not slow_default.worth(2, 16, BLOCK, prefill_tokens_per_s=2000.0)
+    nodes = [B("holder", q=5000, kv_block_bytes=BLOCK), B("fast", kv_block_bytes=BLOCK, prefill_tokens_per_s=2000.0)]
+    assert pick(nodes, hits={"holder": 64}, prompt_tokens=100, pull=slow_default).pull_from is None  # 4 blocks: 49 ms > 32
+    assert pick(nodes, hits={"holder": 960}, prompt_tokens=1000, pull=slow_default).pull_from == "holder"
