@@ -40,6 +40,7 @@ class GatewayConfig:
     pull_bytes_per_s: float = 0.37e9  # the KV link's rate
     prefill_tokens_per_s: float = 200.0  # a node's prefill rate until /load reports its measured one
     pull_export_timeout_s: float = 2.0  # a holder's export answers within this, or the node computes the prefix
+    prepull_chains: int = 4  # a node joining pulls this many of the hottest prefixes from their holders (0: none)
     node_timeout_s: float = 60.0  # longest silence from a node mid-request
     max_model_len: int | None = None  # context limit (default: the model's)
     max_tokens_limit: int | None = None  # most tokens one request may generate: max_tokens' maximum and default
@@ -69,8 +70,8 @@ class GatewayConfig:
             raise ValueError(f"routing must be 'cache' or 'load', not {self.routing!r}")
         if self.prefix_ttl_s < 0:
             raise ValueError("prefix_ttl_s must be >= 0")
-        if self.pull_export_timeout_s <= 0:
-            raise ValueError("pull_export_timeout_s must be > 0")
+        if self.pull_export_timeout_s <= 0 or self.prepull_chains < 0:
+            raise ValueError("pull_export_timeout_s must be > 0 and prepull_chains >= 0")
         if self.pull_fixed_s < 0 or self.pull_bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0:
             raise ValueError("need pull_fixed_s >= 0, pull_bytes_per_s > 0, prefill_tokens_per_s > 0")
         for role, _ in self.nodes:

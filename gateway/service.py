@@ -97,6 +97,12 @@ class Gateway:
         self.supervisor = None  # () -> dict: the local actuator's status() (`pdserve up`: restarts, crash loops)
         self.sources: list = []  # registry sources beyond static nodes, started with the gateway (gateway.routing.discovery)
         self._refresher: asyncio.Task | None = None
+        self.prepuller = None  # a node joining pulls the hottest prefixes (gateway/routing/prepull.py)
+        if index is not None and config.peer_pull and config.prepull_chains:
+            from gateway.routing.prepull import Prepuller
+
+            self.prepuller = Prepuller(self.registry, index, self.client, config.prepull_chains)
+        self._prepulling: asyncio.Task | None = None
 
     @property
     def activate(self):
@@ -112,12 +118,15 @@ class Gateway:
         for source in self.sources:
             await source.start()
         self._refresher = asyncio.create_task(self._refresh_models())
+        if self.prepuller is not None:
+            self._prepulling = asyncio.create_task(self.prepuller.run())
 
     async def stop(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        for task in (self._refresher, self._prepulling):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for source in self.sources:
             await source.stop()
         await self.registry.stop()

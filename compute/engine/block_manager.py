@@ -115,6 +115,14 @@ class BlockManager:
             self._refs[b] += 1
         return list(blocks)
 
+    def take(self, n: int) -> list[int]:
+        """``n`` fresh blocks outside any table (a pre-pull's landing place), counted once; ``release`` lets go."""
+        assert n <= self.num_free, "take without room"
+        out = [self._take_free() for _ in range(n)]
+        for b in out:
+            self._refs[b] = 1
+        return out
+
     def refs(self, block: int) -> int:
         """How many tables (or held lists) hold ``block``."""
         return self._refs[block]

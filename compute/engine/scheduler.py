@@ -33,6 +33,8 @@ Lifecycle of a request through the scheduler:
    WAITING with an empty table starts from the cached blocks matching its prompt (shared as forks'
    are) and computes the rest; computed full prompt blocks are named by content after each step and
    stay cached at count 0 until their memory is needed.
+8. peer pull (``compute.engine.peer_blocks``): a prefix's blocks pinned for a peer to read, or pulled from one
+   (for a request, or ahead of it) and named here.
 
 Because every admitted request fits alone, preemption always lets the oldest
 running sequence progress: the scheduler cannot deadlock.
@@ -40,12 +42,12 @@ running sequence progress: the scheduler cannot deadlock.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from compute.engine.block_manager import BlockManager
 from compute.errors import RequestTooLarge
+from compute.engine.peer_blocks import PeerBlocks, pin_keys
 from compute.engine.prefix_cache import PrefixCache
 from compute.engine.sequence import FinishReason, Sequence, Status
 
@@ -93,8 +95,8 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
-class Scheduler:
-    """nano-vllm's verbs: add / schedule / postprocess / abort (+ fail)."""
+class Scheduler(PeerBlocks):
+    """nano-vllm's verbs: add / schedule / postprocess / abort (+ fail); a peer's blocks: ``PeerBlocks``."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -111,7 +113,7 @@ class Scheduler:
         self.parked: dict[int, list[Sequence]] = {}  # leader seq id -> choices waiting for its prompt
         self.copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next batch
         self.num_forked = 0  # since start: choices that shared a prompt instead of computing it
-        self._pins = itertools.count(-1, -1)  # keys of ``held`` lists pinned for a peer (seq ids are >= 0)
+        self._pins = pin_keys()  # keys of ``held`` lists pinned for a peer (seq ids are >= 0)
 
     def add(self, seq: Sequence) -> None:
         need = seq.num_prompt_tokens + seq.params.max_tokens
@@ -176,49 +178,6 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
-
-    # -- peer pull (issue 26 section 4): a prefix's blocks read from another node's cache ------------
-
-    def pin_cached(self, hashes: list[bytes]) -> tuple[int, list[int]]:
-        """Hold the cached blocks of the longest run of ``hashes`` for a peer to read (an export): ``(key,
-        blocks)``, ``release(key)`` lets go; ``(0, [])`` if the first is not cached here."""
-        blocks = self.blocks.match(hashes)
-        if not blocks:
-            return 0, []
-        key = next(self._pins)
-        self.held[key] = self.blocks.pin(blocks)
-        return key, blocks
-
-    def add_pull(self, seq: Sequence, num_tokens: int) -> tuple[list[int], int]:
-        """``add_imported`` for a prompt whose first ``num_tokens`` (whole blocks) a peer holds cached: blocks for
-        them, this node's own cached ones first (returns the table and their count); the rest is pulled, then
-        ``admit_pulled`` (or ``cancel_pull``). The lookup is counted when the prefix lands."""
-        out = self.add_imported(seq, num_tokens, num_tokens // self.config.block_size)
-        self.cache.uncount(seq)
-        return out
-
-    def admit_pulled(self, seq_id: int) -> bool:
-        """``add_imported``'s blocks of a prompt prefix pulled from a peer have landed: name them, and queue
-        the sequence to compute the rest of its prompt as any request (False: aborted meanwhile)."""
-        seq = self.importing.pop(seq_id, None)
-        if seq is None:
-            return False
-        self.cache.landed(seq)
-        seq.status = Status.WAITING
-        self.waiting.append(seq)
-        return True
-
-    def cancel_pull(self, seq_id: int) -> Sequence | None:
-        """The pull failed: free its blocks; the sequence (None if aborted meanwhile) is to be ``add``ed again."""
-        seq = self.importing.pop(seq_id, None)
-        if seq is None:
-            return None
-        self.blocks.free(seq)
-        self.cache.reset(seq)
-        seq.num_computed = 0
-        seq.status = Status.WAITING
-        self.seqs.pop(seq_id, None)
-        return seq
 
     def schedule(self) -> ScheduledBatch:
         out, budget = ScheduledBatch(), self.config.max_num_batched_tokens

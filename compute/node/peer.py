@@ -18,6 +18,11 @@ Lifecycle of one pull (the gateway arranges it: gateway/routing/relay.py):
     mismatch, lossy wire compression): the blocks are freed and the request is added as any other — it
     computes its prompt. A pull never fails a request; each fallback is counted by its reason.
 
+Pre-pull (a node joining the pool): the gateway asks a holder to export a hot chain by its block hashes (no token
+ids) and hands the handle to the new node's POST /internal/kv/import (``import_chain``): the blocks land in its
+cache under the exporter's hashes (a peer is trusted as the gateway is: every internal request is signed), with
+no request attached; the requests that follow hit them.
+
 Under ``kernels = invariant`` the pulled KV has the numbers B would compute (A computed them by prefill
 with the same row-invariant kernels), so the answer equals a recompute's (tests/compute/node/test_peer.py).
 """
@@ -158,3 +163,33 @@ async def _land(svc: NodeService, rid: str, seq: Sequence, handle: dict, blocks:
     if not await svc.worker.call(lambda e: e.scheduler.admit_pulled(seq.seq_id)):
         raise NodeBusy(f"request {rid} was aborted")
     return None
+
+
+async def import_chain(svc: NodeService, handle: dict) -> int:
+    """Pull a peer's export into this node's prefix cache (a pre-pull); -> the blocks newly cached here.
+    ``TransferFailed`` (503) if the pull fails, ``NodeBusy`` if there is no room, ``BadNodeRequest`` on a bad handle."""
+    svc.check_accepting()
+    if svc.receiver is None or not svc.config.prefix_cache:
+        raise NodeBusy("this node pulls no KV (peer_kv off, no prefix cache, or a device other than cpu)")
+    n, hx = handle.get("num_blocks"), handle.get("block_hashes")
+    if type(n) is not int or n < 1 or not isinstance(hx, list) or len(hx) != n or handle.get("codec") != "none":
+        raise BadNodeRequest("kv must be an uncompressed export: num_blocks and as many block_hashes")
+    try:
+        hashes = [bytes.fromhex(h) for h in hx]
+    except (TypeError, ValueError):
+        raise BadNodeRequest("block_hashes must be hex strings") from None
+    try:
+        key, blocks, k = await svc.worker.call(lambda e: e.scheduler.pin_for_import(hashes))
+    except CacheFull as e:
+        raise NodeBusy(str(e)) from None
+    from compute.node.decode import _receive
+
+    try:
+        await _receive(svc, handle, blocks, f"import-{key}", k)
+    except BaseException:
+        svc.worker.post(lambda e: e.scheduler.release(key))
+        raise
+    named = await svc.worker.call(lambda e: e.scheduler.land_import(key, hashes, k))
+    metrics.PEER_PULLED_BLOCKS.labels(svc.config.model).inc(n - k)
+    metrics.PEER_PULLED_BYTES.labels(svc.config.model).inc(handle["nbytes"] * (n - k) // n)
+    return named

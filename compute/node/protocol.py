@@ -11,6 +11,7 @@ talk to a node only through ``compute.node.client``. Routes (every one but /heal
   POST /internal/drain?timeout_s=S          -> DrainReply
   POST /internal/cache     CacheQuery       -> CacheReport (per model: the prefix cache's changes since a cursor)
   POST /internal/kv/export ExportRequest    -> ExportReply (a cached prefix held for a peer to pull)
+  POST /internal/kv/import ImportRequest    -> ImportReply (a peer's export pulled into this node's cache)
   POST /internal/models/load   ModelLoadRequest   -> ModelLoadReply (202 while it loads)
   POST /internal/models/unload ModelUnloadRequest -> ModelUnloadReply
   GET  /load                                -> LoadReport (per model: ModelLoad)
@@ -108,6 +109,18 @@ class ExportReply(msgspec.Struct):
 
     kv: dict[str, Any]
     num_blocks: int
+
+
+class ImportRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """POST /internal/kv/import: pull a peer's export (``ExportReply.kv``, exported by block hashes) into this node's
+    prefix cache, no request attached (a node joining the pool pre-pulls the hottest prefixes)."""
+
+    kv: dict[str, Any]
+    model: str | None = None
+
+
+class ImportReply(msgspec.Struct):
+    blocks: int  # blocks newly cached here (those it held already are not pulled)
 
 
 class StreamLine(msgspec.Struct, omit_defaults=True):

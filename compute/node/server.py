@@ -119,6 +119,11 @@ def create_app(host: ModelHost) -> FastAPI:
 
         return raw(await export_prefix(host.service(msg.model), msg))
 
+    async def import_kv(msg: P.ImportRequest):
+        from compute.node.peer import import_chain
+
+        return raw(P.ImportReply(await import_chain(host.service(msg.model), msg.kv)))
+
     async def load_model(msg: P.ModelLoadRequest):
         code, out = await host.load(msg.model, msg.weights, msg.keep, msg.wait_s)
         return raw(out, code)
@@ -134,6 +139,7 @@ def create_app(host: ModelHost) -> FastAPI:
         app.post("/internal/decode")(guard(decode, P.DecodeRequest))
     if cfg.peer_kv:
         app.post("/internal/kv/export")(guard(export, P.ExportRequest))  # a cached prefix, for a peer to pull
+        app.post("/internal/kv/import")(guard(import_kv, P.ImportRequest))  # a peer's, into this cache (pre-pull)
     app.post("/internal/models/load")(guard(load_model, P.ModelLoadRequest))
     app.post("/internal/models/unload")(guard(unload_model, P.ModelUnloadRequest))
 

@@ -97,3 +97,29 @@ def test_a_failed_or_aborted_pull_frees_its_blocks():
     assert b.admit_pulled(other.seq_id) is False and b.cancel_pull(other.seq_id) is None
     b.check_blocks()
     assert b.blocks.num_free == b.blocks.num_blocks
+
+
+def test_a_pre_pull_lands_blocks_named_by_the_peers_hashes_and_lets_them_go():
+    a, b = _scheduler(), _scheduler()
+    prompt = list(range(1, 19))
+    _cached(a, prompt)
+    _cached(b, prompt[:8])  # b holds the chain's first 2 blocks already
+    probe = _seq(prompt)
+    a.cache.prepare(probe)
+    hashes = probe.block_hashes[:4]
+    key, blocks, k = b.pin_for_import(hashes)
+    assert k == 2 and len(blocks) == 4 and b.blocks.num_free == 12
+    b.check_blocks()
+    assert b.land_import(key, hashes, k) == 2 and b.blocks.num_cached == 4
+    assert key not in b.held and b.blocks.num_free == 16  # let go: cached, free
+    b.check_blocks()
+    seq = _seq(prompt)
+    b.add(seq)
+    b.schedule()
+    assert seq.num_cached_tokens == 16  # a request after the pre-pull hits it
+    b.abort(seq.seq_id)
+    other = [h[::-1] for h in hashes]  # a chain not held: a failed pull lets its blocks go unnamed
+    key, _, k = b.pin_for_import(other)
+    assert k == 0 and b.release(key) and b.blocks.num_cached == 4
+    b.check_blocks()
+    assert b.blocks.num_free == b.blocks.num_blocks

@@ -2,10 +2,12 @@
 SmolLM2's tokenizer under ``kernels = invariant``. A prefix cached on one node whose queue is long: its repeat is
 routed to the idle node, which pulls the prefix's blocks from the holder instead of computing them (the gateway
 counts the routed-with-pull, the idle node its pulled blocks and the answer's cached_tokens), and answers what the
-holder answered. With peer pull off the same repeat is computed. No block leaks on either node after."""
+holder answered. With peer pull off the same repeat is computed. A node joining the pool pre-pulls the hottest
+prefix from its holder before any request (its first request then hits). No block leaks on any node after."""
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 
@@ -39,7 +41,7 @@ def svc(tmp_path_factory, real_model_store):
         for p in (holder, idle, gw, on):
             p.wait_ready()
         wait_kernels_settled([holder, idle])
-        yield {"holder": holder, "idle": idle, "gw": gw, "nopull": on}
+        yield {"holder": holder, "idle": idle, "gw": gw, "nopull": on, "services": services}
     finally:
         services.stop_all()
 
@@ -101,3 +103,32 @@ def test_a_busy_holders_repeat_is_pulled_by_the_idle_node(svc, mode):
         assert ld["prefix_pulled"] == pulled
     loads = wait_blocks_free([holder, idle], timeout=20)
     assert [(x["kv_blocks_used"], x["kv_transfers_held"]) for x in loads] == [(0, 0), (0, 0)], loads
+
+
+def test_a_node_joining_pre_pulls_the_hottest_prefix(svc):
+    holder, gw = svc["holder"], svc["gw"]
+    ids = prompt(7)
+    n = (len(ids) - 2) // BS
+    complete(gw, ids)  # routed (and counted hot) three times: the hottest chain
+    wait_for(lambda: max(status_of(gw, holder)["indexed"], status_of(gw, svc["idle"])["indexed"]) >= n, 10,
+             "the gateway's index to see the prefix's blocks")  # fmt: skip
+    for _ in range(2):
+        complete(gw, ids)
+    before = metric(gw.url, "pdserve_gateway_prepulled_blocks_total")
+    late = svc["services"].node("both", kv_blocks=256, model=MODEL, extra=INVARIANT)
+    late.wait_ready()
+    wait_kernels_settled([late])
+    r = httpx.post(gw.url + "/admin/nodes", json={"url": late.url, "role": "both"}, headers=gw.admin_headers, timeout=10)
+    assert r.status_code in (200, 201), r.text
+    wait_for(lambda: late.load()["kv_blocks_cached"] >= n, 20, "the joining node to pre-pull the hottest prefix")
+    assert metric(gw.url, "pdserve_gateway_prepulled_blocks_total") - before >= n
+    body = {"request_id": "late-1", "prompt_token_ids": ids, "params": {"max_tokens": 4, "temperature": 0}}
+    r = httpx.post(late.url + "/internal/generate", json=body, auth=AUTH, timeout=60)
+    lines = [json.loads(x) for x in r.text.splitlines() if x]
+    assert lines[0].get("cached_tokens") == n * BS  # its first request for it hits the pre-pulled blocks
+    salted = dict(body, request_id="late-2", params=dict(body["params"], cache_salt="miss"))
+    r2 = httpx.post(late.url + "/internal/generate", json=salted, auth=AUTH, timeout=60)
+    assert [t for x in r.text.splitlines() if x for t in json.loads(x)["token_ids"]] == [
+        t for x in r2.text.splitlines() if x for t in json.loads(x)["token_ids"]]  # == a recompute's answer
+    loads = wait_blocks_free([holder, svc["idle"], late], timeout=20)
+    assert [(x["kv_blocks_used"], x["kv_transfers_held"]) for x in loads] == [(0, 0)] * 3, loads
