@@ -91,3 +91,10 @@ class PeerBlocks:
         seq.status = Status.WAITING
         self.seqs.pop(seq_id, None)
         return seq
+
+    def transfer_ended(self, seq: Sequence) -> None:
+        """The KV transfer into ``seq``'s blocks is over (done, failed or aborted: nothing writes them any more).
+        A sequence that finished while it was ``landing`` (aborted mid-transfer) kept its blocks held until now:
+        they are freed here, never while a receiver could still write into another request's blocks."""
+        seq.landing = False
+        self.release(seq.seq_id)

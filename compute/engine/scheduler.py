@@ -308,6 +308,8 @@ class Scheduler(PeerBlocks):
             self.importing.pop(seq.seq_id, None)
         if seq.hold_kv and reason in (FinishReason.STOP, FinishReason.LENGTH) and seq.block_table:
             self.held[seq.seq_id], seq.block_table = seq.block_table, []
+        elif seq.landing and seq.block_table:  # a KV transfer may still write them: freed at ``transfer_ended``
+            self.held[seq.seq_id], seq.block_table = seq.block_table, []
         else:
             self.blocks.free(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason

@@ -130,6 +130,7 @@ async def pull_then_add(svc: NodeService, rid: str, seq: Sequence, handle: dict)
     if reason is None:
         bs = svc.scheduler.config.block_size
         n = handle["num_blocks"]
+        seq.landing = True  # an abort while the blocks land keeps them until the transfer is over
         try:
             blocks, k = await svc.worker.call(lambda e: e.scheduler.add_pull(seq, n * bs))
         except (CacheFull, RequestTooLarge):
@@ -160,6 +161,8 @@ async def _land(svc: NodeService, rid: str, seq: Sequence, handle: dict, blocks:
         if gone:  # aborted meanwhile (the client left): nothing to compute
             raise NodeBusy(f"request {rid} was aborted") from None
         return "transfer_failed" if isinstance(e, TransferFailed) else "bad_handle"
+    finally:
+        svc.worker.post(lambda e: e.scheduler.transfer_ended(seq))  # frees the blocks of one aborted meanwhile
     if not await svc.worker.call(lambda e: e.scheduler.admit_pulled(seq.seq_id)):
         raise NodeBusy(f"request {rid} was aborted")
     return None

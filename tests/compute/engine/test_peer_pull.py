@@ -123,3 +123,25 @@ def test_a_pre_pull_lands_blocks_named_by_the_peers_hashes_and_lets_them_go():
     assert k == 0 and b.release(key) and b.blocks.num_cached == 4
     b.check_blocks()
     assert b.blocks.num_free == b.blocks.num_blocks
+
+
+def test_an_abort_while_kv_lands_keeps_the_blocks_until_the_transfer_ends():
+    b = _scheduler()
+    prompt = list(range(1, 19))
+    seq = _seq(prompt)
+    seq.landing = True  # a receiver writes into its blocks (a pull here; a decode node's import alike)
+    table, _ = b.add_pull(seq, 4 * BS)
+    b.abort(seq.seq_id)  # the client left mid-transfer
+    assert b.held[seq.seq_id] == table and all(b.blocks.refs(x) == 1 for x in table)  # not reusable yet
+    b.check_blocks()
+    b.transfer_ended(seq)  # the receiver is done (or aborted): nothing writes them any more
+    assert seq.seq_id not in b.held and b.blocks.num_free == b.blocks.num_blocks and b.blocks.num_cached == 0
+    b.check_blocks()
+    done = _seq(prompt)
+    done.landing = True
+    b.add_pull(done, 4 * BS)
+    b.transfer_ended(done)  # ended before any abort: nothing held, the request goes on as usual
+    assert b.admit_pulled(done.seq_id) and not b.held
+    b.abort(done.seq_id)
+    b.check_blocks()
+    assert b.blocks.num_free == b.blocks.num_blocks
