@@ -21,8 +21,9 @@ Same run, interleaved, medians and ratios (issue 26, section 5's engine-level pa
 Prefill chunks are the node's default (512 tokens a step). If the store lacks ``--model`` it is imported first.
 
 ``--part routing`` runs the pool scenario instead (shared system prompts through a real gateway and 2 nodes:
-routing by cache vs by load vs cache off), ``--part weights`` the router's weight measurement, ``--part all``
-everything (benchmarks/prefix_routing.py).
+routing by cache vs by load vs cache off), ``--part weights`` the router's weight measurement (both:
+benchmarks/prefix_routing.py), ``--part scaleup`` new nodes pulling a peer's cached prefixes vs recomputing them,
+and the pull's cost fit (benchmarks/prefix_pull.py), ``--part all`` everything.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-tokens", type=int, default=16, help="part 3: tokens per answer")
     p.add_argument("--engine-parts", default="1,2,3", help="--part engine: which of parts 1-3 to run (comma-separated)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--part", choices=("engine", "routing", "weights", "all"), default="engine",
-                   help="engine: parts 1-3 in process; routing: the pool scenario; weights: the router's weights")
+    p.add_argument("--part", choices=("engine", "routing", "weights", "scaleup", "all"), default="engine",
+                   help="engine: parts 1-3 in process; routing: the pool scenario; weights: the router's weights; "
+                        "scaleup: new nodes pulling a peer's cached prefixes vs recomputing (and the pull's cost)")
     p.add_argument("--pool-prompts", type=int, default=8, help="routing: shared system prompts")
     p.add_argument("--pool-users", type=int, default=3, help="routing: users asking each system prompt")
     p.add_argument("--pool-tokens", type=int, default=1500, help="routing: tokens per system prompt")
@@ -73,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-roles", choices=("both", "split"), default="both",
                    help="routing: 2 both nodes, or split: 2 prefill + 2 decode nodes")
     p.add_argument("--pool-modes", default="cache,load,off", help="routing: modes, in this order")
+    p.add_argument("--pull-prefixes", type=int, default=4, help="scaleup: shared system prompts the pool holds")
+    p.add_argument("--pull-users", type=int, default=3, help="scaleup: requests per system prompt on the new nodes")
+    p.add_argument("--pull-sizes", default="64,256,512,1024,1500", help="scaleup: prompt sizes of the cost fit")
+    p.add_argument("--pull-repeat", type=int, default=2, help="scaleup: interleaved repeats of the cost fit")
     p.add_argument("--out", default="bench-results/prefix.json")
 
 
@@ -88,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     cfg = store_config(args)
     ensure_model(cfg, args.model)
-    if args.part == "routing":  # the nodes load the model; this process only needs its tokenizer
+    if args.part in ("routing", "scaleup"):  # the nodes load the model; this process only needs its tokenizer
         inj = type("NoModel", (), {"model": None, "bundle": None})()
     else:
         with ParamStore(cfg) as store:
@@ -120,6 +126,12 @@ def main(args: argparse.Namespace) -> int:
         del inj, bench  # the nodes need the memory and the cores
         report["routing"] = prefix_routing.pool(args, cfg.locations, _bundle(cfg, args.model), POLICY, QUESTIONS)
         print("\n".join(prefix_routing.table(report["routing"])))
+    if args.part in ("scaleup", "all"):
+        from benchmarks import prefix_pull
+
+        inj = bench = None  # the nodes need the memory and the cores
+        report["scaleup"] = prefix_pull.run(args, cfg.locations, _bundle(cfg, args.model), POLICY, QUESTIONS)
+        print("\n".join(prefix_pull.table(report["scaleup"])))
     report["load_average_end"] = loadavg()
     if "repeated_prefix" in report:
         _print_table(report)

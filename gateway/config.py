@@ -33,6 +33,15 @@ class GatewayConfig:
     routing: str = "cache"  # cache: by each node's cached prefix and load (gateway/routing/router.py) | load: load only
     cache_isolation: str = "per_key"  # per_key: each API key's requests share cached KV only among themselves | shared
     prefix_ttl_s: float = 10.0  # a request sent counts as its prompt's blocks on that node this long (before its report)
+    # peer pull (routing = cache): a node pulls a prompt's cached prefix from the node holding it when
+    # pull_fixed_s + bytes / pull_bytes_per_s < tokens / prefill_tokens_per_s (gateway/routing/router.py PullCost;
+    # the defaults measured on a 2-core box: docs/gateway.md, "Peer pull")
+    peer_pull: bool = True
+    pull_fixed_s: float = 0.045  # an export + transfer's cost whatever its size
+    pull_bytes_per_s: float = 0.37e9  # the KV link's rate
+    prefill_tokens_per_s: float = 200.0  # a node's prefill rate until /load reports its measured one
+    pull_export_timeout_s: float = 2.0  # a holder's export answers within this, or the node computes the prefix
+    prepull_chains: int = 4  # a node joining pulls this many of the hottest prefixes from their holders (0: none)
     node_timeout_s: float = 60.0  # longest silence from a node mid-request
     max_model_len: int | None = None  # context limit (default: the model's)
     max_tokens_limit: int | None = None  # most tokens one request may generate: max_tokens' maximum and default
@@ -64,6 +73,10 @@ class GatewayConfig:
             raise ValueError(f"cache_isolation must be 'per_key' or 'shared', not {self.cache_isolation!r}")
         if self.prefix_ttl_s < 0:
             raise ValueError("prefix_ttl_s must be >= 0")
+        if self.pull_export_timeout_s <= 0 or self.prepull_chains < 0:
+            raise ValueError("pull_export_timeout_s must be > 0 and prepull_chains >= 0")
+        if self.pull_fixed_s < 0 or self.pull_bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0:
+            raise ValueError("need pull_fixed_s >= 0, pull_bytes_per_s > 0, prefill_tokens_per_s > 0")
         for role, _ in self.nodes:
             if role not in ("prefill", "decode", "both"):
                 raise ValueError(f"invalid node role {role!r}")

@@ -42,6 +42,8 @@ def add_arguments(p) -> None:
     p.add_argument("--retries", type=int, help="extra attempts after a node failure (default 3)")
     p.add_argument("--routing", choices=("cache", "load"), help="route by each node's cached prefix and load "
                    "(cache, the default) or by load only")  # fmt: skip
+    p.add_argument("--no-peer-pull", dest="peer_pull", action="store_const", const=False, default=None,
+                   help="never have a node pull a prompt's cached prefix from a peer (default: when cheaper)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as JSON and exit")
 
@@ -70,6 +72,7 @@ def gateway_config(args, tables: dict, path: str | None, **fixed):
              "port": getattr(args, "port", None), "max_running": getattr(args, "max_running", None),
              "max_queue": getattr(args, "max_queue", None), "queue_timeout_s": getattr(args, "queue_timeout", None),
              "retry_attempts": getattr(args, "retries", None), "routing": getattr(args, "routing", None),
+             "peer_pull": getattr(args, "peer_pull", None),
              "admin_open": True if getattr(args, "open_admin", False) else None, **fixed}  # fmt: skip
     node_flags = getattr(args, "node", None)
     flags["nodes"] = parse_nodes(node_flags, "--node") if node_flags else None

@@ -34,6 +34,7 @@ from gateway.routing.nodes import NodeClient
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.registry import NodeRegistry
 from gateway.routing.relay import Affinity, GenRequest, Relay
+from gateway.routing.router import PullCost
 from gateway.api.stops import StopMatcher
 from gateway.admission.traffic import Traffic
 
@@ -86,14 +87,22 @@ class Gateway:
             self.registry.add(url, role)
         self.client = NodeClient(config.internal_token, config.node_timeout_s)
         self.admission = Admission(config.max_running, config.max_queue, config.queue_timeout_s)
-        self.activator = Activator(self.registry)
+        pull = PullCost(config.pull_fixed_s, config.pull_bytes_per_s, config.prefill_tokens_per_s)
+        self.activator = Activator(self.registry, pull=pull if config.peer_pull and index is not None else None)
         self.relay = Relay(self.registry, self.client, config.retry_attempts, config.backoff_base_s,
                            config.backoff_max_s, self.activator)  # fmt: skip
+        self.relay.export_timeout_s = config.pull_export_timeout_s
         self.traffic = Traffic()
         self.autoscaler_status: dict = {}
         self.supervisor = None  # () -> dict: the local actuator's status() (`pdserve up`: restarts, crash loops)
         self.sources: list = []  # registry sources beyond static nodes, started with the gateway (gateway.routing.discovery)
         self._refresher: asyncio.Task | None = None
+        self.prepuller = None  # a node joining pulls the hottest prefixes (gateway/routing/prepull.py)
+        if index is not None and config.peer_pull and config.prepull_chains:
+            from gateway.routing.prepull import Prepuller
+
+            self.prepuller = Prepuller(self.registry, index, self.client, config.prepull_chains)
+        self._prepulling: asyncio.Task | None = None
 
     @property
     def activate(self):
@@ -109,12 +118,15 @@ class Gateway:
         for source in self.sources:
             await source.start()
         self._refresher = asyncio.create_task(self._refresh_models())
+        if self.prepuller is not None:
+            self._prepulling = asyncio.create_task(self.prepuller.run())
 
     async def stop(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        for task in (self._refresher, self._prepulling):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for source in self.sources:
             await source.stop()
         await self.registry.stop()

@@ -103,12 +103,25 @@ class BlockManager:
     def share(self, blocks: list[int], seq: Sequence) -> None:
         """Start ``seq``'s (empty) table with ``blocks``: full ones other tables hold, or cached free ones."""
         assert not seq.block_table, "share into an empty table"
+        seq.block_table = self.pin(blocks)
+
+    def pin(self, blocks: list[int]) -> list[int]:
+        """Count one more holder of ``blocks`` (held ones, or cached free ones: taken off the free list);
+        returns them. ``release`` lets go. A table's ``share`` and a peer export's hold are this."""
         for b in blocks:
             if self._refs[b] == 0:
                 assert b in self._cached, f"block {b} is free and not cached"
                 del self._cached[b]
             self._refs[b] += 1
-        seq.block_table = list(blocks)
+        return list(blocks)
+
+    def take(self, n: int) -> list[int]:
+        """``n`` fresh blocks outside any table (a pre-pull's landing place), counted once; ``release`` lets go."""
+        assert n <= self.num_free, "take without room"
+        out = [self._take_free() for _ in range(n)]
+        for b in out:
+            self._refs[b] = 1
+        return out
 
     def refs(self, block: int) -> int:
         """How many tables (or held lists) hold ``block``."""

@@ -59,6 +59,7 @@ class PrefixCacheStats:
     hits: int = 0  # of them, found cached (taken instead of computed)
     cached_blocks: int = 0  # blocks named now (free or held)
     evictions: int = 0  # cached blocks reused for other content
+    pulled: int = 0  # of the hits, tokens whose blocks came from a peer's cache (issue 26 section 4)
 
 
 class PrefixCache:
@@ -68,6 +69,7 @@ class PrefixCache:
         self.blocks, self.enabled, self.extra = blocks, enabled, tuple(extra)
         self.bs = blocks.block_size
         self.queries = self.hits = 0
+        self.pulled = 0  # of the hits, prompt tokens whose blocks were pulled from a peer (``landed``)
 
     def prepare(self, seq: Sequence) -> None:
         """Hash the prompt's full blocks (positions before ``prompt_len``: replayed output is not prompt)."""
@@ -104,6 +106,28 @@ class PrefixCache:
         seq.cache_stop = min(seq.prompt_len, max(cacheable, len(hit)) * self.bs)  # never name the decode path's
         self._share(seq, hit)
 
+    def landed(self, seq: Sequence) -> None:
+        """A prefix pulled from a peer (``take_imported``, ``uncount``, then the transfer) is in ``seq``'s table:
+        its blocks are named (the peer computed them by prefill and named them by these hashes), the lookup is
+        counted now with them as hits (taken, not computed; ``pulled``: how many came from the peer), and the
+        rest of the prompt is computed (and published) as any prompt's."""
+        if not self.enabled:
+            return
+        local = seq.num_published * self.bs  # this node's own hit (``take_imported`` shared it)
+        self.computed(seq, 0, seq.num_computed)
+        self.queries += seq.prompt_len
+        self.hits += seq.num_computed
+        self.pulled += seq.num_computed - local
+        seq.num_cached_tokens = seq.num_computed
+        seq.cache_stop = seq.prompt_len
+
+    def uncount(self, seq: Sequence) -> None:
+        """Take back ``take_imported``'s count of a pull's lookup: ``landed`` counts it, or (the pull failed)
+        the lookup of the sequence added again does."""
+        if self.enabled:
+            self.queries -= seq.prompt_len
+            self.hits -= seq.num_published * self.bs
+
     def _share(self, seq: Sequence, hit: list[int]) -> bool:
         """Count the lookup and start ``seq``'s table with ``hit``; whether it shared any block."""
         if not self.enabled:
@@ -133,7 +157,7 @@ class PrefixCache:
         seq.cache_stop = seq.prompt_len
 
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self.queries, self.hits, self.blocks.num_cached, self.blocks.evictions)
+        return PrefixCacheStats(self.queries, self.hits, self.blocks.num_cached, self.blocks.evictions, self.pulled)
 
     def _usable(self, seq: Sequence) -> int:
         """Blocks a hit may cover: every token before it prompt, at least ``MIN_COMPUTED`` tokens after it."""

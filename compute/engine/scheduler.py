@@ -33,6 +33,8 @@ Lifecycle of a request through the scheduler:
    WAITING with an empty table starts from the cached blocks matching its prompt (shared as forks'
    are) and computes the rest; computed full prompt blocks are named by content after each step and
    stay cached at count 0 until their memory is needed.
+8. peer pull (``compute.engine.peer_blocks``): a prefix's blocks pinned for a peer to read, or pulled from one
+   (for a request, or ahead of it) and named here.
 
 Because every admitted request fits alone, preemption always lets the oldest
 running sequence progress: the scheduler cannot deadlock.
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 
 from compute.engine.block_manager import BlockManager
 from compute.errors import RequestTooLarge
+from compute.engine.peer_blocks import PeerBlocks, pin_keys
 from compute.engine.prefix_cache import PrefixCache
 from compute.engine.sequence import FinishReason, Sequence, Status
 
@@ -92,8 +95,8 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
-class Scheduler:
-    """nano-vllm's verbs: add / schedule / postprocess / abort (+ fail)."""
+class Scheduler(PeerBlocks):
+    """nano-vllm's verbs: add / schedule / postprocess / abort (+ fail); a peer's blocks: ``PeerBlocks``."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -110,6 +113,7 @@ class Scheduler:
         self.parked: dict[int, list[Sequence]] = {}  # leader seq id -> choices waiting for its prompt
         self.copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next batch
         self.num_forked = 0  # since start: choices that shared a prompt instead of computing it
+        self._pins = pin_keys()  # keys of ``held`` lists pinned for a peer (seq ids are >= 0)
 
     def add(self, seq: Sequence) -> None:
         need = seq.num_prompt_tokens + seq.params.max_tokens
@@ -303,6 +307,8 @@ class Scheduler:
         elif seq.status is Status.IMPORTING:
             self.importing.pop(seq.seq_id, None)
         if seq.hold_kv and reason in (FinishReason.STOP, FinishReason.LENGTH) and seq.block_table:
+            self.held[seq.seq_id], seq.block_table = seq.block_table, []
+        elif seq.landing and seq.block_table:  # a KV transfer may still write them: freed at ``transfer_ended``
             self.held[seq.seq_id], seq.block_table = seq.block_table, []
         else:
             self.blocks.free(seq)

@@ -73,6 +73,9 @@ class Sequence:
         self.num_published = 0
         self.cache_stop = self.prompt_len
         self.num_cached_tokens: int | None = None
+        # a KV transfer writes this sequence's blocks (decode import, peer pull): finishing meanwhile (an abort) holds
+        # the blocks until the scheduler's ``transfer_ended``, so they are not reused while the receiver writes
+        self.landing = False
 
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, {self.status.value}, {self.num_tokens} tokens, {self.num_computed} cached)"

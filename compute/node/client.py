@@ -112,6 +112,25 @@ class AsyncNodeClient:
             raise NodeFailed(url, f"{route}: {type(e).__name__}: {e}") from None
         raise NodeFailed(url, f"{route}: stream ended without a finish reason")
 
+    async def export(self, url: str, msg: P.ExportRequest, timeout_s: float = 2.0) -> P.ExportReply:
+        """POST /internal/kv/export: the node's cached prefix of a prompt, held for a peer to pull (its handle);
+        NodeFailed / RequestRejected if it cannot (nothing cached, draining, gone)."""
+        try:
+            r = await self.client.post(url + "/internal/kv/export", content=P.encode(msg), headers=JSON,
+                                       timeout=timeout_s)  # fmt: skip
+        except httpx.HTTPError as e:
+            raise NodeFailed(url, f"export: {type(e).__name__}: {e}") from None
+        return _reply(url, r, P.ExportReply)
+
+    async def import_kv(self, url: str, msg: P.ImportRequest, timeout_s: float = 15.0) -> P.ImportReply:
+        """POST /internal/kv/import: the node pulls a peer's export into its prefix cache (a pre-pull)."""
+        try:
+            r = await self.client.post(url + "/internal/kv/import", content=P.encode(msg), headers=JSON,
+                                       timeout=timeout_s)  # fmt: skip
+        except httpx.HTTPError as e:
+            raise NodeFailed(url, f"import: {type(e).__name__}: {e}") from None
+        return _reply(url, r, P.ImportReply)
+
     async def abort(self, url: str, request_id: str) -> None:
         try:
             await self.client.post(url + "/internal/abort", content=P.encode(P.AbortRequest(request_id)),

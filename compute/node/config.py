@@ -27,6 +27,8 @@ class NodeConfig:
     kv_dtype: str = "auto"  # KV cache: auto (bf16; fp32 for fp32 weights) | bfloat16 | float32
     block_size: int = 16
     prefix_cache: bool = True  # reuse full KV blocks by content across requests (compute/engine/prefix_cache.py)
+    peer_kv: bool = True  # any role exports its cached prefixes to peers and pulls theirs (compute/node/peer.py;
+    # a KV sender and receiver on every node, device cpu)
     max_num_seqs: int = 64  # running sequences per step
     max_num_batched_tokens: int = 512  # tokens per step (the prefill chunk budget)
     kv_transport: str = "tcp"  # nixl | tcp | fake (prefill and decode roles)

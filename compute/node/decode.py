@@ -61,6 +61,7 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     seq.matcher = constrain(svc.grammars, seq.params, seq.token_ids[seq.prompt_len :])
     if rid in svc.active:
         raise BadNodeRequest(f"duplicate request_id {rid!r}")
+    seq.landing = True  # an abort while the KV lands keeps its blocks until the transfer is over
     try:
         cacheable = handle.get("cacheable_blocks", 0)  # lossy (compressed) KV is never cached: not a prefill's numbers
         cacheable = cacheable if type(cacheable) is int and handle.get("codec") == "none" else 0
@@ -77,6 +78,8 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     except BaseException:
         svc.abort(rid)
         raise
+    finally:
+        svc.worker.post(lambda e: e.scheduler.transfer_ended(seq))  # after the abort above: FIFO on the engine thread
     return rid, q
 
 

@@ -193,6 +193,10 @@ def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeSe
             from compute.node.decode import make_receiver
 
             make_receiver(svc, layout, cache_t.kv)
+        if cfg.peer_kv and cfg.prefix_cache and cfg.device == "cpu":
+            from compute.node.peer import make_ends
+
+            make_ends(svc, layout, cache_t.kv)  # export cached prefixes to peers, pull theirs
         worker.start()
     except BaseException:
         _close(svc)

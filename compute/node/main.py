@@ -42,6 +42,8 @@ def add_arguments(p) -> None:
                    help="KV cache dtype (default auto: bf16, fp32 for fp32 weights)")  # fmt: skip
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False, default=None,
                    help="compute every prompt from its first token (default: reuse cached KV blocks by content)")
+    p.add_argument("--no-peer-kv", dest="peer_kv", action="store_const", const=False, default=None,
+                   help="neither export cached prefixes to peers nor pull theirs (default: both, on a cpu device)")
     p.add_argument("--kv-compression", choices=["none", "bf16", "fp16", "int8"], help="default none")
     p.add_argument("--kv-hold-s", type=float, help="prefill: hold KV this long for the decode side (default 30)")
     p.add_argument("--kv-timeout-s", type=float, help="decode: fail a KV transfer after this (default 10)")
@@ -87,7 +89,7 @@ def node_config(args):
     store_cfg = store_config(args, tables=tables)
     flags = {"role": args.role, "model": args.model, "host": args.host, "port": args.port, "weights": args.weights,
              "kv_blocks": args.kv_blocks, "kv_dtype": args.kv_dtype, "block_size": args.block_size,
-             "prefix_cache": args.prefix_cache,
+             "prefix_cache": args.prefix_cache, "peer_kv": args.peer_kv,
              "max_num_seqs": args.max_num_seqs,
              "max_num_batched_tokens": args.max_batched_tokens, "kv_transport": args.kv_transport,
              "kv_compression": args.kv_compression, "kv_hold_s": args.kv_hold_s, "kv_timeout_s": args.kv_timeout_s,
@@ -177,7 +179,7 @@ def build(cfg, loop, store_cfg):
     cache = None
     if cfg.cache_dir:
         cache = NodeCache(CacheConfig(dir=cfg.cache_dir, disk_bytes=int(cfg.cache_gb * 2**30), memory_bytes=0))
-    if cfg.role != "both" and cfg.kv_transport == "nixl":
+    if (cfg.role != "both" or cfg.peer_kv) and cfg.kv_transport == "nixl":
         _nixl_agent()
     host = ModelHost(cfg, store, cache, loop)
     if cache is not None:

@@ -24,6 +24,9 @@ the models the node holds (``HeldGauges``), so a model unloaded leaves no stale 
   pdserve_node_prefix_cache_hits_total{model}              vllm:prefix_cache_hits_total (of them, found cached)
   pdserve_node_prefix_cache_evictions_total{model}         (cached blocks reused for other content)
   pdserve_node_kv_blocks_cached{model}                     (blocks a prompt can hit now, free or in use)
+  pdserve_node_peer_pulled_blocks_total, _bytes_total{model}  (prompt blocks read from a peer's cache: issue 26 s4)
+  pdserve_node_peer_pull_fallbacks_total{model,reason}     (pulls that failed: the prompt was computed instead)
+  pdserve_node_peer_exports_total, _exported_blocks_total{model}  (cached prefixes offered to peers)
 
 Where each is measured: TTFT from a request's arrival on this node to its first token (on a prefill
 node the request's first token; on a decode node its first token after the KV handoff); TPOT between
@@ -60,13 +63,25 @@ PREFIX_HITS = Counter("pdserve_node_prefix_cache_hits_total", "Prompt tokens fou
 PREFIX_EVICTIONS = Counter("pdserve_node_prefix_cache_evictions_total", "Cached KV blocks reused for other content",
                            ["model"])  # fmt: skip
 
+PEER_PULLED_BLOCKS = Counter("pdserve_node_peer_pulled_blocks_total",
+                             "Prompt KV blocks pulled from a peer's prefix cache instead of computed", ["model"])
+PEER_PULLED_BYTES = Counter("pdserve_node_peer_pulled_bytes_total", "KV bytes pulled from peers' prefix caches",
+                            ["model"])  # fmt: skip
+PEER_PULL_FALLBACKS = Counter("pdserve_node_peer_pull_fallbacks_total",
+                              "Peer pulls that failed or were refused: the prompt was computed instead",
+                              ["model", "reason"])  # fmt: skip
+PEER_EXPORTS = Counter("pdserve_node_peer_exports_total", "Cached prefixes offered to a peer",
+                       ["model"])  # fmt: skip
+PEER_EXPORTED_BLOCKS = Counter("pdserve_node_peer_exported_blocks_total", "Cached KV blocks offered to peers",
+                               ["model"])  # fmt: skip
+
 FINISH_REASONS = ("stop", "length", "abort", "error")  # compute.engine.sequence.FinishReason's values
 
 
 def start_series(model: str) -> None:
     """Every per-model series of a model now held, at zero: a rate or ratio over them exists before traffic."""
     for family in (TTFT, TPOT, REQUEST_SECONDS, GENERATED, PROMPT_COMPUTED, PREFIX_QUERIES, PREFIX_HITS,
-                   PREFIX_EVICTIONS):  # fmt: skip
+                   PREFIX_EVICTIONS, PEER_PULLED_BLOCKS, PEER_PULLED_BYTES, PEER_EXPORTS, PEER_EXPORTED_BLOCKS):  # fmt: skip
         family.labels(model)
     for reason in FINISH_REASONS:
         FINISHED.labels(model, reason)

@@ -53,7 +53,7 @@ async def prefill(svc: NodeService, msg: GenerateRequest) -> PrefillReply:
     if len(prompt) + want.max_tokens > svc.scheduler.max_len:
         raise BadNodeRequest(f"prompt {len(prompt)} + max_tokens {want.max_tokens} exceeds {svc.scheduler.max_len}")
     started = time.monotonic()
-    q = await svc.add(rid, seq, "prefill")
+    q = await svc.add(rid, seq, "prefill", msg.pull)
     try:
         out = await q.get()
     finally:

@@ -10,6 +10,8 @@ talk to a node only through ``compute.node.client``. Routes (every one but /heal
   POST /internal/abort     AbortRequest     -> AbortReply
   POST /internal/drain?timeout_s=S          -> DrainReply
   POST /internal/cache     CacheQuery       -> CacheReport (per model: the prefix cache's changes since a cursor)
+  POST /internal/kv/export ExportRequest    -> ExportReply (a cached prefix held for a peer to pull)
+  POST /internal/kv/import ImportRequest    -> ImportReply (a peer's export pulled into this node's cache)
   POST /internal/models/load   ModelLoadRequest   -> ModelLoadReply (202 while it loads)
   POST /internal/models/unload ModelUnloadRequest -> ModelUnloadReply
   GET  /load                                -> LoadReport (per model: ModelLoad)
@@ -76,6 +78,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=
     model: str | None = None  # which of the node's models (None: its only one)
     replay_tokens: int = 0  # after a failover: the prompt's last tokens were streamed already; recomputed one a step
     output_tokens: int = 0  # the prompt's last tokens are earlier output (penalties and min_tokens count them)
+    # a peer's export of this prompt's cached prefix (ExportReply.kv): the node pulls the blocks it lacks before
+    # computing the rest; a pull that fails is computed instead (compute/node/peer.py)
+    pull: dict[str, Any] | None = None
 
     def sampling(self) -> SamplingParams:
         return sampling_from_wire(self.params)
@@ -86,6 +91,36 @@ class DecodeRequest(GenerateRequest, kw_only=True, forbid_unknown_fields=True, o
 
     first_token_id: int
     kv: dict[str, Any]
+
+
+class ExportRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """POST /internal/kv/export: hold this node's cached blocks of a prompt's prefix for a peer to pull.
+    The prompt's token ids (hashed here, with ``cache_salt``, as a request's are), or the block hashes (hex)."""
+
+    prompt_token_ids: list[int] = []
+    block_hashes: list[str] = []
+    cache_salt: str | None = None
+    model: str | None = None
+    max_blocks: int = 0  # at most this many (0: every cached one, but a prompt leaves its last 2 tokens)
+
+
+class ExportReply(msgspec.Struct):
+    """The KV handle of the held blocks (compute/kv_transfer; ``block_hashes``: their hex hashes, in order)."""
+
+    kv: dict[str, Any]
+    num_blocks: int
+
+
+class ImportRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """POST /internal/kv/import: pull a peer's export (``ExportReply.kv``, exported by block hashes) into this node's
+    prefix cache, no request attached (a node joining the pool pre-pulls the hottest prefixes)."""
+
+    kv: dict[str, Any]
+    model: str | None = None
+
+
+class ImportReply(msgspec.Struct):
+    blocks: int  # blocks newly cached here (those it held already are not pulled)
 
 
 class StreamLine(msgspec.Struct, omit_defaults=True):
@@ -156,6 +191,8 @@ class EngineLoad(msgspec.Struct, kw_only=True):
     kv_blocks_cached: int = 0  # named by content: a prompt can hit them (free ones count in kv_blocks_free too)
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache since start
     prefix_hits: int = 0  # of them, found cached (hit rate = prefix_hits / prefix_queries)
+    prefix_pulled: int = 0  # of the hits, prompt tokens whose blocks were pulled from a peer's cache
+    peer_pull_fallbacks: int = 0  # peer pulls that failed (the prompt computed instead)
 
 
 class ModelLoad(EngineLoad, kw_only=True):

@@ -53,7 +53,7 @@ def refuse(detail: str, kind: str, status: int | None = None) -> Response:
 def create_app(host: ModelHost) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
-        task = asyncio.create_task(_drive_senders(host)) if host.cfg.role == "prefill" else None
+        task = asyncio.create_task(_drive_senders(host)) if host.cfg.role == "prefill" or host.cfg.peer_kv else None
         yield
         if task:
             task.cancel()
@@ -103,7 +103,7 @@ def create_app(host: ModelHost) -> FastAPI:
         check_request(msg)
         svc.check_tokens(msg.prompt_token_ids)
         seq = new_sequence(msg, sampling_params(msg), svc.grammars)
-        q = await svc.add(msg.request_id, seq, "generate")
+        q = await svc.add(msg.request_id, seq, "generate", msg.pull)
         return StreamingResponse(svc.relay(msg.request_id, q), media_type="application/x-ndjson")
 
     async def prefill(msg: P.GenerateRequest):
@@ -113,6 +113,16 @@ def create_app(host: ModelHost) -> FastAPI:
         svc = host.service(msg.model)
         rid, q = await decode_role.decode(svc, msg)
         return StreamingResponse(svc.relay(rid, q), media_type="application/x-ndjson")
+
+    async def export(msg: P.ExportRequest):
+        from compute.node.peer import export as export_prefix
+
+        return raw(await export_prefix(host.service(msg.model), msg))
+
+    async def import_kv(msg: P.ImportRequest):
+        from compute.node.peer import import_chain
+
+        return raw(P.ImportReply(await import_chain(host.service(msg.model), msg.kv)))
 
     async def load_model(msg: P.ModelLoadRequest):
         code, out = await host.load(msg.model, msg.weights, msg.keep, msg.wait_s)
@@ -127,6 +137,9 @@ def create_app(host: ModelHost) -> FastAPI:
         app.post("/internal/prefill")(guard(prefill, P.GenerateRequest))
     if role == "decode":
         app.post("/internal/decode")(guard(decode, P.DecodeRequest))
+    if cfg.peer_kv:
+        app.post("/internal/kv/export")(guard(export, P.ExportRequest))  # a cached prefix, for a peer to pull
+        app.post("/internal/kv/import")(guard(import_kv, P.ImportRequest))  # a peer's, into this cache (pre-pull)
     app.post("/internal/models/load")(guard(load_model, P.ModelLoadRequest))
     app.post("/internal/models/unload")(guard(unload_model, P.ModelUnloadRequest))
 

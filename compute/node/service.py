@@ -139,6 +139,7 @@ class NodeService:
         self.eos_token_ids: tuple[int, ...] = ()
         self._grammars = None
         self.cache_feed = CacheFeed(worker)  # the prefix cache's changes, for POST /internal/cache
+        self.pull_fallbacks = 0  # peer pulls that failed: the prompt computed instead (compute/node/peer.py)
         start_series(config.model)
 
     @property
@@ -162,8 +163,9 @@ class NodeService:
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise BadNodeRequest(f"token id out of range [0, {self.vocab_size})")
 
-    async def add(self, rid: str, seq: Sequence, kind: str) -> asyncio.Queue:
-        """Register and queue a sequence on the engine thread; returns its output queue."""
+    async def add(self, rid: str, seq: Sequence, kind: str, pull: dict | None = None) -> asyncio.Queue:
+        """Register and queue a sequence on the engine thread; returns its output queue. ``pull``: a peer's
+        export of the prompt's prefix, pulled first (compute/node/peer.py; a failed pull is computed instead)."""
         if rid in self.active:
             raise BadNodeRequest(f"duplicate request_id {rid!r}")
         allowed = seq.params.allowed_token_ids
@@ -172,7 +174,15 @@ class NodeService:
         q = self.worker.open_stream(seq.seq_id)
         self.active[rid] = Active(seq.seq_id, time.monotonic(), kind)
         try:
-            await self.worker.call(lambda e: e.scheduler.add(seq))
+            if pull:
+                from compute.node.peer import pull_then_add
+
+                await pull_then_add(self, rid, seq, pull)
+            else:
+                await self.worker.call(lambda e: e.scheduler.add(seq))
+        except NodeBusy:
+            self.finish(rid)
+            raise
         except RequestTooLarge as e:
             self.finish(rid)
             raise BadNodeRequest(str(e)) from None
@@ -234,7 +244,8 @@ class NodeService:
             kv_blocks_used=bm.num_blocks - bm.num_free, kv_blocks_free=bm.num_free, kv_blocks_total=bm.num_blocks,
             kv_blocks_held=sum(len(b) for b in list(s.held.values())), kv_blocks_cached=bm.num_cached,
             kv_transfers_held=self.sender.held() if self.sender is not None else 0,
-            prefix_queries=pc.queries, prefix_hits=pc.hits,
+            prefix_queries=pc.queries, prefix_hits=pc.hits, prefix_pulled=pc.pulled,
+            peer_pull_fallbacks=self.pull_fallbacks,
         )  # fmt: skip
 
     async def drain(self, timeout_s: float) -> bool:

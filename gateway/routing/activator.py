@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from prometheus_client import Gauge
 
-from gateway.routing.router import Route, pick
+from gateway.routing.router import PullCost, Route, pick
 
 log = logging.getLogger("pdserve.gateway")
 HELD = Gauge("pdserve_gateway_held", "Requests held: no ready node holds their model yet", ["model"])
@@ -41,8 +41,10 @@ class NotPlaced(Exception):
 
 
 class Activator:
-    def __init__(self, registry, interval_s: float = 0.5, poll_s: float = 0.1, clock=time.monotonic):
+    def __init__(self, registry, interval_s: float = 0.5, poll_s: float = 0.1, clock=time.monotonic,
+                 pull: PullCost | None = None):  # fmt: skip
         self.registry = registry
+        self.pull = pull  # a node may pull a prompt's cached prefix from a peer (router.PullCost); None: never
         self.activate: Callable[[str], object] | None = None  # ask for `model` to be placed (may be None)
         self.interval_s, self.poll_s, self.clock = interval_s, poll_s, clock
         self.held: dict[str, int] = {}  # model -> requests held now
@@ -58,9 +60,10 @@ class Activator:
         index = getattr(self.registry, "index", None)
         match = index.match(model, prompt, salt) if index is not None and model and prompt else None
         hits, n = (match.hits, len(prompt)) if match is not None else ({}, len(prompt or ()))
-        route = pick(views, exclude, hits, n)
+        pull = self.pull if match is not None else None
+        route = pick(views, exclude, hits, n, pull=pull)
         if route is None and exclude:  # every node failed once: allow them again rather than give up
-            route = pick(views, frozenset(), hits, n)
+            route = pick(views, frozenset(), hits, n, pull=pull)
         if route is not None and match is not None:
             index.record(match, route.both or route.prefill)
         return route

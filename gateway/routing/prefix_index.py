@@ -35,6 +35,8 @@ from compute.engine.prefix_cache import MIN_COMPUTED
 from compute.engine.prefix_hash import block_hashes
 from compute.node import protocol as P
 
+HOT_CHAINS = 256  # chains counted per model for pre-pull (the least asked dropped first)
+
 
 @dataclass(slots=True)
 class NodeCache:
@@ -75,6 +77,7 @@ class PrefixIndex:
         self._nodes: dict[str, dict[str, NodeCache]] = {}  # url -> model -> its cache
         self._models: dict[str, ModelIndex] = {}
         self._expiry: deque[tuple[float, str, bytes, str]] = deque()  # (when, model, hash, url), oldest first
+        self._hot: dict[str, dict[bytes, list]] = {}  # model -> a chain's last hash -> [times routed, its hashes]
 
     # --- the precise part: the nodes' reports ------------------------------------------------
     def cursors(self, url: str) -> dict[str, P.CacheCursor]:
@@ -152,16 +155,43 @@ class PrefixIndex:
         return PrefixMatch(model, hits, hashes)
 
     def record(self, match: PrefixMatch, url: str) -> None:
-        """``url`` was sent the request ``match`` was made for: count its blocks as there for ``ttl_s``."""
+        """``url`` was sent the request ``match`` was made for: count its blocks as there for ``ttl_s``, and its
+        chain among the model's hottest (``hottest``)."""
         hs = match.hashes.get(url)
         if not hs:
             return
+        hot = self._hot.setdefault(match.model, {})
+        entry = hot.pop(hs[-1], None) or [0, hs]
+        entry[0] += 1
+        hot[hs[-1]] = entry  # most recent last: a full table drops the least recent of the least asked
+        if len(hot) > HOT_CHAINS:
+            del hot[min(hot, key=lambda h: hot[h][0])]
         when = self.clock() + self.ttl_s
         idx = self._models.setdefault(match.model, ModelIndex())
         for h in hs:
             idx.sent.setdefault(h, {})[url] = when
             self._expiry.append((when, match.model, h, url))
         self._expire(self.clock())
+
+    # --- pre-pull: the hottest chains and who holds them -----------------------------------------
+    def hottest(self, model: str, n: int) -> list[list[bytes]]:
+        """The ``n`` block-hash chains of ``model`` most often routed (a prompt's full blocks each)."""
+        hot = self._hot.get(model, {})
+        return [hs for _, hs in sorted(hot.values(), key=lambda e: -e[0])[:n]]
+
+    def holder(self, model: str, hashes: list[bytes], exclude: str = "") -> tuple[str | None, int]:
+        """The node whose report holds the longest run of ``hashes`` (not ``exclude``), and its length in blocks."""
+        idx = self._models.get(model)
+        if idx is None:
+            return None, 0
+        runs = [(_run(idx, hashes, url, float("inf")), url) for url in self._nodes if url != exclude]
+        n, url = max(runs, default=(0, None))
+        return (url, n) if n else (None, 0)
+
+    def held_run(self, model: str, hashes: list[bytes], url: str) -> int:
+        """How many of ``hashes``, from the first, ``url`` reported holding."""
+        idx = self._models.get(model)
+        return _run(idx, hashes, url, float("inf")) if idx is not None else 0
 
     # --- internals ------------------------------------------------------------------------------
     def _drop(self, url: str, model: str) -> None:

@@ -10,7 +10,11 @@
     (``fork_group``, compute/engine/scheduler.py); a retry routes on its own;
  3. split route: POST /internal/prefill -> first token + KV handle; POST /internal/decode
     with the handle streams the rest. ``both`` route: POST /internal/generate. Every body
-    names the model (``"model"``): a node of several models serves that one;
+    names the model (``"model"``): a node of several models serves that one. A route that pulls
+    (``Route.pull_from``: another node holds more of the prompt cached, and pulling it is cheaper than
+    computing it) first asks that node for an export (POST /internal/kv/export) and passes its handle
+    in the prefill or generate body (``pull``): the node pulls the blocks it lacks (compute/node/peer.py);
+    an export refused, or a pull that fails, only means the prefix is computed;
  4. a node failing (connection error, timeout, 5xx, stream cut) -> exponential backoff with
     full jitter, then back to 2 with prompt := prompt + tokens already streamed and
     max_tokens reduced: the client's stream continues without repeating or skipping tokens;
@@ -32,16 +36,20 @@ from typing import NamedTuple
 import msgspec
 from prometheus_client import Counter
 
-from compute.node.protocol import DecodeRequest, GenerateRequest, KVHandle, SamplingWire, StreamLine
+from compute.node.protocol import DecodeRequest, ExportRequest, GenerateRequest, KVHandle, SamplingWire, StreamLine
 from compute.engine.sampling import SamplingParams
 
 from gateway.routing.activator import Activator
-from gateway.routing.nodes import NodeClient, NodeFailed
+from gateway.routing.nodes import NodeClient, NodeFailed, RequestRejected
 from gateway.routing.registry import NodeRegistry
 from gateway.routing.router import Route, decode_key
 
 log = logging.getLogger("pdserve.gateway")
 RETRIES = Counter("pdserve_gateway_retries_total", "Node failures retried on another node", ["phase"])
+PULLS = Counter("pdserve_gateway_routed_with_pull_total",
+                "Requests sent with a peer's export of their cached prefix to pull (compute/node/peer.py)")
+PULLS_REFUSED = Counter("pdserve_gateway_pull_exports_refused_total",
+                        "Exports a holder could not give (evicted, busy, gone): the node computed the prefix")
 
 
 class Unavailable(Exception):
@@ -86,6 +94,7 @@ class Relay:
         self.registry, self.client = registry, client
         self.retry_attempts, self.base, self.cap = retry_attempts, backoff_base_s, backoff_max_s
         self.activator = activator or Activator(registry)  # holds a request whose model no node holds
+        self.export_timeout_s = 2.0  # a holder's export answers within this, or the node computes the prefix
 
     async def _route(self, req: GenRequest, exclude: set[str]) -> Route:
         aff = req.affinity
@@ -142,17 +151,35 @@ class Relay:
                     for url in holding:
                         await _shielded(self.client.abort(url, node_rid))
 
+    async def _export(self, req: GenRequest, route: Route) -> dict | None:
+        """The holder's export of the prompt's cached prefix for the route's node to pull, or None (nothing to
+        pull, or the holder could not: the node computes the prefix, as without a pull)."""
+        if route.pull_from is None or req.produced or req.params.fork_group or req.params.prompt_logprobs is not None:
+            return None
+        msg = ExportRequest(prompt_token_ids=req.prompt_ids, cache_salt=req.params.cache_salt, model=req.model or None)
+        try:
+            reply = await self.client.export(route.pull_from, msg, self.export_timeout_s)
+        except (NodeFailed, RequestRejected) as e:
+            PULLS_REFUSED.inc()
+            log.info("request %s: no export from %s (%s): its node computes the prefix", req.request_id,
+                     route.pull_from, e)  # fmt: skip
+            return None
+        PULLS.inc()
+        return KVHandle(reply.kv).reachable_from(route.pull_from)
+
     async def _attempt(self, req: GenRequest, route: Route, rid: str, holding: list[str]):
         body, model, sending = self._body(req, rid), req.model or None, self.registry.sending
         tokens = len(body.prompt_token_ids)
         if not route.split:
             holding.append(route.both)
+            body.pull = await self._export(req, route)
             with sending(route.both, model, tokens, streams=1) as sent:
                 async for msg in self.client.generate(route.both, body):
                     sent.prefilled()
                     yield _unpack(route.both, msg)
             return
         holding.append(route.prefill)
+        body.pull = await self._export(req, route)
         with sending(route.prefill, model, tokens):
             first = await self.client.prefill(route.prefill, body)
         chunk = _unpack(route.prefill, first)

@@ -11,7 +11,10 @@ there, in prefill tokens (``Weights``; how they were chosen: docs/gateway.md, "R
 
 and the lowest cost wins; ties go to the node with the most free KV blocks, then the fewest running
 streams. With no hit anywhere this is least load, and an empty node (one that just joined) is the
-cheapest. A decode node is picked by its free KV blocks counting its hit as free (blocks it would not
+cheapest. With peer pull on (``PullCost``), a node may instead pull the prompt's longest cached prefix from
+the live node holding it (compute/node/peer.py) when that beats computing it: its cost then counts the
+holder's hit, plus the pull's time in prefill tokens, so a busy holder's repeats go to an idle node that
+pulls, and a node that just joined starts warm. A decode node is picked by its free KV blocks counting its hit as free (blocks it would not
 need), the fewest running streams breaking ties. Conditional disaggregation: when the chosen decode node's
 own hit leaves at most ``w.local_tokens`` prompt tokens to compute, it takes the whole request (a ``both``
 route: it prefills the few tokens itself), since a pull's fixed cost outweighs recomputing them. Only ready, non-draining nodes are candidates, and
@@ -39,6 +42,8 @@ class NodeView:
     running: int = 0
     kv_blocks_free: int = 0
     block_size: int = 16  # tokens per KV block (its cache report's; the node default until one came)
+    kv_block_bytes: int = 0  # bytes of one KV block, all layers (its /load: kv_bytes / kv_blocks_total; 0: unknown)
+    prefill_tokens_per_s: float = 0.0  # its measured prefill rate (/load's capacity report; 0: not measured yet)
 
     @property
     def routable(self) -> bool:
@@ -63,11 +68,37 @@ WEIGHTS = Weights()
 
 
 @dataclass(slots=True, frozen=True)
+class PullCost:
+    """A peer pull against computing the same prompt tokens (compute/node/peer.py; the defaults are measured:
+    docs/gateway.md, "Peer pull"). Pulling b blocks takes ``fixed_s + b * block_bytes / bytes_per_s``;
+    computing them ``b * block_size / prefill_tokens_per_s``: a node pulls when the first is smaller."""
+
+    fixed_s: float = 0.045  # export round trip + transfer setup and confirmation, whatever the size (44 ms here)
+    bytes_per_s: float = 0.37e9  # the KV link's rate (TCP between two node processes here: 0.37 GB/s)
+    prefill_tokens_per_s: float = 200.0  # a node's prefill rate until its own is measured (/load capacity; 202 here)
+
+    def __post_init__(self) -> None:
+        if self.fixed_s < 0 or self.bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0:
+            raise ValueError("pull cost: need fixed_s >= 0, bytes_per_s > 0, prefill_tokens_per_s > 0")
+
+    def seconds(self, blocks: int, block_bytes: int) -> float:
+        return self.fixed_s + blocks * block_bytes / self.bytes_per_s
+
+    def worth(self, blocks: int, block_size: int, block_bytes: int, prefill_tokens_per_s: float = 0.0) -> bool:
+        """Whether pulling ``blocks`` blocks beats computing their tokens (at the node's own measured prefill rate
+        when known, else ``prefill_tokens_per_s``)."""
+        rate = prefill_tokens_per_s or self.prefill_tokens_per_s
+        return blocks > 0 and self.seconds(blocks, block_bytes) < blocks * block_size / rate
+
+
+@dataclass(slots=True, frozen=True)
 class Route:
     prefill: str | None = None
     decode: str | None = None
     both: str | None = None
     hit_tokens: int = 0  # prompt tokens the prompt-taking node's cache is expected to give
+    pull_from: str | None = None  # a node whose cache holds more of the prompt: the prompt-taking node pulls it
+    pull_tokens: int = 0  # the prompt tokens that node holds
 
     @property
     def split(self) -> bool:
@@ -84,8 +115,28 @@ def prefill_cost(n: NodeView, prompt_tokens: int = 0, hit: int = 0, w: Weights =
     return n.queued_prompt_tokens + todo + n.running * w.running + short
 
 
-def prefill_key(n: NodeView, prompt_tokens: int = 0, hits: Mapping[str, int] = NO_HITS, w: Weights = WEIGHTS):
-    return (prefill_cost(n, prompt_tokens, hits.get(n.url, 0), w), -n.kv_blocks_free, n.running, n.url)
+def prefill_key(n: NodeView, prompt_tokens: int = 0, hits: Mapping[str, int] = NO_HITS, w: Weights = WEIGHTS,
+                holders: list[NodeView] = (), pull: PullCost | None = None):  # fmt: skip
+    return (_pulled(n, prompt_tokens, hits, w, holders, pull)[0], -n.kv_blocks_free, n.running, n.url)
+
+
+def _pulled(n: NodeView, prompt_tokens: int, hits: Mapping[str, int], w: Weights, holders: list[NodeView],
+            pull: PullCost | None) -> tuple[float, str | None, int]:  # fmt: skip
+    """``n``'s cost, computing what its cache lacks or pulling it from the holder of the longest prefix when that
+    is cheaper (the pull's time counted as the prefill tokens it is worth): (cost, holder or None, its hit)."""
+    own = hits.get(n.url, 0)
+    best = (prefill_cost(n, prompt_tokens, own, w), None, 0)
+    if pull is None:
+        return best
+    h = max((v for v in holders if v.url != n.url), key=lambda v: (hits.get(v.url, 0), v.url), default=None)
+    theirs = hits.get(h.url, 0) if h is not None else 0
+    blocks = (theirs - own) // max(1, n.block_size)
+    size = (n.kv_block_bytes or h.kv_block_bytes) if h is not None else 0
+    rate = n.prefill_tokens_per_s or pull.prefill_tokens_per_s
+    if h is None or not pull.worth(blocks, n.block_size, size, rate):
+        return best
+    cost = prefill_cost(n, prompt_tokens, theirs, w) + pull.seconds(blocks, size) * rate
+    return (cost, h.url, theirs) if cost < best[0] else best
 
 
 def decode_key(n: NodeView, hits: Mapping[str, int] = NO_HITS):
@@ -93,20 +144,24 @@ def decode_key(n: NodeView, hits: Mapping[str, int] = NO_HITS):
 
 
 def pick(nodes: list[NodeView], exclude: frozenset[str] | set[str] = frozenset(), hits: Mapping[str, int] = NO_HITS,
-         prompt_tokens: int = 0, w: Weights = WEIGHTS) -> Route | None:  # fmt: skip
+         prompt_tokens: int = 0, w: Weights = WEIGHTS, pull: PullCost | None = None) -> Route | None:  # fmt: skip
     """The route for one request, or None when no node can take it. ``hits``: per node, the prompt tokens
-    its prefix cache holds (gateway/routing/prefix_index.py); ``prompt_tokens``: the prompt's length."""
+    its prefix cache holds (gateway/routing/prefix_index.py); ``prompt_tokens``: the prompt's length. ``pull``:
+    a prompt-taking node may pull the longest cached prefix from the live node holding it (``PullCost``)."""
     live = [n for n in nodes if n.routable and n.url not in exclude]
+    holders = [n for n in live if hits.get(n.url, 0) > 0] if pull is not None else []
     prefill = [n for n in live if n.role == "prefill"]
     decode = [n for n in live if n.role == "decode"]
     if prefill and decode:
-        p = min(prefill, key=lambda n: prefill_key(n, prompt_tokens, hits, w)).url
+        p = min(prefill, key=lambda n: prefill_key(n, prompt_tokens, hits, w, holders, pull))
         d = min(decode, key=lambda n: decode_key(n, hits)).url
         if hits.get(d, 0) > 0 and prompt_tokens - hits[d] <= w.local_tokens:
             return Route(both=d, hit_tokens=hits[d])  # the decode node holds all but a few tokens: no pull
-        return Route(prefill=p, decode=d, hit_tokens=hits.get(p, 0))
+        _, src, theirs = _pulled(p, prompt_tokens, hits, w, holders, pull)
+        return Route(prefill=p.url, decode=d, hit_tokens=hits.get(p.url, 0), pull_from=src, pull_tokens=theirs)
     both = [n for n in live if n.role == "both"]
     if both:
-        b = min(both, key=lambda n: prefill_key(n, prompt_tokens, hits, w)).url
-        return Route(both=b, hit_tokens=hits.get(b, 0))
+        b = min(both, key=lambda n: prefill_key(n, prompt_tokens, hits, w, holders, pull))
+        _, src, theirs = _pulled(b, prompt_tokens, hits, w, holders, pull)
+        return Route(both=b.url, hit_tokens=hits.get(b.url, 0), pull_from=src, pull_tokens=theirs)
     return None

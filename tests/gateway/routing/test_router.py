@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.routing.router import NodeView, Route, Weights, pick, prefill_cost
+from gateway.routing.router import NodeView, PullCost, Route, Weights, pick, prefill_cost
 
 
 def P(url, q=0, running=0, **kw):
@@ -100,3 +100,51 @@ def test_weights_are_checked():
 
     with pytest.raises(ValueError):
         Weights(running=-1)
+
+
+# ---- peer pull (issue 26 section 4): a node may pull the longest cached prefix from its holder ----------------
+
+PULL = PullCost(fixed_s=0.02, bytes_per_s=1e9, prefill_tokens_per_s=1000.0)
+BLOCK = 368_640  # bytes of one 16-token block (SmolLM2, fp32 KV)
+
+
+def test_pulling_is_worth_it_only_past_the_fixed_cost():
+    # 1 block: 20.4 ms to pull vs 16 ms to compute; 2 blocks: 20.7 vs 32
+    assert not PULL.worth(1, 16, BLOCK) and PULL.worth(2, 16, BLOCK)
+    assert not PULL.worth(0, 16, BLOCK)
+    slow_link = PullCost(fixed_s=0.02, bytes_per_s=1e7, prefill_tokens_per_s=1000.0)  # 37 ms a block > 16 ms
+    assert not any(slow_link.worth(b, 16, BLOCK) for b in (1, 10, 100))
+
+
+def test_a_busy_holders_repeat_goes_to_an_idle_node_that_pulls():
+    nodes = [B("holder", q=3000, kv_block_bytes=BLOCK), B("new", kv_block_bytes=BLOCK)]
+    hits = {"holder": 1488}
+    assert pick(nodes, hits=hits, prompt_tokens=1500) == Route(both="new")  # without pulling: all 1,500 computed
+    r = pick(nodes, hits=hits, prompt_tokens=1500, pull=PULL)
+    assert r == Route(both="new", hit_tokens=0, pull_from="holder", pull_tokens=1488)
+    idle = [B("holder", kv_block_bytes=BLOCK), B("new", kv_block_bytes=BLOCK)]
+    assert pick(idle, hits=hits, prompt_tokens=1500, pull=PULL) == Route(both="holder", hit_tokens=1488)
+
+
+def test_no_pull_for_a_short_delta_a_slow_link_or_an_excluded_holder():
+    nodes = [B("a", q=400, kv_block_bytes=BLOCK), B("b", q=0, kv_block_bytes=BLOCK)]
+    r = pick(nodes, hits={"a": 512, "b": 496}, prompt_tokens=520, pull=PULL)  # 1 block more: computed
+    assert r.pull_from is None and r.both == "b"
+    slow = PullCost(fixed_s=0.02, bytes_per_s=1e7, prefill_tokens_per_s=1000.0)
+    assert pick(nodes, hits={"a": 512}, prompt_tokens=520, pull=slow).pull_from is None
+    assert pick(nodes, exclude={"a"}, hits={"a": 512}, prompt_tokens=520, pull=PULL).pull_from is None
+
+
+def test_a_prefill_node_pulls_from_any_role_holding_the_prefix():
+    nodes = [P("p1", q=5000, kv_block_bytes=BLOCK), P("p2", kv_block_bytes=BLOCK), D("d1", free=100)]
+    r = pick(nodes, hits={"p1": 800, "d1": 960}, prompt_tokens=1000, pull=PULL)
+    assert (r.prefill, r.decode, r.pull_from, r.pull_tokens) == ("p2", "d1", "d1", 960)
+
+
+def test_a_nodes_own_measured_prefill_rate_decides_over_the_default():
+    slow_default = PullCost(fixed_s=0.045, bytes_per_s=0.37e9, prefill_tokens_per_s=200.0)
+    # 2 blocks: 47 ms to pull; 160 ms to compute at 200 tokens/s, 16 ms at a measured 2,000
+    assert slow_default.worth(2, 16, BLOCK) and not slow_default.worth(2, 16, BLOCK, prefill_tokens_per_s=2000.0)
+    nodes = [B("holder", q=5000, kv_block_bytes=BLOCK), B("fast", kv_block_bytes=BLOCK, prefill_tokens_per_s=2000.0)]
+    assert pick(nodes, hits={"holder": 64}, prompt_tokens=100, pull=slow_default).pull_from is None  # 4 blocks: 49 ms > 32
+    assert pick(nodes, hits={"holder": 960}, prompt_tokens=1000, pull=slow_default).pull_from == "holder"

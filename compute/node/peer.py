@@ -1,0 +1,198 @@
+"""Peer pull (issue 26, section 4): a node reads a prompt prefix's KV blocks from another node's prefix cache.
+
+Lifecycle of one pull (the gateway arranges it: gateway/routing/relay.py):
+ 1. the gateway's prefix index says node A holds h blocks of a prompt and the node chosen for it, B, fewer;
+    pulling them is cheaper than computing them (gateway/routing/router.py ``PullCost``): it asks A
+    POST /internal/kv/export with the prompt (and its cache_salt);
+ 2. A (``export``) hashes the prompt as its engine does, pins its cached run (``Scheduler.pin_cached``: the
+    blocks can be neither evicted nor reused) and ``offer``s them on its KV sender; the handle carries their
+    hashes. The pin ends on the receiver's confirmation, an abort, or ``kv_hold_s`` (the sender's ledger),
+    as a prefill node's held KV does: nothing leaks;
+ 3. the gateway passes the handle to B inside the request (``GenerateRequest.pull``); B (``pull_then_add``)
+    checks that the handle's hashes are its own for this prompt (same model, weights, KV dtype, block size
+    and salt: the chained hash covers them), allocates the blocks, its own cached ones first
+    (``Scheduler.add_pull``), receives the others [k, h) through its KV receiver exactly as a decode node
+    does, names them by their hashes (``admit_pulled``) and queues the request, which computes only the
+    rest of its prompt; its ``cached_tokens`` count the pulled ones;
+ 4. anything wrong (no room, a handle refused, A gone, the offer expired, a timeout, a layout or hash
+    mismatch, lossy wire compression): the blocks are freed and the request is added as any other — it
+    computes its prompt. A pull never fails a request; each fallback is counted by its reason.
+
+Pre-pull (a node joining the pool): the gateway asks a holder to export a hot chain by its block hashes (no token
+ids) and hands the handle to the new node's POST /internal/kv/import (``import_chain``): the blocks land in its
+cache under the exporter's hashes (a peer is trusted as the gateway is: every internal request is signed), with
+no request attached; the requests that follow hit them.
+
+Under ``kernels = invariant`` the pulled KV has the numbers B would compute (A computed them by prefill
+with the same row-invariant kernels), so the answer equals a recompute's (tests/compute/node/test_peer.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from compute.engine.prefix_cache import MIN_COMPUTED
+from compute.engine.prefix_hash import block_hashes
+from compute.engine.sequence import Sequence
+from compute.errors import CacheFull, RequestTooLarge
+from compute.node import metrics
+from compute.node.protocol import ExportReply, ExportRequest, KVHandle
+from compute.node.service import BadNodeRequest, NodeBusy, NodeService, TransferFailed
+
+log = logging.getLogger("pdserve.node")
+
+
+class NothingCached(NodeBusy):
+    """The prefix asked for is not cached here (evicted since the gateway's index saw it): pull from no one."""
+
+    kind = "overloaded"
+
+
+def make_ends(svc: NodeService, layout, cache_tensor) -> None:
+    """The KV sender and receiver this node lacks for its role, so it can export and pull prefixes."""
+    if svc.sender is None:
+        from compute.node.prefill import make_sender
+
+        make_sender(svc, layout, cache_tensor)
+    if svc.receiver is None:
+        from compute.node.decode import make_receiver
+
+        make_receiver(svc, layout, cache_tensor)
+
+
+def _hashes(svc: NodeService, tokens: list[int], salt: str | None) -> list[bytes]:
+    """``tokens``' block hashes as this node's engine names them: whole blocks, leaving ``MIN_COMPUTED`` tokens."""
+    bs = svc.scheduler.config.block_size
+    usable = max(0, len(tokens) - MIN_COMPUTED) // bs
+    return block_hashes(tokens[: usable * bs], bs, svc.scheduler.cache.extra, salt)
+
+
+async def export(svc: NodeService, msg: ExportRequest) -> ExportReply:
+    """Pin this node's cached blocks of the prefix and offer them: the handle a peer pulls them with."""
+    svc.check_accepting()
+    if svc.sender is None or not svc.config.prefix_cache:
+        raise NodeBusy("this node exports no KV (peer_kv off, no prefix cache, or a device other than cpu)")
+    if msg.block_hashes:
+        try:
+            hashes = [bytes.fromhex(h) for h in msg.block_hashes]
+        except ValueError:
+            raise BadNodeRequest("block_hashes must be hex strings") from None
+    elif msg.prompt_token_ids:
+        svc.check_tokens(msg.prompt_token_ids)
+        hashes = _hashes(svc, msg.prompt_token_ids, msg.cache_salt)
+    else:
+        raise BadNodeRequest("export needs prompt_token_ids or block_hashes")
+    if msg.max_blocks > 0:
+        hashes = hashes[: msg.max_blocks]
+    key, blocks = await svc.worker.call(lambda e: e.scheduler.pin_cached(hashes))
+    if not blocks:
+        raise NothingCached("no block of this prefix is cached here")
+    xid = f"export-{uuid.uuid4().hex}"
+    svc.held[xid] = key  # the sender's on_release frees the pin (compute/node/prefill.py make_sender)
+    try:
+        kv = svc.sender.offer(xid, blocks, len(blocks) * svc.scheduler.config.block_size)
+    except Exception as e:  # noqa: BLE001 - TransferFailed / TransportDead: this export only
+        svc.held.pop(xid, None)
+        svc.worker.post(lambda e: e.scheduler.release(key))
+        raise TransferFailed(f"cannot offer the cached KV: {e}") from None
+    kv["block_hashes"] = [h.hex() for h in hashes[: len(blocks)]]
+    kv["cacheable_blocks"] = len(blocks)
+    metrics.PEER_EXPORTS.labels(svc.config.model).inc()
+    metrics.PEER_EXPORTED_BLOCKS.labels(svc.config.model).inc(len(blocks))
+    return ExportReply(KVHandle(kv), len(blocks))
+
+
+def _refusal(svc: NodeService, seq: Sequence, handle: dict) -> str | None:
+    """Why this node will not pull ``handle`` for ``seq`` (a fallback reason), or None."""
+    if svc.receiver is None or not svc.config.prefix_cache:
+        return "off"
+    p = seq.params
+    if p.prompt_logprobs is not None or p.fork_group or seq.replay_from is not None:
+        return "unsupported"  # computes every prompt row / forks from a leader / replays output one token a step
+    n, hx = handle.get("num_blocks"), handle.get("block_hashes")
+    if type(n) is not int or n < 1 or not isinstance(hx, list) or len(hx) != n:
+        return "bad_handle"
+    if handle.get("codec") != "none":
+        return "lossy"  # compressed on the wire: not the numbers a prefill makes, never cached
+    mine = _hashes(svc, seq.token_ids[: seq.prompt_len], p.cache_salt)
+    if len(mine) < n or [h.hex() for h in mine[:n]] != hx:
+        return "mismatch"  # another model, weights, KV dtype, block size or salt: its blocks are not this prompt's
+    return None
+
+
+async def pull_then_add(svc: NodeService, rid: str, seq: Sequence, handle: dict) -> None:
+    """Queue ``seq`` (registered in ``svc.active``) starting from the prefix a peer offered in ``handle``;
+    on any failure, queue it to compute its prompt (``RequestTooLarge`` propagates as ``add``'s does)."""
+    model = svc.config.model
+    reason = _refusal(svc, seq, handle)
+    if reason is None:
+        bs = svc.scheduler.config.block_size
+        n = handle["num_blocks"]
+        seq.landing = True  # an abort while the blocks land keeps them until the transfer is over
+        try:
+            blocks, k = await svc.worker.call(lambda e: e.scheduler.add_pull(seq, n * bs))
+        except (CacheFull, RequestTooLarge):
+            reason = "no_room"
+        else:
+            reason = await _land(svc, rid, seq, handle, blocks, k)
+            if reason is None:
+                metrics.PEER_PULLED_BLOCKS.labels(model).inc(n - k)
+                metrics.PEER_PULLED_BYTES.labels(model).inc(handle["nbytes"] * (n - k) // n)
+                return
+    log.info("request %s: no pull from the peer (%s): computing its prompt", rid, reason)
+    metrics.PEER_PULL_FALLBACKS.labels(model, reason).inc()
+    svc.pull_fallbacks += 1
+    await svc.worker.call(lambda e: e.scheduler.add(seq))
+
+
+async def _land(svc: NodeService, rid: str, seq: Sequence, handle: dict, blocks: list[int], k: int) -> str | None:
+    """Receive blocks [k, n) into ``blocks`` and queue ``seq``: None, or why not (its blocks are then freed)."""
+    from compute.node.decode import _receive
+
+    try:
+        await _receive(svc, handle, blocks, rid, k)
+    except asyncio.CancelledError:
+        svc.worker.post(lambda e: e.scheduler.cancel_pull(seq.seq_id))
+        raise
+    except (TransferFailed, BadNodeRequest) as e:
+        gone = await svc.worker.call(lambda e: e.scheduler.cancel_pull(seq.seq_id) is None)
+        if gone:  # aborted meanwhile (the client left): nothing to compute
+            raise NodeBusy(f"request {rid} was aborted") from None
+        return "transfer_failed" if isinstance(e, TransferFailed) else "bad_handle"
+    finally:
+        svc.worker.post(lambda e: e.scheduler.transfer_ended(seq))  # frees the blocks of one aborted meanwhile
+    if not await svc.worker.call(lambda e: e.scheduler.admit_pulled(seq.seq_id)):
+        raise NodeBusy(f"request {rid} was aborted")
+    return None
+
+
+async def import_chain(svc: NodeService, handle: dict) -> int:
+    """Pull a peer's export into this node's prefix cache (a pre-pull); -> the blocks newly cached here.
+    ``TransferFailed`` (503) if the pull fails, ``NodeBusy`` if there is no room, ``BadNodeRequest`` on a bad handle."""
+    svc.check_accepting()
+    if svc.receiver is None or not svc.config.prefix_cache:
+        raise NodeBusy("this node pulls no KV (peer_kv off, no prefix cache, or a device other than cpu)")
+    n, hx = handle.get("num_blocks"), handle.get("block_hashes")
+    if type(n) is not int or n < 1 or not isinstance(hx, list) or len(hx) != n or handle.get("codec") != "none":
+        raise BadNodeRequest("kv must be an uncompressed export: num_blocks and as many block_hashes")
+    try:
+        hashes = [bytes.fromhex(h) for h in hx]
+    except (TypeError, ValueError):
+        raise BadNodeRequest("block_hashes must be hex strings") from None
+    try:
+        key, blocks, k = await svc.worker.call(lambda e: e.scheduler.pin_for_import(hashes))
+    except CacheFull as e:
+        raise NodeBusy(str(e)) from None
+    from compute.node.decode import _receive
+
+    try:
+        await _receive(svc, handle, blocks, f"import-{key}", k)
+    except BaseException:
+        svc.worker.post(lambda e: e.scheduler.release(key))
+        raise
+    named = await svc.worker.call(lambda e: e.scheduler.land_import(key, hashes, k))
+    metrics.PEER_PULLED_BLOCKS.labels(svc.config.model).inc(n - k)
+    metrics.PEER_PULLED_BYTES.labels(svc.config.model).inc(handle["nbytes"] * (n - k) // n)
+    return named
