@@ -51,6 +51,20 @@ class DecodeGroup:
     slots: torch.Tensor  # [B, L] long: KV slot of each key position (L = padded_keys(longest); padding -> slot 0)
     mask: torch.Tensor | None  # [B, 1, 1, L] bool: key is inside the context; None when no row is padded
     only: bool  # the whole batch is these decodes, in order (rows == arange(T)): no row gather needed
+    _bias: dict = field(default_factory=dict)  # (KVH, G) -> score_bias, made by the first layer, reused by the rest
+
+    def score_bias(self, kvh: int, g: int) -> torch.Tensor | None:
+        """The key mask as scores' additive bias ``[B*KVH, G, L]`` fp32 (0 inside a context, -inf past it), in
+        the layout of ``compute.modeling.attention._decode``'s scores; None when no row is padded."""
+        if self.mask is None:
+            return None
+        bias = self._bias.get((kvh, g))
+        if bias is None:
+            b, n = self.mask.shape[0], self.mask.shape[-1]
+            bias = torch.zeros((b, kvh, g, n), device=self.mask.device)
+            bias.masked_fill_(~self.mask.view(b, 1, 1, n), float("-inf"))
+            bias = self._bias[(kvh, g)] = bias.view(b * kvh, g, n)
+        return bias
 
 
 @dataclass(slots=True)
@@ -120,6 +134,7 @@ class ForwardBatch:
         d = self.decodes
         if d is not None:
             d.rows, d.slots, d.mask = mv(d.rows), mv(d.slots), mv(d.mask)
+            d._bias.clear()
         return self
 
     @property
