@@ -29,7 +29,7 @@ def _outliers(*shape: int, gen: torch.Generator) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("rows", [1, 7, 512])
+@pytest.mark.parametrize("rows", [1, 7, 64, 65, 512])  # torch.rms_norm up to RMS_NORM_MAX_ROWS, in place beyond
 def test_rms_norm_in_one_call_equals_the_formula(rows):
     gen = torch.Generator().manual_seed(rows)
     norm = RMSNorm(576, 1e-5, torch.float32)
@@ -45,14 +45,17 @@ def test_rms_norm_in_one_call_equals_the_formula(rows):
     assert torch.equal(nb(xb), nb.weight * x32.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rope_roll_equals_the_concatenated_halves(dtype):
+@pytest.mark.parametrize("dtype,rope_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16)])  # int8, fp32, bf16 runtimes
+def test_rope_roll_equals_the_concatenated_halves(dtype, rope_dtype):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(9, 12, 64, generator=gen).to(dtype)
+    keep = x.clone()
     inv_freq = 1.0 / (100000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
-    cos, sin = rope_cos_sin(inv_freq, torch.arange(100, 109), torch.float32)
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(100, 109), rope_dtype)
     ref = x * cos + torch.cat((x[..., 32:], x[..., :32]), dim=-1) * sin
     assert torch.equal(apply_rope(x, cos, sin), ref)
+    assert torch.equal(x, keep)  # its input untouched
 
 
 def _decode_reference(q, cache, layer, d, scale):
@@ -100,7 +103,7 @@ def test_write_kv_equals_writing_k_and_v_apart(kv_dtype):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 70])  # int8mm (bf16 out) at M <= 64, dequant (fp32 out) beyond
-def test_mlp_gate_half_in_place_equals_both_halves_converted(rows):
+def test_mlp_in_place_equals_silu_times_up(rows):
     cfg = ModelConfig.from_hf(tiny_llama_config(layers=1, hidden=64, ffn=128))
     gen = torch.Generator().manual_seed(rows)
     mlp = MLP(cfg, torch.float32, 64)
