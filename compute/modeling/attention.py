@@ -75,7 +75,7 @@ def paged_attention(
             qs[None].transpose(1, 2),  # [1, H, q, Dh]
             kc[None].transpose(1, 2),  # [1, KVH, L, Dh]
             vc[None].transpose(1, 2),
-            attn_mask=s.mask,
+            attn_mask=s.score_bias(qs.dtype),  # the bool mask as SDPA's own additive form, made once per step
             scale=scale,
             enable_gqa=gqa,
         )  # [1, H, q, Dh]

@@ -41,6 +41,16 @@ class PrefillSeq:
     context_len: int  # keys to attend over
     mask: torch.Tensor  # [q, padded_keys(context_len)] bool (True = attend): causal, shifted by the cached prefix
     fresh: bool  # no cached prefix: its keys are this step's own (no gather)
+    _bias: dict = field(default_factory=dict)  # dtype -> score_bias, made by the first layer, reused by the rest
+
+    def score_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` as SDPA's additive bias ``[q, L]`` in ``dtype`` (0 attend, -inf not): what SDPA makes of a
+        bool mask itself on every call (the same tensor, so the same numbers), made once per step."""
+        bias = self._bias.get(dtype)
+        if bias is None:
+            bias = self._bias[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            bias.masked_fill_(~self.mask, float("-inf"))
+        return bias
 
 
 @dataclass(slots=True)
@@ -131,6 +141,7 @@ class ForwardBatch:
         self.slot_mapping, self.logits_rows = mv(self.slot_mapping), mv(self.logits_rows)
         for s in self.prefills:
             s.blocks, s.mask = mv(s.blocks), mv(s.mask)
+            s._bias.clear()
         d = self.decodes
         if d is not None:
             d.rows, d.slots, d.mask = mv(d.rows), mv(d.slots), mv(d.mask)

@@ -116,3 +116,17 @@ def test_mlp_in_place_equals_silu_times_up(rows):
     gu = mlp.gate_up(x)  # both halves in x's dtype
     ref = mlp.down_proj(F.silu(gu[:, :128]) * gu[:, 128:], cast=False)
     assert torch.equal(mlp(x), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_score_bias_equals_sdpa_with_the_bool_mask(dtype):
+    """A chunk of 100 queries after 12 cached tokens: SDPA given the step's additive bias computes what it computes
+    from the bool mask (which it turns into that bias itself, on every layer)."""
+    gen = torch.Generator().manual_seed(2)
+    s = ForwardBatch.build([list(range(100))], [12], [list(range(7))], 16).prefills[0]
+    q = torch.randn(1, 9, 100, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 3, s.mask.shape[1], 64, generator=gen).to(dtype) for _ in range(2))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask, scale=0.125, enable_gqa=True)
+    assert s.score_bias(dtype) is s.score_bias(dtype)  # made once
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=s.score_bias(dtype), scale=0.125,
+                                                      enable_gqa=True), ref)  # fmt: skip
