@@ -138,7 +138,8 @@ def _decode(q: torch.Tensor, layer: int, cache: KVCache, d: DecodeGroup, scale: 
     kv32 = torch.empty((2, b * kvh, n, dh), dtype=torch.float32, device=q.device)  # [2, B*KVH, L, Dh]
     kv32.view(2, b, kvh, n, dh).copy_(kv.transpose(2, 3))
     exact = math.frexp(scale)[0] == 0.5  # x * 2^e is exact in fp32: scaling inside the GEMM gives the same numbers
-    qg = (q.to(torch.float32) if exact else q.to(torch.float32) * scale).view(b * kvh, h // kvh, dh)  # [B*KVH, G, Dh]
+    qg = (q.to(torch.float32) if exact else q.to(torch.float32) * scale).reshape(b * kvh, h // kvh, dh)  # [B*KVH, G, Dh]
+    # (reshape: an fp32 q is a view of the qkv buffer, its rows strided: copied here, as the scaling did before)
     kt = kv32[0].transpose(1, 2)  # [B*KVH, Dh, L]: head i of q reads KV head i // G
     bias = d.score_bias(kvh, h // kvh)  # [B*KVH, G, L] or None
     if bias is None:

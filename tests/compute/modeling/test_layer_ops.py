@@ -83,7 +83,8 @@ def test_decode_scores_with_bias_and_alpha_equal_masked_fill(dtype, head_dim, ct
     tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(len(ctx))]
     d = ForwardBatch.build([[1]] * len(ctx), [c - 1 for c in ctx], tables, 16).decodes
     assert (d.mask is None) == (len(set(ctx)) == 1 and ctx[0] % 16 == 0)
-    q = torch.randn(len(ctx), 3, head_dim, generator=gen).to(dtype)
+    # q as the layer hands it over: a view of the rows of a q | k | v buffer (strided)
+    q = torch.randn(len(ctx), 5, head_dim, generator=gen).to(dtype)[:, :3]
     scale = head_dim**-0.5
     assert (math.frexp(scale)[0] == 0.5) == (head_dim == 64)
     assert torch.equal(_decode(q, 0, cache, d, scale), _decode_reference(q, cache, 0, d, scale))
