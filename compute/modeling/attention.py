@@ -28,6 +28,8 @@ as a read-back would give) instead of gathering them back from the cache.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -39,22 +41,24 @@ Q_BLOCK = 32  # prefill queries per SDPA block, aligned to absolute positions (`
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, Dh]
-    k: torch.Tensor,  # [T, KVH, Dh]
-    v: torch.Tensor,  # [T, KVH, Dh]
+    kv: torch.Tensor,  # [T, 2 KVH, Dh]: K heads, then V heads
     layer: int,
     cache: KVCache,
     batch: ForwardBatch,
     scale: float,
     aligned: bool = False,
 ) -> torch.Tensor:
-    """Returns ``[T, H, Dh]`` in q's dtype; stores ``k, v`` in ``cache`` as a side effect. ``aligned``: prefill
-    queries in position-aligned blocks (``_aligned_prefill``: a row's numbers independent of its chunking, for
-    ``kernels = invariant``; ~1.2x the attention time of a 512-token prefill, so only there)."""
-    cache.write(layer, batch.slot_mapping, k, v)
-    gqa = q.shape[1] != k.shape[1]
+    """Returns ``[T, H, Dh]`` in q's dtype; stores ``kv`` in ``cache`` as a side effect (one write for K and V).
+    ``aligned``: prefill queries in position-aligned blocks (``_aligned_prefill``: a row's numbers independent of
+    its chunking, for ``kernels = invariant``; ~1.2x the attention time of a 512-token prefill, so only there)."""
+    cache.write_kv(layer, batch.slot_mapping, kv)
     d, dt = batch.decodes, cache.dtype
     if d is not None and d.only:
-        return _decode(q.to(dt), layer, cache, d, scale, gqa).to(q.dtype)
+        o = _decode(q if q.dtype == dt else q.to(dt), layer, cache, d, scale)  # [T, H, Dh] in dt
+        return o if o.dtype == q.dtype else o.to(q.dtype)
+    kvh = kv.shape[1] // 2
+    k, v = kv[:, :kvh], kv[:, kvh:]  # [T, KVH, Dh]
+    gqa = q.shape[1] != kvh
     out = torch.empty_like(q)
     for s in batch.prefills:
         n = padded_keys(s.context_len)  # keys of this call (see compute.modeling.batch.KEY_MULTIPLE), masked past ctx
@@ -71,13 +75,13 @@ def paged_attention(
             qs[None].transpose(1, 2),  # [1, H, q, Dh]
             kc[None].transpose(1, 2),  # [1, KVH, L, Dh]
             vc[None].transpose(1, 2),
-            attn_mask=s.mask,
+            attn_mask=s.score_bias(qs.dtype),  # the bool mask as SDPA's own additive form, made once per step
             scale=scale,
             enable_gqa=gqa,
         )  # [1, H, q, Dh]
         out[s.start : s.end] = o[0].transpose(0, 1)
     if d is not None:
-        out[d.rows] = _decode(q[d.rows].to(dt), layer, cache, d, scale, gqa).to(q.dtype)
+        out[d.rows] = _decode(q[d.rows].to(dt), layer, cache, d, scale)
     return out
 
 
@@ -112,7 +116,7 @@ def _padded(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat((t, t.new_zeros((n - t.shape[0], *t.shape[1:]))))
 
 
-def _decode(q: torch.Tensor, layer: int, cache: KVCache, d: DecodeGroup, scale: float, gqa: bool) -> torch.Tensor:
+def _decode(q: torch.Tensor, layer: int, cache: KVCache, d: DecodeGroup, scale: float) -> torch.Tensor:
     """q: [B, H, Dh], one query per sequence -> [B, H, Dh] in q's dtype.
 
     Two batched fp32 matmuls and a softmax rather than SDPA: with one query per sequence SDPA's CPU flash
@@ -120,7 +124,12 @@ def _decode(q: torch.Tensor, layer: int, cache: KVCache, d: DecodeGroup, scale: 
     B = 1, 64 keys 61 vs 49 us; B = 8 401 vs 161 us; B = 32, 80 keys 1,479 vs 533 us per layer), and scores
     in fp32 are closer to an fp32 reference than its bf16 path (max error 0.0019 vs 0.0024). A row's numbers
     stay independent of its batch: the keys are a multiple of ``KEY_MULTIPLE`` and masked ones give exact
-    zeros (tests/compute/modeling/test_realmodel.py)."""
+    zeros (tests/compute/modeling/test_realmodel.py).
+
+    The key mask is an additive bias (0 or -inf, made once per step: ``DecodeGroup.score_bias``) that the
+    score matmul adds (``baddbmm``), and a power-of-two ``scale`` (head_dim 64, 256, ...) is its ``alpha``:
+    the same numbers as scaling q, ``bmm`` and ``masked_fill_``, in one call instead of four
+    (tests/compute/modeling/test_layer_ops.py)."""
     b, h, dh = q.shape
     kv = cache.gather_slots(layer, d.slots)  # [2, B, L, KVH, Dh] in the cache dtype
     n, kvh = kv.shape[2], kv.shape[3]
@@ -128,9 +137,14 @@ def _decode(q: torch.Tensor, layer: int, cache: KVCache, d: DecodeGroup, scale: 
     # path in bmm, and a row's numbers would then depend on its batch
     kv32 = torch.empty((2, b * kvh, n, dh), dtype=torch.float32, device=q.device)  # [2, B*KVH, L, Dh]
     kv32.view(2, b, kvh, n, dh).copy_(kv.transpose(2, 3))
-    qg = (q.to(torch.float32) * scale).view(b * kvh, h // kvh, dh)  # [B*KVH, G, Dh]: head i reads KV head i // G
-    s = torch.bmm(qg, kv32[0].transpose(1, 2))  # [B*KVH, G, L]
-    if d.mask is not None:
-        s.view(b, kvh, -1, n).masked_fill_(~d.mask.view(b, 1, 1, n), float("-inf"))
+    exact = math.frexp(scale)[0] == 0.5  # x * 2^e is exact in fp32: scaling inside the GEMM gives the same numbers
+    qg = (q.to(torch.float32) if exact else q.to(torch.float32) * scale).reshape(b * kvh, h // kvh, dh)  # [B*KVH, G, Dh]
+    # (reshape: an fp32 q is a view of the qkv buffer, its rows strided: copied here, as the scaling did before)
+    kt = kv32[0].transpose(1, 2)  # [B*KVH, Dh, L]: head i of q reads KV head i // G
+    bias = d.score_bias(kvh, h // kvh)  # [B*KVH, G, L] or None
+    if bias is None:
+        s = torch.bmm(qg, kt) if not exact else torch.baddbmm(qg.new_empty(()), qg, kt, beta=0, alpha=scale)
+    else:
+        s = torch.baddbmm(bias, qg, kt, alpha=scale if exact else 1.0)  # [B*KVH, G, L]
     o = torch.bmm(torch.softmax(s, -1), kv32[1])  # [B*KVH, G, Dh]
     return o.view(b, h, dh).to(q.dtype)

@@ -41,6 +41,16 @@ class PrefillSeq:
     context_len: int  # keys to attend over
     mask: torch.Tensor  # [q, padded_keys(context_len)] bool (True = attend): causal, shifted by the cached prefix
     fresh: bool  # no cached prefix: its keys are this step's own (no gather)
+    _bias: dict = field(default_factory=dict)  # dtype -> score_bias, made by the first layer, reused by the rest
+
+    def score_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` as SDPA's additive bias ``[q, L]`` in ``dtype`` (0 attend, -inf not): what SDPA makes of a
+        bool mask itself on every call (the same tensor, so the same numbers), made once per step."""
+        bias = self._bias.get(dtype)
+        if bias is None:
+            bias = self._bias[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            bias.masked_fill_(~self.mask, float("-inf"))
+        return bias
 
 
 @dataclass(slots=True)
@@ -51,6 +61,20 @@ class DecodeGroup:
     slots: torch.Tensor  # [B, L] long: KV slot of each key position (L = padded_keys(longest); padding -> slot 0)
     mask: torch.Tensor | None  # [B, 1, 1, L] bool: key is inside the context; None when no row is padded
     only: bool  # the whole batch is these decodes, in order (rows == arange(T)): no row gather needed
+    _bias: dict = field(default_factory=dict)  # (KVH, G) -> score_bias, made by the first layer, reused by the rest
+
+    def score_bias(self, kvh: int, g: int) -> torch.Tensor | None:
+        """The key mask as scores' additive bias ``[B*KVH, G, L]`` fp32 (0 inside a context, -inf past it), in
+        the layout of ``compute.modeling.attention._decode``'s scores; None when no row is padded."""
+        if self.mask is None:
+            return None
+        bias = self._bias.get((kvh, g))
+        if bias is None:
+            b, n = self.mask.shape[0], self.mask.shape[-1]
+            bias = torch.zeros((b, kvh, g, n), device=self.mask.device)
+            bias.masked_fill_(~self.mask.view(b, 1, 1, n), float("-inf"))
+            bias = self._bias[(kvh, g)] = bias.view(b * kvh, g, n)
+        return bias
 
 
 @dataclass(slots=True)
@@ -117,9 +141,11 @@ class ForwardBatch:
         self.slot_mapping, self.logits_rows = mv(self.slot_mapping), mv(self.logits_rows)
         for s in self.prefills:
             s.blocks, s.mask = mv(s.blocks), mv(s.mask)
+            s._bias.clear()
         d = self.decodes
         if d is not None:
             d.rows, d.slots, d.mask = mv(d.rows), mv(d.slots), mv(d.mask)
+            d._bias.clear()
         return self
 
     @property

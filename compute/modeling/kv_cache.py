@@ -79,6 +79,12 @@ class KVCache:
         self._k_slots[layer].index_copy_(0, slots, k.to(self.dtype))
         self._v_slots[layer].index_copy_(0, slots, v.to(self.dtype))
 
+    def write_kv(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store ``kv: [T, 2 KVH, Dh]`` (K heads, then V heads) at ``slots: [T]`` of ``layer``: one copy for both."""
+        t = kv.shape[0]
+        src = kv.reshape(t, 2, -1).transpose(0, 1)  # [2, T, KVH*Dh]: a view where kv's rows are contiguous
+        self._kv_slots[layer].index_copy_(1, slots, src if src.dtype == self.dtype else src.to(self.dtype))
+
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``blocks: [..., nb]`` -> k, v ``[..., nb * block_size, KVH, Dh]`` (a copy)."""
         k, v = self.k[layer][blocks], self.v[layer][blocks]  # [..., nb, BS, KVH, Dh]
