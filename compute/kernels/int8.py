@@ -34,7 +34,12 @@ Candidates (``KERNELS``), all taking x in any float dtype and returning y in ``o
   6-9% error measured, out by the gate), rescaled by row and column scales. Batch-invariant by construction (each row its own scale),
   but on SmolLM2 per-row activation int8 costs +4% perplexity (FIELD-NOTES figures re-measured:
   CC0 1.0417, Zen 1.1215, Apache 1.0396 vs fp32): the error gate keeps it out unless a
-  machine's activations allow it; it is measured and printed so the table says why.
+  machine's activations allow it; it is measured and printed so the table says why;
+- ``w8a16``: x split per row into two int8 levels (``w8a16``), one ``torch._int_mm`` over the 2M rows: no float copy
+  of the weight, batch-invariant by construction, 0.01-0.02% error (bf16: 0.3%); slower than the bf16 copy at
+  M = 32 (1.1-1.6x: the quantization's ~15 small ops), faster than int8mm from M ~ 32 on
+  (benchmarks/int8_batched.py). The no-copy kernel a ``weight_copies_gb`` budget falls back to
+  (``compute.kernels.budget``).
 """
 
 from __future__ import annotations
@@ -60,10 +65,10 @@ from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 s
 
 BUCKETS = (1, 8, 64, None)  # upper bounds of M per bucket: 1 | 2-8 | 9-64 | 65+
 PROBE_M = (1, 8, 32, 256)  # the M each bucket is timed at
-KERNELS = ("int8mm", "dequant", "bf16", "w8a8")
+KERNELS = ("int8mm", "dequant", "bf16", "w8a8", "w8a16")
 ERROR_GATE = 0.01  # relative RMS error vs fp32 on outlier activations: ~3x bf16 rounding (int8mm, bf16: 0.3%; w8a8: 1.8-4.4%)
 INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: compute/kernels/linear.py)
-TABLE_VERSION = 7
+TABLE_VERSION = 8  # 8: w8a16 measured
 # measured: the fastest per M bucket; invariant: one batch-invariant kernel per shape;
 # fixed: int8mm up to M = 64, dequant beyond, on every CPU (the rule before this)
 MODES = ("measured", "invariant", "fixed")
@@ -146,7 +151,29 @@ def run(name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_
         a = x32.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0  # [M, 1]
         xq = torch.round(x32 / a).to(torch.int8)
         return torch._int_mm(xq, q.t()) * a * scale  # int32 [M, N] -> fp32
+    if name == "w8a16":
+        return w8a16(x, q, scale)
     raise ValueError(f"unknown kernel {name!r}: one of {', '.join(KERNELS)}")
+
+
+W8A16_LO = 254.0  # the low int8 level's step is the high one's / 254: |x - a * hi| <= a / 2 -> |lo| <= 127
+
+
+def w8a16(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x: [M, K] float @ (q: [N, K] int8 * scale: [N])^T -> [M, N] fp32, on the int8 GEMM (``torch._int_mm``) and no
+    float copy of the weight: each row of x is split into two int8 levels, x ~ a * (hi + lo / 254) with a = its
+    absmax / 127 (resolution a / 254: ~20x finer than bf16's on outlier activations), and the 2M stacked rows go
+    through one s8s8s32 GEMM. Integer products are exact and each row has its own scale, so every row's result
+    is the same at any M (batch-invariant by construction, where ``_int_mm`` is exact: VNNI / AMX-int8)."""
+    m = x.shape[0]
+    x32 = x if x.dtype == torch.float32 else x.to(torch.float32)
+    a = torch.linalg.vector_norm(x32, float("inf"), 1, keepdim=True).clamp_min_(1e-30).div_(127.0)  # [M, 1]
+    t = x32 / a  # [M, K] in [-127, 127]
+    levels = torch.empty(2 * m, x32.shape[1])
+    hi = torch.round(t, out=levels[:m])
+    torch.sub(t, hi, out=levels[m:]).mul_(W8A16_LO).round_()  # t - hi is exact, in [-0.5, 0.5]
+    acc = torch._int_mm(levels.to(torch.int8), q.t())  # [2M, N] int32
+    return acc[m:].to(torch.float32).div_(W8A16_LO).add_(acc[:m]).mul_(a).mul_(scale)
 
 
 BF16_BLOCK_ELEMS = 1 << 17  # 512 KiB of fp32 per block: within L2 on the CPUs we met
@@ -191,16 +218,6 @@ def plan_of(entry: dict, mode: str) -> tuple[str, ...]:
     if mode == "invariant" and entry.get("invariant"):
         return (entry["invariant"],) * len(BUCKETS)
     return tuple(entry["choice"])  # measured, or no row-invariant kernel passed the gate on this machine
-
-
-def copy_bytes(shapes: Iterable[tuple[int, int]], table: dict | None, mode: str = "measured") -> int:
-    """Bytes of the bf16 weight copies the ``bf16`` kernel keeps for ``shapes`` (one entry per matmul)
-    under ``table``; with no table yet, as if every shape chose it (an upper bound for a budget)."""
-    def takes(n: int, k: int) -> bool:
-        e = None if table is None else table["shapes"].get(f"{n}x{k}")
-        return e is None or "bf16" in plan_of(e, mode)
-
-    return sum(2 * n * k for n, k in shapes if takes(n, k))
 
 
 def row_invariant(name: str, q: torch.Tensor, scale: torch.Tensor, sb: torch.Tensor, wb: torch.Tensor | None,
