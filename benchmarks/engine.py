@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-step breakdown (1 and 32 streams)")
     p.add_argument("--omp", action="store_true", help="also time the 1- and 32-stream step under each OpenMP "
                    "setting (benchmarks/step_profile.py OMP_OPTIONS), each in a fresh process")
+    p.add_argument("--weight-copies-gb", type=float, default=0.0,
+                   help="the budgeted system beside the default (ours-int8-copies<=X): the bf16 weight copies its "
+                        "kernel plan may keep, GiB ([node] weight_copies_gb; 0: none, weights stay int8; -1: no column)")
     p.add_argument("--out", default="bench-results/engine.json")
 
 
@@ -82,6 +85,9 @@ def main(args: argparse.Namespace) -> int:
         print(format_table(table), flush=True)
         systems[f"ours-{args.weights}-invariant"] = Ours(store, args.model, args.weights, kernels="invariant")
         systems[f"ours-{args.weights}-fixed"] = Ours(store, args.model, args.weights, kernels="fixed")
+        if args.weight_copies_gb >= 0:  # the measured plan with bf16 copies only within the budget
+            systems[f"ours-{args.weights}-copies<={args.weight_copies_gb:g}GiB"] = Ours(
+                store, args.model, args.weights, weight_copies_gb=args.weight_copies_gb)
     systems["hf-bf16"] = HF(hf_config, tensors, torch.bfloat16)
     if not args.no_fp32:
         systems["hf-fp32"] = HF(hf_config, tensors, torch.float32)
@@ -158,10 +164,11 @@ def _finish(args, cfg, gguf, systems, samples, table, extra: dict) -> int:
 class Ours:
     batched = True
 
-    def __init__(self, store, ref: str, weights: str, kernels: str = "measured") -> None:
+    def __init__(self, store, ref: str, weights: str, kernels: str = "measured", weight_copies_gb: float = -1) -> None:
         from compute.modeling.loader import WeightInjector
 
-        self.injector = WeightInjector(store, ref, weights=weights, kernels=kernels, measure="blocking").start()
+        self.injector = WeightInjector(store, ref, weights=weights, kernels=kernels, measure="blocking",
+                                       weight_copies_gb=weight_copies_gb).start()  # fmt: skip
         self.injector.wait()
         self.model, self.bundle = self.injector.model, self.injector.bundle
 
