@@ -4,7 +4,8 @@
 
 Per SmolLM2 shape (``SHAPES``: as the model runs them, fused qkv and gate/up included) and M, each candidate is
 timed once per round, all candidates in turn within a round (a noisy neighbour hits each alike); medians of the
-rounds (and the min: the box is shared), and each candidate's ratio to the ``bf16 copy`` (the measured plan's batched kernel today: a resident bf16
+rounds (and the min, and the median of the process's CPU time per call, which a loaded box inflates far less than
+wall time: the box is shared), and each candidate's ratio to the ``bf16 copy`` (the measured plan's batched kernel today: a resident bf16
 weight, ``F.linear``). Inputs are fp32 activations as the int8 runtime passes them (``compute.kernels.linear``),
 outputs any float dtype. Error: relative RMS vs an fp64 reference on activations with outlier channels
 (``compute.kernels.int8._outlier_input``), at M = 16.
@@ -148,10 +149,12 @@ def measure(shapes, ms, rounds: int, log=print) -> dict:
         ref = xe.double() @ (q.double() * s.double()[:, None]).t()
         err = {c: float((call(xe, state[c]).double() - ref).norm() / ref.norm()) for c, (_, call, _) in cands.items()}
         entry = {"error": {c: round(e, 5) for c, e in err.items()}, "held_bytes_per_param": {c: b for c, (_, _, b) in cands.items()},
-                 "us": {}, "us_min": {}, "ratio_to_bf16_copy": {}, "ratio_min_to_bf16_copy": {}}  # fmt: skip
+                 "us": {}, "us_min": {}, "ratio_to_bf16_copy": {}, "ratio_min_to_bf16_copy": {},
+                 "cpu_us": {}, "cpu_ratio_to_bf16_copy": {}}  # fmt: skip
         for m in ms:
             x = torch.randn(m, k, generator=gen)
             times: dict[str, list[float]] = {c: [] for c in cands}
+            cpu: dict[str, list[float]] = {c: [] for c in cands}  # process CPU seconds: robust to a loaded box
             for c, (_, call, _) in cands.items():
                 call(x, state[c])  # warm
             t_end = time.perf_counter() + ROUND_BUDGET_S
@@ -159,18 +162,22 @@ def measure(shapes, ms, rounds: int, log=print) -> dict:
                 if r >= 3 and time.perf_counter() > t_end:
                     break
                 for c, (_, call, _) in cands.items():
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     call(x, state[c])
                     times[c].append(time.perf_counter() - t0)
+                    cpu[c].append(time.process_time() - c0)
             med = {c: statistics.median(v) * 1e6 for c, v in times.items()}
             low = {c: min(v) * 1e6 for c, v in times.items()}
+            work = {c: statistics.median(v) * 1e6 for c, v in cpu.items()}
+            entry["cpu_us"][str(m)] = {c: round(v, 1) for c, v in work.items()}
+            entry["cpu_ratio_to_bf16_copy"][str(m)] = {c: round(v / max(work["bf16 copy"], 1e-3), 2) for c, v in work.items()}
             entry["us"][str(m)] = {c: round(v, 1) for c, v in med.items()}
             entry["us_min"][str(m)] = {c: round(v, 1) for c, v in low.items()}
             entry["ratio_to_bf16_copy"][str(m)] = {c: round(v / med["bf16 copy"], 2) for c, v in med.items()}
             entry["ratio_min_to_bf16_copy"][str(m)] = {c: round(v / low["bf16 copy"], 2) for c, v in low.items()}
-            log(f"{n}x{k} M={m:<4} rounds {len(times['bf16 copy'])}, median (min) us, x the bf16 copy: " + "  ".join(
-                f"{c} {med[c]:.0f} ({low[c]:.0f}) {med[c] / med['bf16 copy']:.2f}x ({low[c] / low['bf16 copy']:.2f}x)"
-                for c in cands), flush=True)  # fmt: skip
+            log(f"{n}x{k} M={m:<4} rounds {len(times['bf16 copy'])}, wall median (min) us, x the bf16 copy [CPU time x]: "
+                + "  ".join(f"{c} {med[c]:.0f} ({low[c]:.0f}) {med[c] / med['bf16 copy']:.2f}x ({low[c] / low['bf16 copy']:.2f}x)"
+                            f" [{entry['cpu_ratio_to_bf16_copy'][str(m)][c]:.2f}x]" for c in cands), flush=True)  # fmt: skip
         log(f"{n}x{k} error vs fp64 (outlier activations): " + ", ".join(f"{c} {e:.2%}" for c, e in err.items()),
             flush=True)  # fmt: skip
         out[f"{n}x{k}"] = entry
