@@ -40,7 +40,10 @@ Candidates (``KERNELS``), all taking x in any float dtype and returning y in ``o
   of the weight, batch-invariant by construction, 0.01-0.02% error (bf16: 0.3%); slower than the bf16 copy at
   M = 32 (1.1-1.6x: the quantization's ~15 small ops), faster than int8mm from M ~ 32 on
   (benchmarks/int8_batched.py). The no-copy kernel a ``weight_copies_gb`` budget falls back to
-  (``compute.kernels.budget``).
+  (``compute.kernels.budget``);
+- ``otf``: the int8 weight converted to bf16 per call into a reused 16 MiB buffer (weights up to 8M parameters),
+  bf16 ``F.linear``, the scale applied to the output: no resident copy; 1.1-1.4x the copy at M = 32, ~1.0-1.1x
+  at M = 512 (the conversion amortised: prefill).
 """
 
 from __future__ import annotations
@@ -62,14 +65,15 @@ import torch.nn.functional as F
 from paramstore.buffers import (
     ALIGN,  # the int8 kernel needs aligned inputs (see ``aligned``)
 )
+from compute.kernels.nocopy import _OTF_MAX, W8A16_LO, otf_weight, w8a16  # noqa: F401 - re-exported
 from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
 
 BUCKETS = (1, 8, 64, None)  # upper bounds of M per bucket: 1 | 2-8 | 9-64 | 65+
 PROBE_M = (1, 8, 32, 256)  # the M each bucket is timed at
-KERNELS = ("int8mm", "dequant", "bf16", "w8a8", "w8a16")
+KERNELS = ("int8mm", "dequant", "bf16", "w8a8", "w8a16", "otf")
 ERROR_GATE = 0.01  # relative RMS error vs fp32 on outlier activations: ~3x bf16 rounding (int8mm, bf16: 0.3%; w8a8: 1.8-4.4%)
 INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: compute/kernels/linear.py)
-TABLE_VERSION = 8  # 8: w8a16 measured; invariant only from INVARIANT_BY_CONSTRUCTION
+TABLE_VERSION = 9  # 8: w8a16; 9: otf; invariant only from INVARIANT_BY_CONSTRUCTION
 # measured: the fastest per M bucket; invariant: one batch-invariant kernel per shape;
 # fixed: int8mm up to M = 64, dequant beyond, on every CPU (the rule before this)
 MODES = ("measured", "invariant", "fixed")
@@ -139,6 +143,8 @@ def bucket(m: int) -> int:
 
 
 def usable(name: str, n: int, k: int) -> bool:
+    if name == "otf":
+        return n * k <= _OTF_MAX
     return name != "int8mm" or k % INT8MM_K_MULTIPLE == 0
 
 
@@ -159,27 +165,9 @@ def run(name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_
         return torch._int_mm(xq, q.t()) * a * scale  # int32 [M, N] -> fp32
     if name == "w8a16":
         return w8a16(x, q, scale)
+    if name == "otf":
+        return F.linear(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), otf_weight(q)).mul_(scale_bf16)
     raise ValueError(f"unknown kernel {name!r}: one of {', '.join(KERNELS)}")
-
-
-W8A16_LO = 254.0  # the low int8 level's step is the high one's / 254: |x - a * hi| <= a / 2 -> |lo| <= 127
-
-
-def w8a16(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x: [M, K] float @ (q: [N, K] int8 * scale: [N])^T -> [M, N] fp32, on the int8 GEMM (``torch._int_mm``) and no
-    float copy of the weight: each row of x is split into two int8 levels, x ~ a * (hi + lo / 254) with a = its
-    absmax / 127 (resolution a / 254: ~20x finer than bf16's on outlier activations), and the 2M stacked rows go
-    through one s8s8s32 GEMM. Integer products are exact and each row has its own scale, so every row's result
-    is the same at any M (batch-invariant by construction, where ``_int_mm`` is exact: VNNI / AMX-int8)."""
-    m = x.shape[0]
-    x32 = x if x.dtype == torch.float32 else x.to(torch.float32)
-    a = torch.linalg.vector_norm(x32, float("inf"), 1, keepdim=True).clamp_min_(1e-30).div_(127.0)  # [M, 1]
-    t = x32 / a  # [M, K] in [-127, 127]
-    levels = torch.empty(2 * m, x32.shape[1])
-    hi = torch.round(t, out=levels[:m])
-    torch.sub(t, hi, out=levels[m:]).mul_(W8A16_LO).round_()  # t - hi is exact, in [-0.5, 0.5]
-    acc = torch._int_mm(levels.to(torch.int8), q.t())  # [2M, N] int32
-    return acc[m:].to(torch.float32).div_(W8A16_LO).add_(acc[:m]).mul_(a).mul_(scale)
 
 
 BF16_BLOCK_ELEMS = 1 << 17  # 512 KiB of fp32 per block: within L2 on the CPUs we met
