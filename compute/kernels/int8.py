@@ -39,7 +39,7 @@ Candidates (``KERNELS``), all taking x in any float dtype and returning y in ``o
 - ``w8a16``: x split per row into two int8 levels (``w8a16``), one ``torch._int_mm`` over the 2M rows: no float copy
   of the weight, batch-invariant by construction, 0.01-0.02% error (bf16: 0.3%); slower than the bf16 copy at
   M = 32 (1.1-1.6x: the quantization's ~15 small ops), faster than int8mm from M ~ 32 on
-  (benchmarks/int8_batched.py). The no-copy kernel a ``weight_copies_gb`` budget falls back to
+  (benchmarks/weight_copies.py). The no-copy kernel a ``weight_copies_gb`` budget falls back to
   (``compute.kernels.budget``);
 - ``otf``: the int8 weight converted to bf16 per call into a reused 16 MiB buffer (weights up to 8M parameters),
   bf16 ``F.linear``, the scale applied to the output: no resident copy; 1.1-1.4x the copy at M = 32, ~1.0-1.1x

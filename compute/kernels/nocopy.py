@@ -3,7 +3,7 @@
 - ``w8a16``: the activation split per row into two int8 levels, one ``torch._int_mm`` (s8s8s32) over the 2M rows;
 - ``otf_weight``: the int8 weight as bf16 in a reused per-thread buffer, for one bf16 GEMM (the ``otf`` kernel).
 
-Their times against the bf16 copy, per SmolLM2 shape: ``pdserve bench int8-batched`` (benchmarks/int8_batched.py).
+Their times against the bf16 copy, per SmolLM2 shape: ``pdserve bench weight-copies`` (benchmarks/weight_copies.py).
 """
 
 from __future__ import annotations

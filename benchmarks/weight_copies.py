@@ -1,6 +1,6 @@
-"""`pdserve bench int8-batched`: batched matmuls with int8 weights and no resident bf16 copy, vs the bf16 copy.
+"""`pdserve bench weight-copies`: batched matmuls with int8 weights and no resident bf16 copy, vs the bf16 copy.
 
-    pdserve bench int8-batched [--m 8 32 128 512] [--rounds 15] [--threads 2] [--out bench-results/int8_batched.json]
+    pdserve bench weight-copies [--m 8 32 128 512] [--rounds 15] [--threads 2] [--out bench-results/weight_copies.json]
 
 Per SmolLM2 shape (``SHAPES``: as the model runs them, fused qkv and gate/up included) and M, each candidate is
 timed once per round, all candidates in turn within a round (a noisy neighbour hits each alike); medians of the
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (medians reported)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--shapes", nargs="+", default=None, help="NxK shapes (default: SmolLM2's)")
-    p.add_argument("--out", default="bench-results/int8_batched.json")
+    p.add_argument("--out", default="bench-results/weight_copies.json")
 
 
 def candidates():
@@ -207,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m benchmarks.int8_batched (also: pdserve bench int8-batched)
+if __name__ == "__main__":  # python -m benchmarks.weight_copies (also: pdserve bench weight-copies)
     _p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(_p)
     raise SystemExit(main(_p.parse_args()))
