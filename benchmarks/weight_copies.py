@@ -1,6 +1,7 @@
 """`pdserve bench weight-copies`: batched matmuls with int8 weights and no resident bf16 copy, vs the bf16 copy.
 
     pdserve bench weight-copies [--m 8 32 128 512] [--rounds 15] [--threads 2] [--out bench-results/weight_copies.json]
+    pdserve bench weight-copies --steps [--weight-copies-gb 0]   # decode steps of the real model, default vs budget
 
 Per SmolLM2 shape (``SHAPES``: as the model runs them, fused qkv and gate/up included) and M, each candidate is
 timed once per round, all candidates in turn within a round (a noisy neighbour hits each alike); medians of the
@@ -47,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (medians reported)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--shapes", nargs="+", default=None, help="NxK shapes (default: SmolLM2's)")
+    p.add_argument("--steps", action="store_true", help="instead: decode steps of the real model, the default plan vs "
+                   "--weight-copies-gb, alternating step by step (1 and 32 streams; the model imported if missing)")
+    p.add_argument("--weight-copies-gb", type=float, default=0.0, help="the budget --steps compares (default 0)")
+    p.add_argument("--model", default="smollm2")
     p.add_argument("--out", default="bench-results/weight_copies.json")
 
 
@@ -184,6 +189,56 @@ def measure(shapes, ms, rounds: int, log=print) -> dict:
     return out
 
 
+def steps(args, log=print) -> dict:
+    """One decode step of the real model under the default plan and one under ``--weight-copies-gb``, alternating
+    (ABAB, each engine warm in steady decode): a loaded box hits both alike. -> {streams: {name: [seconds]}}."""
+    from benchmarks.common import bundle, ensure_model
+    from compute.engine.engine import Engine
+    from compute.engine.sampling import SamplingParams
+    from compute.modeling.loader import WeightInjector
+    from paramstore import ParamStore
+    from paramstore.config import store_config
+
+    cfg = store_config(argparse.Namespace(store=None, config=None, hmac_key_file=None))
+    locations = ensure_model(cfg, args.model)
+    b = bundle(locations, args.model)
+    chats = [b.encode(b.render_chat([{"role": "user", "content": q}])) for q in QUESTIONS]
+    out: dict = {}
+    with ParamStore(cfg) as store:
+        models = {name: WeightInjector(store, args.model, weights="int8", measure="blocking", weight_copies_gb=gb).start()
+                  for name, gb in (("default", -1), (f"copies<={args.weight_copies_gb:g}GiB", args.weight_copies_gb))}
+        for inj in models.values():
+            inj.wait()
+        for streams in (1, 32):
+            engines = {}
+            for name, inj in models.items():
+                eng = Engine.for_model(inj.model, num_blocks=streams * 12 + 64)
+                for i in range(streams):
+                    eng.add_request(chats[i % len(chats)], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+                for _ in range(12):  # past every prefill
+                    eng.step()
+                engines[name] = eng
+            t = out[streams] = {n: [] for n in engines}
+            t_end = time.perf_counter() + 90
+            for r in range(60):
+                if r >= 10 and time.perf_counter() > t_end:
+                    break
+                for n, eng in engines.items():
+                    t0 = time.perf_counter()
+                    eng.step()
+                    t[n].append(time.perf_counter() - t0)
+            (a, va), (c, vc) = t.items()
+            log(f"{streams} streams, {len(va)} steps each: {a} min {min(va) * 1e3:.1f} ms median "
+                f"{statistics.median(va) * 1e3:.1f} ms; {c} min {min(vc) * 1e3:.1f} ms median {statistics.median(vc) * 1e3:.1f}"
+                f" ms; {c} / {a}: {min(vc) / min(va):.2f}x (min), {statistics.median(vc) / statistics.median(va):.2f}x "
+                "(median)", flush=True)  # fmt: skip
+    return out
+
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
+             "Explain what a CPU does."]  # fmt: skip
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
@@ -196,10 +251,13 @@ def main(args: argparse.Namespace) -> int:
     load0 = loadavg()
     print(f"CPU: {machine()}; flags {' '.join(cpu_flags())}; {args.threads} threads; torch {torch.__version__}; "
           f"load {load0}", flush=True)  # fmt: skip
-    with torch.inference_mode():
-        res = measure(shapes, args.m, args.rounds)
+    if args.steps:
+        res = steps(args)
+    else:
+        with torch.inference_mode():
+            res = measure(shapes, args.m, args.rounds)
     doc = {"machine": machine(), "cpu_flags": cpu_flags(), "threads": args.threads, "torch": torch.__version__,
-           "rounds": args.rounds, "load_before": load0, "load_after": loadavg(), "shapes": res}  # fmt: skip
+           "rounds": args.rounds, "load_before": load0, "load_after": loadavg(), "steps" if args.steps else "shapes": res}  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
