@@ -49,6 +49,7 @@ BENCHES = {
     "guidellm": ("benchmarks.guidellm", "guidellm (a load client for OpenAI-compatible servers) against the gateway"),
     "first-start": ("benchmarks.first_start", "launch -> answer on a machine that never ran pdserve vs a warm start"),
     "grammar": ("benchmarks.grammar", "structured output's cost per decode step (JSON schema, regex, tool call) vs free"),
+    "weight-copies": ("benchmarks.weight_copies", "batched int8-weight matmuls without a resident bf16 copy vs the copy"),
     "prefix": ("benchmarks.prefix", "prefix cache: TTFT of a repeated prefix hit vs miss, cost at 0% hits, multi-turn TTFT"),
 }
 

@@ -11,6 +11,7 @@ Layout: one module per thing measured, each a `pdserve bench NAME` command with
     burst.py         pdserve bench burst     a burst sized from measured capacity: warm pool vs cold process
     first_start.py   pdserve bench first-start  launch -> answer with empty HOME and caches vs a warm start
     swap.py          pdserve bench swap      many models on one pool: cold-model first token, from zero
+    weight_copies.py  pdserve bench weight-copies  int8-weight matmuls without a bf16 copy vs with one, per shape
   and what they share:
     service.py       `pdserve up` in a process of its own, observed from outside (used by burst.py, swap.py)
     observe.py       its timeline: a /load sampler thread and the /load readers (used by burst.py, swap.py)

@@ -51,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-step breakdown (1 and 32 streams)")
     p.add_argument("--omp", action="store_true", help="also time the 1- and 32-stream step under each OpenMP "
                    "setting (benchmarks/step_profile.py OMP_OPTIONS), each in a fresh process")
+    p.add_argument("--weight-copies-gb", type=float, default=0.0,
+                   help="the budgeted system beside the default (ours-int8-copies<=X): the bf16 weight copies its "
+                        "kernel plan may keep, GiB ([node] weight_copies_gb; 0: none, weights stay int8; -1: no column)")
+    p.add_argument("--systems", nargs="+", metavar="NAME", help="run only these beside ours-WEIGHTS (e.g. "
+                   "'ours-int8-copies<=0GiB' hf-bf16; default: all)")
     p.add_argument("--out", default="bench-results/engine.json")
 
 
@@ -74,18 +79,27 @@ def main(args: argparse.Namespace) -> int:
     except NotFound:
         print(f"importing {gguf.name} into the store as {args.model!r} (int8) ...", file=sys.stderr)
         store.import_model(str(gguf), args.model, dtype="int8")
-    systems = {f"ours-{args.weights}": Ours(store, args.model, args.weights)}
-    table = systems[f"ours-{args.weights}"].injector.kernel_table
+    ours = f"ours-{args.weights}"
+    budgeted = f"{ours}-copies<={args.weight_copies_gb:g}GiB"
+
+    def want(name: str) -> bool:  # --systems: the ones to run beside ours (all by default)
+        return not args.systems or name in args.systems
+
+    systems = {ours: Ours(store, args.model, args.weights)}
+    table = systems[ours].injector.kernel_table
     if table is not None:  # int8 weights: this machine's kernel choice, and the fixed rule beside it
         from compute.kernels.int8 import format_table
 
         print(format_table(table), flush=True)
-        systems[f"ours-{args.weights}-invariant"] = Ours(store, args.model, args.weights, kernels="invariant")
-        systems[f"ours-{args.weights}-fixed"] = Ours(store, args.model, args.weights, kernels="fixed")
-    systems["hf-bf16"] = HF(hf_config, tensors, torch.bfloat16)
-    if not args.no_fp32:
-        systems["hf-fp32"] = HF(hf_config, tensors, torch.float32)
-    lc = LlamaCpp.maybe(gguf, args.threads)
+        for name, kernels in ((f"{ours}-invariant", "invariant"), (f"{ours}-fixed", "fixed")):
+            if want(name):
+                systems[name] = Ours(store, args.model, args.weights, kernels=kernels)
+        if args.weight_copies_gb >= 0 and want(budgeted):  # the measured plan, bf16 copies only within the budget
+            systems[budgeted] = Ours(store, args.model, args.weights, weight_copies_gb=args.weight_copies_gb)
+    for name, dtype in (("hf-bf16", torch.bfloat16), ("hf-fp32", torch.float32)):
+        if want(name) and not (name == "hf-fp32" and args.no_fp32):
+            systems[name] = HF(hf_config, tensors, dtype)
+    lc = LlamaCpp.maybe(gguf, args.threads) if want("llama.cpp") else None
     if lc is not None:
         systems["llama.cpp"] = lc
     served = None if args.no_served else ServedEngine(cfg.locations, args.model, args.threads)
@@ -131,7 +145,7 @@ def _measure(systems: dict, samples: dict, args, chats: list[list[int]], long: l
 
 
 def _finish(args, cfg, gguf, systems, samples, table, extra: dict) -> int:
-    if not args.no_spawn:
+    if not args.no_spawn and "hf-bf16" in systems:
         with tempfile.TemporaryDirectory() as tmp:
             folder = systems["hf-bf16"].save(os.path.join(tmp, "hf"))
             for r in range(args.repeat):
@@ -158,10 +172,11 @@ def _finish(args, cfg, gguf, systems, samples, table, extra: dict) -> int:
 class Ours:
     batched = True
 
-    def __init__(self, store, ref: str, weights: str, kernels: str = "measured") -> None:
+    def __init__(self, store, ref: str, weights: str, kernels: str = "measured", weight_copies_gb: float = -1) -> None:
         from compute.modeling.loader import WeightInjector
 
-        self.injector = WeightInjector(store, ref, weights=weights, kernels=kernels, measure="blocking").start()
+        self.injector = WeightInjector(store, ref, weights=weights, kernels=kernels, measure="blocking",
+                                       weight_copies_gb=weight_copies_gb).start()  # fmt: skip
         self.injector.wait()
         self.model, self.bundle = self.injector.model, self.injector.bundle
 

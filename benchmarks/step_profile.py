@@ -218,12 +218,13 @@ def weight_bytes(model) -> dict[str, int]:
 
 def report(models: dict, chats: list[list[int]], locations, ref: str, steps: bool = True, omp: bool = False) -> dict:
     """What `pdserve bench engine` adds per system of ours (``models``: name -> model): the breakdown at 1 and 32
-    streams (``steps``; not for the ``-invariant`` / ``-fixed`` variants), runtime weight bytes, the OpenMP options
+    streams (``steps``; not for the ``-invariant`` / ``-fixed`` / ``-copies<=`` variants), runtime weight bytes (each
+    variant: the default's bf16 copies, ``invariant``'s, none under ``fixed``, the budget's), the OpenMP options
     (``omp``); printed."""
     out: dict = {"breakdown": {}, "weight_bytes": {}}
     for name, model in models.items():
         out["weight_bytes"][name] = weight_bytes(model)
-        if steps and not name.endswith(("-invariant", "-fixed")):
+        if steps and not name.endswith(("-invariant", "-fixed")) and "-copies<=" not in name:
             out["breakdown"][name] = [breakdown(model, [chats[i % len(chats)] for i in range(n)]) for n in (1, 32)]
     for name, parts in out["breakdown"].items():
         for b in parts:

@@ -14,7 +14,8 @@ So nothing here assumes a CPU:
    every M in ``INVARIANCE_M`` as computed alone. Measured on the AMX Xeon: only int8mm is (each
    output tile's K loop is the same whatever M); oneDNN's bf16 GEMM changes its blocking at M = 33-64
    and others, MKL's fp32 GEMM below M ~ 16-25. ``invariant`` names the row-invariant kernel within
-   the gate with the least total time over the probe Ms (None if there is none);
+   the gate with the least total time over the probe Ms among ``INVARIANT_BY_CONSTRUCTION`` (None if
+   there is none);
 4. the table is written (atomically) and each int8 linear gets its plan (``plan_of``):
    ``measured`` (the default) the fastest per bucket; ``invariant`` the ``invariant`` kernel at
    every M, so a request's numbers do not depend on its batch (greedy output alone == in any batch:
@@ -34,7 +35,15 @@ Candidates (``KERNELS``), all taking x in any float dtype and returning y in ``o
   6-9% error measured, out by the gate), rescaled by row and column scales. Batch-invariant by construction (each row its own scale),
   but on SmolLM2 per-row activation int8 costs +4% perplexity (FIELD-NOTES figures re-measured:
   CC0 1.0417, Zen 1.1215, Apache 1.0396 vs fp32): the error gate keeps it out unless a
-  machine's activations allow it; it is measured and printed so the table says why.
+  machine's activations allow it; it is measured and printed so the table says why;
+- ``w8a16``: x split per row into two int8 levels (``w8a16``), one ``torch._int_mm`` over the 2M rows: no float copy
+  of the weight, batch-invariant by construction, 0.01-0.02% error (bf16: 0.3%); slower than the bf16 copy at
+  M = 32 (1.1-1.6x: the quantization's ~15 small ops), faster than int8mm from M ~ 32 on
+  (benchmarks/weight_copies.py). The no-copy kernel a ``weight_copies_gb`` budget falls back to
+  (``compute.kernels.budget``);
+- ``otf``: the int8 weight converted to bf16 per call into a reused 16 MiB buffer (weights up to 8M parameters),
+  bf16 ``F.linear``, the scale applied to the output: no resident copy; 1.1-1.4x the copy at M = 32, ~1.0-1.1x
+  at M = 512 (the conversion amortised: prefill).
 """
 
 from __future__ import annotations
@@ -56,19 +65,25 @@ import torch.nn.functional as F
 from paramstore.buffers import (
     ALIGN,  # the int8 kernel needs aligned inputs (see ``aligned``)
 )
+from compute.kernels.nocopy import _OTF_MAX, W8A16_LO, otf_weight, w8a16  # noqa: F401 - re-exported
 from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
 
 BUCKETS = (1, 8, 64, None)  # upper bounds of M per bucket: 1 | 2-8 | 9-64 | 65+
 PROBE_M = (1, 8, 32, 256)  # the M each bucket is timed at
-KERNELS = ("int8mm", "dequant", "bf16", "w8a8")
+KERNELS = ("int8mm", "dequant", "bf16", "w8a8", "w8a16", "otf")
 ERROR_GATE = 0.01  # relative RMS error vs fp32 on outlier activations: ~3x bf16 rounding (int8mm, bf16: 0.3%; w8a8: 1.8-4.4%)
 INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: compute/kernels/linear.py)
-TABLE_VERSION = 7
+TABLE_VERSION = 9  # 8: w8a16; 9: otf; invariant only from INVARIANT_BY_CONSTRUCTION
 # measured: the fastest per M bucket; invariant: one batch-invariant kernel per shape;
 # fixed: int8mm up to M = 64, dequant beyond, on every CPU (the rule before this)
 MODES = ("measured", "invariant", "fixed")
 INVARIANCE_M = (*range(2, 66), 96, 128, 200, 256, 300, 384, 420, 512)  # every row at these M as in the largest, whose rows are as alone
 INVARIANCE_ROWS = 8  # rows of the largest M compared with each computed alone
+# the kernels ``invariant`` may name: row-invariant by construction (int8mm: each output tile's K loop is the same at
+# any M; w8a16: integer-exact products, a scale per row), and then by the probe (a CPU can break the construction:
+# _int_mm without VNNI). oneDNN's bf16 GEMM passed the probe on the Zen 4 box yet SmolLM2's greedy output under it
+# differed alone vs in a batch of 16 (tests/compute/modeling/test_realmodel.py): a probe alone is not trusted
+INVARIANT_BY_CONSTRUCTION = ("int8mm", "w8a16")
 # one per machine (per user): $XDG_CACHE_HOME/pdserve/kernels.json, else ~/.cache/pdserve/kernels.json
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
                              "pdserve", "kernels.json")  # fmt: skip
@@ -128,6 +143,8 @@ def bucket(m: int) -> int:
 
 
 def usable(name: str, n: int, k: int) -> bool:
+    if name == "otf":
+        return n * k <= _OTF_MAX
     return name != "int8mm" or k % INT8MM_K_MULTIPLE == 0
 
 
@@ -146,6 +163,10 @@ def run(name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_
         a = x32.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0  # [M, 1]
         xq = torch.round(x32 / a).to(torch.int8)
         return torch._int_mm(xq, q.t()) * a * scale  # int32 [M, N] -> fp32
+    if name == "w8a16":
+        return w8a16(x, q, scale)
+    if name == "otf":
+        return F.linear(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), otf_weight(q)).mul_(scale_bf16)
     raise ValueError(f"unknown kernel {name!r}: one of {', '.join(KERNELS)}")
 
 
@@ -191,16 +212,6 @@ def plan_of(entry: dict, mode: str) -> tuple[str, ...]:
     if mode == "invariant" and entry.get("invariant"):
         return (entry["invariant"],) * len(BUCKETS)
     return tuple(entry["choice"])  # measured, or no row-invariant kernel passed the gate on this machine
-
-
-def copy_bytes(shapes: Iterable[tuple[int, int]], table: dict | None, mode: str = "measured") -> int:
-    """Bytes of the bf16 weight copies the ``bf16`` kernel keeps for ``shapes`` (one entry per matmul)
-    under ``table``; with no table yet, as if every shape chose it (an upper bound for a budget)."""
-    def takes(n: int, k: int) -> bool:
-        e = None if table is None else table["shapes"].get(f"{n}x{k}")
-        return e is None or "bf16" in plan_of(e, mode)
-
-    return sum(2 * n * k for n, k in shapes if takes(n, k))
 
 
 def row_invariant(name: str, q: torch.Tensor, scale: torch.Tensor, sb: torch.Tensor, wb: torch.Tensor | None,
@@ -302,7 +313,8 @@ def measure_steps(shapes: Iterable[tuple[int, int]], threads: int, repeats: int 
         inv = {}
         for c in ok:
             inv[c] = yield from _row_invariant_steps(c, q, scale, sb, wb, gen)
-        total = {c: sum(us[str(m)].get(c, float("inf")) for m in PROBE_M) for c in ok if inv[c]}
+        total = {c: sum(us[str(m)].get(c, float("inf")) for m in PROBE_M) for c in ok
+                 if inv[c] and c in INVARIANT_BY_CONSTRUCTION}
         out[f"{n}x{k}"] = {"choice": choice, "us": us, "error": err, "row_invariant": inv,
                            "invariant": min(total, key=total.get) if total else None}  # fmt: skip
         if on_shape is not None:

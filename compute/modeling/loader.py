@@ -128,12 +128,14 @@ class WeightInjector:
 
     def __init__(self, store, ref: str, weights: str = "int8", reader_config=None, cache=None, manifest=None,
                  text: bool = True, kernels: str = "measured", kernel_cache: str | None = DEFAULT_KERNEL_CACHE,
-                 device: str = "cpu", measure: str = "background", measure_share: float = 0.25):  # fmt: skip
+                 device: str = "cpu", measure: str = "background", measure_share: float = 0.25,
+                 weight_copies_gb: float = -1):  # fmt: skip
         """``text=False`` (a node: the gateway tokenizes) skips building the tokenizer (~0.3 s for SmolLM2's);
         ``eos_token_ids`` is read from the bundle either way. ``kernels``: ``measured`` (int8 weights run the
         kernels this machine's table chose, ``compute.kernels.int8``; the table cached at ``kernel_cache``) or
         ``fixed`` (int8mm up to M = 64, dequant beyond). ``device``: where the weights go (the
-        kernel table is the host's: on another device int8 weights run dequantized)."""
+        kernel table is the host's: on another device int8 weights run dequantized). ``weight_copies_gb``: the
+        bf16 weight copies the plan may keep, GiB (-1: no limit; 0: none; ``compute.kernels.budget``)."""
         if weights not in RUNTIME:
             raise ValueError(f"invalid runtime weights {weights!r}: int8, bf16 or fp32")
         if kernels not in KERNEL_MODES:
@@ -141,6 +143,7 @@ class WeightInjector:
         if measure not in ("background", "blocking"):
             raise ValueError(f"invalid measure {measure!r}: background or blocking")
         self.kernels, self.kernel_cache, self.kernel_table = kernels, kernel_cache, None
+        self.copy_budget = None if weight_copies_gb < 0 else int(weight_copies_gb * 2**30)  # bytes; None: no limit
         self.measure, self.measure_share, self.kernel_source = measure, measure_share, ""
         self.planner: BackgroundMeasure | None = None  # measures a missing plan after ready
         self._engine_hooks: dict | None = None  # attach(): how a measured plan reaches a serving model
@@ -245,7 +248,7 @@ class WeightInjector:
             if source != "store":  # measure what is missing, or publish the machine's plan to the store
                 self.planner = BackgroundMeasure(shapes, threads, self.kernel_cache, self.store, self._measured,
                                                  busy=self._busy, share=self.measure_share, name=self.manifest.ref)  # fmt: skip
-        self.model.use_kernels(table, self.kernels)
+        self.model.use_kernels(table, self.kernels, self.copy_budget)
         self.kernel_table, self.kernel_source = table, source
         PLANS.labels(source).inc()
 
@@ -286,7 +289,7 @@ class WeightInjector:
                 log.info("kernel plan (%s) kept for the next start: under kernels = invariant a node that has "
                          "served keeps its plan", source)  # fmt: skip
                 return
-            model.use_kernels(table, mode)
+            model.use_kernels(table, mode, self.copy_budget)
             self.kernel_table, self.kernel_source = table, source
             PLANS.labels(source).inc()
             log.info("kernel plan swapped in: %s (%d shapes)", source, len(table["shapes"]))
@@ -294,7 +297,7 @@ class WeightInjector:
                 hooks["on_swap"]()
 
         if mode != "invariant":
-            model.prepare_kernels(table, mode)  # bf16 copies made here, not on the engine thread
+            model.prepare_kernels(table, mode, self.copy_budget)  # bf16 copies made here, not on the engine thread
         hooks["post"](swap)
 
     def _convert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from compute.modeling.attention import paged_attention
 from compute.modeling.batch import ForwardBatch
 from compute.modeling.config import ModelConfig
 from compute.errors import WeightMismatch
-from compute.kernels.int8 import plan_of
+from compute.kernels.budget import copy_plans
 from compute.modeling.kv_cache import KVCache
 from compute.kernels.linear import (
     INT8MM_MAX_M,
@@ -250,22 +250,30 @@ class Transformer(nn.Module):
         """Distinct ``(N, K)`` of the int8 matmuls: what ``compute.kernels.int8.plan_for`` measures."""
         return sorted({tuple(m.int8_weight()[0].shape) for m in self.kernel_modules()})
 
-    def use_kernels(self, table: dict | None, mode: str = "measured") -> None:
+    def kernel_plans(self, table: dict, mode: str = "measured", copy_budget: int | None = None) -> list:
+        """(linear, its plan) for each int8 linear: the kernels ``table`` gives its shape under ``mode``, with bf16
+        copies only within ``copy_budget`` bytes (None: no limit; ``compute.kernels.budget``)."""
+        mods = self.kernel_modules()
+        return list(zip(mods, copy_plans([tuple(m.int8_weight()[0].shape) for m in mods], table, mode, copy_budget)))
+
+    def use_kernels(self, table: dict | None, mode: str = "measured", copy_budget: int | None = None) -> None:
         """Each int8 linear takes the kernels ``table`` gives its shape under ``mode`` (measured: the fastest
-        per M bucket; invariant: one batch-invariant kernel; ``compute.kernels.int8.plan_of``); None: the fixed rule."""
-        for m in self.kernel_modules():
-            n, k = m.int8_weight()[0].shape
-            m.use_kernels(None if table is None else plan_of(table["shapes"][f"{n}x{k}"], mode))
+        per M bucket; invariant: one batch-invariant kernel; ``compute.kernels.int8.plan_of``), keeping bf16
+        copies within ``copy_budget`` bytes (None: no limit); table None: the fixed rule."""
+        if table is None:
+            for m in self.kernel_modules():
+                m.use_kernels(None)
+        for m, plan in self.kernel_plans(table, mode, copy_budget) if table is not None else ():
+            m.use_kernels(plan)
         for m in self.modules():
             if isinstance(m, Attention):  # a row's numbers independent of its prefill chunking too
                 m.aligned = mode == "invariant"
 
-    def prepare_kernels(self, table: dict, mode: str = "measured") -> None:
+    def prepare_kernels(self, table: dict, mode: str = "measured", copy_budget: int | None = None) -> None:
         """Make the copies ``table``'s plan needs (bf16 weights) without switching to it: ``use_kernels`` then
         only assigns plans (cheap, between two steps)."""
-        for m in self.kernel_modules():
-            n, k = m.int8_weight()[0].shape
-            m.prepare_plan(plan_of(table["shapes"][f"{n}x{k}"], mode))
+        for m, plan in self.kernel_plans(table, mode, copy_budget):
+            m.prepare_plan(plan)
 
     # -- compute ---------------------------------------------------------------------------
 

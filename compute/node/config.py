@@ -43,6 +43,9 @@ class NodeConfig:
     device: str = "cpu"  # torch device of weights, KV cache and sampling (cpu | cuda | cuda:N ...)
     kernels: str = "measured"  # int8 kernels, per machine class: from the store's plan, the machine's cache
     # (cache_dir or ~/.cache/pdserve), else the safe rule until measured off the request path: measured (the fastest per M bucket) | invariant (one batch-invariant kernel per shape) | fixed (the old rule)
+    weight_copies_gb: float = -1.0  # bf16 copies of int8 weights the kernel plan may keep per model, GiB: -1 = no limit
+    # (each linear whose measured plan runs bf16 keeps one: SmolLM2 3.0x its int8 size), 0 = none (runtime weights = the
+    # int8 size; batched steps run w8a16/int8mm instead), else the copies that save the most time per byte (compute/kernels/budget.py)
     measure_share: float = 0.25  # a kernel measurement after ready (no plan in the store or the machine's cache)
     # takes at most this share of the time while the engine has work (all of it while idle); niced either way
     import_nice: int = 0  # heavy imports in a thread niced by this much (pool refill); serving threads are not
@@ -70,6 +73,9 @@ class NodeConfig:
             raise ValueError(f"invalid kernels {self.kernels!r}: measured, invariant or fixed")
         if self.memory_gb < 0 or self.tpot_target_s <= 0:
             raise ValueError("need memory_gb >= 0 (0: half of MemAvailable) and tpot_target_s > 0")
+        if not (self.weight_copies_gb == -1 or self.weight_copies_gb >= 0):
+            raise ValueError(f"invalid weight_copies_gb {self.weight_copies_gb!r}: -1 (no limit: the bf16 copies the "
+                             "measured plan picks), 0 (none: weights stay int8) or a budget in GiB > 0")
         if not 0 < self.measure_share <= 1:
             raise ValueError("measure_share must be in (0, 1]")
         if not 0 <= self.import_nice <= 19:

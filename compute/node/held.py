@@ -101,7 +101,7 @@ class Held:
         inj = WeightInjector(store, self.name, self.weights, reader_config=ReaderConfig(prefetch=self.prefetch),
                              cache=cache, manifest=self.manifest, text=False, kernels=cfg.kernels,
                              kernel_cache=kernel_cache(cfg), device=cfg.device,
-                             measure_share=cfg.measure_share)  # fmt: skip
+                             measure_share=cfg.measure_share, weight_copies_gb=cfg.weight_copies_gb)  # fmt: skip
         self.injector, self.progress = inj, inj.progress
         if self._cancel.is_set():
             return
@@ -267,10 +267,12 @@ def estimate_bytes(manifest, weights: str, cfg: NodeConfig) -> tuple[int, int]:
     config = ModelConfig.from_hf(manifest.config)
     if w == "int8" and cfg.kernels != "fixed" and cfg.device == "cpu":  # the kernel table's bf16 copies
         from compute.kernels import int8
+        from compute.kernels.budget import planned_copy_bytes
         from compute.modeling.model import linear_shapes
 
         table = int8.cached_table(torch.get_num_threads(), kernel_cache(cfg))  # as the loader will read it
-        wbytes += int8.copy_bytes(linear_shapes(config), table, cfg.kernels)
+        budget = None if cfg.weight_copies_gb < 0 else int(cfg.weight_copies_gb * 2**30)
+        wbytes += planned_copy_bytes(linear_shapes(config), table, cfg.kernels, budget)
     dtype, int8 = RUNTIME[w]
     kv = KVCache.bytes_per_block(config, cfg.block_size, kv_dtype(cfg.kv_dtype, dtype, int8)) * cfg.kv_blocks
     return wbytes, kv
