@@ -22,7 +22,6 @@ bytes_per_s = block bytes / b_pull, prefill_tokens_per_s = block tokens / b_reco
 from __future__ import annotations
 
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -32,11 +31,10 @@ import time
 def run(args, locations: list[str], bundle, policy: str, questions: list[str]) -> dict:
     from compute.node.launcher import Services
 
-    base = bundle.encode(policy)
-    body = (base * (args.pool_tokens // max(1, len(base)) + 1))[: args.pool_tokens]
-    systems = [bundle.encode(f"Company {i}: {random.Random(i).randrange(10**6)}. ") + body
-               for i in range(args.pull_prefixes)]  # fmt: skip
-    asks = [bundle.encode(" Question: " + questions[u % len(questions)]) for u in range(args.pull_users)]
+    from benchmarks.prefix_routing import shared_prompts
+
+    systems, asks, body = shared_prompts(bundle, policy, questions, args.pool_tokens, args.pull_prefixes,
+                                         args.pull_users)  # fmt: skip
     flags = ("--kernels", args.kernels)
     svc = Services(locations, args.model, tempfile.mkdtemp(prefix="pdserve-bench-prefix-scaleup-"))
     try:

@@ -33,13 +33,18 @@ ROLES = {"both": ("both", "both"), "split": ("prefill", "prefill", "decode", "de
 MODES = {"cache": ((), ()), "load": ((), ("--routing", "load")), "off": (("--no-prefix-cache",), ("--routing", "load"))}
 
 
+def shared_prompts(bundle, policy: str, questions: list[str], tokens: int, prompts: int, users: int):
+    """-> (``prompts`` system prompts of ``tokens`` tokens, distinct from their first token; ``users`` short
+    questions to append; the prompts' shared body), as token ids."""
+    base = bundle.encode(policy)
+    body = (base * (tokens // max(1, len(base)) + 1))[:tokens]
+    systems = [bundle.encode(f"Company {i}: {random.Random(i).randrange(10**6)}. ") + body for i in range(prompts)]
+    return systems, [bundle.encode(" Question: " + questions[u % len(questions)]) for u in range(users)], body
+
+
 def pool(args, locations: list[str], bundle, policy: str, questions: list[str]) -> dict:
     """The routing scenario, every mode in ``--pool-modes`` (in that order)."""
-    base = bundle.encode(policy)
-    body = (base * (args.pool_tokens // max(1, len(base)) + 1))[: args.pool_tokens]
-    systems = [bundle.encode(f"Company {i}: {random.Random(i).randrange(10**6)}. ") + body
-               for i in range(args.pool_prompts)]  # fmt: skip
-    asks = [bundle.encode(" Question: " + questions[u % len(questions)]) for u in range(args.pool_users)]
+    systems, asks, _ = shared_prompts(bundle, policy, questions, args.pool_tokens, args.pool_prompts, args.pool_users)
     order = [(i, u) for u in range(args.pool_users) for i in range(args.pool_prompts)]
     random.Random(0).shuffle(order)
     ideal = sum(map(len, systems)) + sum(len(asks[u]) for _, u in order)
@@ -182,11 +187,14 @@ def table(r: dict) -> list[str]:
     """The routing part as markdown rows."""
     out = ["| mode | TTFT p50 (s) | TTFT p90 (s) | repeats p50 / p90 (s) | prompt tokens computed / received | "
            "computed / ideal | routed by hit / load |", "|---|---|---|---|---|---|---|"]
+    def s(x) -> str:  # a time, or "-" where there was none (no repeats with --pool-users 1)
+        return "-" if x is None else f"{x:.3f}"
+
     for mode in MODES:
         m = r.get(mode)
         if m:
-            out.append(f"| {mode} | {m['ttft_p50_s']:.3f} | {m['ttft_p90_s']:.3f} | {m['repeat_ttft_p50_s']:.3f} / "
-                       f"{m['repeat_ttft_p90_s']:.3f} | {m['prompt_tokens_computed']:.0f} / "
+            out.append(f"| {mode} | {s(m['ttft_p50_s'])} | {s(m['ttft_p90_s'])} | {s(m['repeat_ttft_p50_s'])} / "
+                       f"{s(m['repeat_ttft_p90_s'])} | {m['prompt_tokens_computed']:.0f} / "
                        f"{m['prompt_tokens_received']} "
                        f"({m['computed_over_received']:.2f}) | {m['computed_over_ideal']:.2f}x | "
                        f"{m['routed_by']['hit']:.0f} / {m['routed_by']['load']:.0f} |")  # fmt: skip

@@ -115,21 +115,19 @@ class AsyncNodeClient:
     async def export(self, url: str, msg: P.ExportRequest, timeout_s: float = 2.0) -> P.ExportReply:
         """POST /internal/kv/export: the node's cached prefix of a prompt, held for a peer to pull (its handle);
         NodeFailed / RequestRejected if it cannot (nothing cached, draining, gone)."""
-        try:
-            r = await self.client.post(url + "/internal/kv/export", content=P.encode(msg), headers=JSON,
-                                       timeout=timeout_s)  # fmt: skip
-        except httpx.HTTPError as e:
-            raise NodeFailed(url, f"export: {type(e).__name__}: {e}") from None
-        return _reply(url, r, P.ExportReply)
+        return await self._peer_kv(url, "export", msg, P.ExportReply, timeout_s)
 
     async def import_kv(self, url: str, msg: P.ImportRequest, timeout_s: float = 15.0) -> P.ImportReply:
         """POST /internal/kv/import: the node pulls a peer's export into its prefix cache (a pre-pull)."""
+        return await self._peer_kv(url, "import", msg, P.ImportReply, timeout_s)
+
+    async def _peer_kv(self, url: str, verb: str, msg, reply: type, timeout_s: float):
         try:
-            r = await self.client.post(url + "/internal/kv/import", content=P.encode(msg), headers=JSON,
+            r = await self.client.post(f"{url}/internal/kv/{verb}", content=P.encode(msg), headers=JSON,
                                        timeout=timeout_s)  # fmt: skip
         except httpx.HTTPError as e:
-            raise NodeFailed(url, f"import: {type(e).__name__}: {e}") from None
-        return _reply(url, r, P.ImportReply)
+            raise NodeFailed(url, f"{verb}: {type(e).__name__}: {e}") from None
+        return _reply(url, r, reply)
 
     async def abort(self, url: str, request_id: str) -> None:
         try:
