@@ -13,7 +13,7 @@ import torch
 
 from compute.kernels import budget, int8
 from compute.node.held import tensor_bytes
-from tests.compute.kernels.test_kernels import _int8_tiny, _logits, dequantized
+from tests.compute.kernels.test_kernels import _int8_tiny, _logits, dequantized, int_mm_is_exact
 
 PLAN = ["int8mm", "bf16", "bf16", "w8a16"]  # a measured plan as on the avx512_bf16 box: the copy at M = 8 and 32
 
@@ -58,8 +58,16 @@ def test_copies_go_where_they_save_the_most_time_per_byte():
 
 
 def _table(shapes) -> dict:
-    """A table that wants a copy of every linear (``PLAN``), the larger shapes saving more per call."""
-    return {"shapes": {f"{n}x{k}": entry(saves=n * k / 100) for n, k in set(shapes)}}
+    """A table that wants a copy of every linear (``PLAN``), the larger shapes saving more per call; as this CPU's
+    table would be: without w8a16 where the int8 GEMM saturates (no VNNI), since its error gate keeps it out."""
+    table = {"shapes": {f"{n}x{k}": entry(saves=n * k / 100) for n, k in set(shapes)}}
+    if not int_mm_is_exact():
+        for e in table["shapes"].values():
+            e["choice"] = ["int8mm" if c == "w8a16" else c for c in e["choice"]]
+            e["row_invariant"].pop("w8a16")
+            for times in e["us"].values():
+                times.pop("w8a16")
+    return table
 
 
 def test_a_tiny_model_holds_at_most_its_budget_of_copies_and_answers_as_unbudgeted():
