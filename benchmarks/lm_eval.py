@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from benchmarks.engine import _gguf_tensors, hf_llama
+    from benchmarks.baselines import gguf_tensors, hf_llama
     from benchmarks.quality import license_text, logprobs
     from benchmarks.service import UpService
     from compute.modeling.loader import WeightInjector
@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         finally:
             up.stop()
     # in process, lm-eval's windows: the prefix token (its tokenizer's EOS) then the document's tokens
-    hf = hf_llama(*reversed(_gguf_tensors(gguf)), torch.float32)
+    hf = hf_llama(*reversed(gguf_tensors(gguf)), torch.float32)
     prefix = served["prefix_token_id"]
     rows = []
     for name, text in zip(TEXTS, docs):

@@ -383,19 +383,3 @@ def _read(cache_path: str | None) -> dict[str, dict]:
         return {}
     ok = isinstance(t, dict) and t.get("version") == TABLE_VERSION and isinstance(t.get("tables"), dict)
     return {k: v for k, v in t["tables"].items() if isinstance(v, dict) and v.get("key") == k} if ok else {}
-
-
-def format_table(table: dict) -> str:
-    """The table as text: one line per shape and bucket, the choice first, then every candidate's time."""
-    head = (f"kernel choice on {table['key'].split(' ', 1)[1]} (us, min of interleaved runs; error gate "
-            f"{table['error_gate']:.0%} relative RMS)")  # fmt: skip
-    lines = [head]
-    for shape, e in table["shapes"].items():
-        errs = ", ".join(f"{c} {v:.2%}" if isinstance(v, float) else f"{c} unusable" for c, v in e["error"].items())
-        inv = ", ".join(c for c, ok in e["row_invariant"].items() if ok) or "none"
-        lines.append(f"  {shape}: error {errs}; row-invariant: {inv} (kernels = \"invariant\": "
-                     f"{e['invariant'] or 'none, the fastest per bucket'} at every M)")  # fmt: skip
-        for m, choice in zip(table["probe_m"], e["choice"]):
-            times = "  ".join(f"{c} {t:g}" for c, t in sorted(e["us"][str(m)].items(), key=lambda i: i[1]))
-            lines.append(f"    M={m:<4} -> {choice:<8} ({times})")
-    return "\n".join(lines)

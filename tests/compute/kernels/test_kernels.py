@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from compute.kernels import int8
+from compute.kernels.table_text import format_table
 from compute.modeling.batch import ForwardBatch
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
@@ -75,7 +76,7 @@ def test_measure_chooses_the_fastest_within_the_gate_and_keeps_w8a8_out_on_outli
         for m, choice in zip(int8.PROBE_M, e["choice"]):
             times = e["us"][str(m)]
             assert "w8a8" not in times and choice == min(times, key=times.get)
-    assert "quant" not in int8.format_table(table).split("\n")[0] and "M=256" in int8.format_table(table)
+    assert "quant" not in format_table(table).split("\n")[0] and "M=256" in format_table(table)
 
 
 def test_plan_is_cached_per_machine_key_and_extended_for_new_shapes(tmp_path):
