@@ -55,7 +55,6 @@ import json
 import os
 import platform
 import tempfile
-import threading
 import time
 from collections.abc import Iterable
 
@@ -65,7 +64,7 @@ import torch.nn.functional as F
 from paramstore.buffers import (
     ALIGN,  # the int8 kernel needs aligned inputs (see ``aligned``)
 )
-from compute.kernels.nocopy import _OTF_MAX, W8A16_LO, otf_weight, w8a16  # noqa: F401 - re-exported
+from compute.kernels.nocopy import _OTF_MAX, SCRATCH_BYTES, W8A16_LO, otf_weight, scratch, w8a16  # noqa: F401 - some re-exported
 from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
 
 BUCKETS = (1, 8, 64, None)  # upper bounds of M per bucket: 1 | 2-8 | 9-64 | 65+
@@ -91,8 +90,7 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "a
              "amx_bf16", "amx_int8", "amx_tile")  # fmt: skip
 
 
-_SCRATCH_MAX = 4 * 2**20  # fp32 elements (16 MiB): the largest weight dequantized into the reused buffer
-_scratch = threading.local()  # per thread: a forward runs in one thread
+_SCRATCH_MAX = SCRATCH_BYTES // 4  # fp32 elements (16 MiB): the largest weight dequantized into the scratch
 
 
 def dequantize_scratch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -103,11 +101,7 @@ def dequantize_scratch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     n = q.numel()
     if n > _SCRATCH_MAX or q.device.type != "cpu":  # the scratch serves the host's page-fault cost only
         return dequantize(q, scale)
-    buf = getattr(_scratch, "buf", None)
-    if buf is None:
-        with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
-            buf = _scratch.buf = torch.empty(_SCRATCH_MAX)
-    return torch.mul(q, scale[:, None], out=buf[:n].view(q.shape))
+    return torch.mul(q, scale[:, None], out=scratch(torch.float32, q.shape))
 
 
 def is_aligned(t: torch.Tensor) -> bool:

@@ -13,6 +13,17 @@ import threading
 import torch
 
 _scratch = threading.local()  # per thread: a forward runs in one thread
+SCRATCH_BYTES = 16 * 2**20  # the per-thread buffer a weight is converted into (``otf``) or dequantized into (``dequant``)
+
+
+def scratch(dtype: torch.dtype, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """A ``shape`` tensor of ``dtype`` in this thread's reused buffer (no page faults of a fresh allocation), shared by
+    every kernel that converts a weight before its GEMM: valid until the next call in this thread."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None:
+        with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
+            buf = _scratch.buf = torch.empty(SCRATCH_BYTES, dtype=torch.uint8)
+    return buf[: shape.numel() * dtype.itemsize].view(dtype).view(shape)
 
 
 W8A16_LO = 254.0  # the low int8 level's step is the high one's / 254: |x - a * hi| <= a / 2 -> |lo| <= 127
@@ -35,14 +46,10 @@ def w8a16(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return acc[m:].to(torch.float32).div_(W8A16_LO).add_(acc[:m]).mul_(a).mul_(scale)
 
 
-_OTF_MAX = 1 << 23  # elements (16 MiB of bf16): the largest weight ``otf`` converts into its reused buffer
+_OTF_MAX = SCRATCH_BYTES // 2  # elements (16 MiB of bf16): the largest weight ``otf`` converts into the scratch
 
 
 def otf_weight(q: torch.Tensor) -> torch.Tensor:
     """q: [N, K] int8 as bf16 (exact: |q| <= 127) in a reused per-thread buffer, for the ``otf`` kernel (the scale is
     applied to its output): no resident copy. Valid until the next call in this thread."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None:
-        with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
-            buf = _scratch.buf = torch.empty(_OTF_MAX, dtype=torch.bfloat16)
-    return buf[: q.numel()].view(q.shape).copy_(q)
+    return scratch(torch.bfloat16, q.shape).copy_(q)
