@@ -90,17 +90,21 @@ class LlamaCpp:
         return s[1] - s[0]
 
 
-def hf_llama(config: dict, tensors, dtype):
-    """transformers' LlamaForCausalLM from a config and HF-named tensors: built on meta, tensors assigned."""
+def hf_llama(config: dict, tensors, dtype=None):
+    """transformers' LlamaForCausalLM from a config and HF-named tensors: built on meta, tensors assigned (cast to
+    ``dtype`` if given); every tensor must be one of its parameters and only a tied ``lm_head`` may be missing."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**config))
-    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
+    missing, unexpected = model.load_state_dict({k: v if dtype is None else v.to(dtype) for k, v in tensors.items()},
+                                                strict=False, assign=True)  # fmt: skip
+    if unexpected or not set(missing) <= {"lm_head.weight"}:
+        raise ValueError(f"tensors do not fit LlamaForCausalLM: unexpected {unexpected[:3]}, missing {missing[:3]}")
     model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # built on meta: rebuild its buffers
-    return model.to(dtype).eval()
+    return (model if dtype is None else model.to(dtype)).eval()
 
 
 def gguf_tensors(gguf):

@@ -73,7 +73,7 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     q = svc.worker.open_stream(seq.seq_id)
     svc.active[rid] = Active(seq.seq_id, time.monotonic(), "decode")
     try:
-        await _receive(svc, handle, blocks, rid, first)
+        await receive_kv(svc, handle, blocks, rid, first)
         await svc.worker.call(lambda e: e.scheduler.activate(seq.seq_id))
     except BaseException:
         svc.abort(rid)
@@ -83,7 +83,10 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     return rid, q
 
 
-async def _receive(svc: NodeService, handle: dict, blocks: list[int], rid: str, first: int = 0) -> None:
+async def receive_kv(svc: NodeService, handle: dict, blocks: list[int], rid: str, first: int = 0) -> None:
+    """Pull a peer's KV named by ``handle`` into this node's ``blocks`` (from token block ``first``), polling until it
+    lands: a bad handle is ``BadNodeRequest``, a transfer that fails or outlives ``kv_timeout_s`` is ``TransferFailed``
+    (retry elsewhere) and is aborted. The decode handoff and the peer pull/import (``compute.node.peer``) share it."""
     from compute.kv_transfer import TransferState
 
     try:

@@ -149,10 +149,10 @@ async def pull_then_add(svc: NodeService, rid: str, seq: Sequence, handle: dict)
 
 async def _land(svc: NodeService, rid: str, seq: Sequence, handle: dict, blocks: list[int], k: int) -> str | None:
     """Receive blocks [k, n) into ``blocks`` and queue ``seq``: None, or why not (its blocks are then freed)."""
-    from compute.node.decode import _receive
+    from compute.node.decode import receive_kv
 
     try:
-        await _receive(svc, handle, blocks, rid, k)
+        await receive_kv(svc, handle, blocks, rid, k)
     except asyncio.CancelledError:
         svc.worker.post(lambda e: e.scheduler.cancel_pull(seq.seq_id))
         raise
@@ -185,10 +185,10 @@ async def import_chain(svc: NodeService, handle: dict) -> int:
         key, blocks, k = await svc.worker.call(lambda e: e.scheduler.pin_for_import(hashes))
     except CacheFull as e:
         raise NodeBusy(str(e)) from None
-    from compute.node.decode import _receive
+    from compute.node.decode import receive_kv
 
     try:
-        await _receive(svc, handle, blocks, f"import-{key}", k)
+        await receive_kv(svc, handle, blocks, f"import-{key}", k)
     except BaseException:
         svc.worker.post(lambda e: e.scheduler.release(key))
         raise

