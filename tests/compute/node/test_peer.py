@@ -1,5 +1,5 @@
 """Peer pull between real node processes (issue 26, section 4): a node pulls a prompt prefix's blocks from a
-peer's cache over TCP (bytes and blocks counted on the puller, the request's cached_tokens saying so) and answers
+peer's cache over TCP and over NIXL (bytes and blocks counted on the puller, the request's cached_tokens saying so) and answers
 exactly as a recompute does under ``kernels = invariant``; a pull that cannot happen — nothing cached to export, an
 export aborted before the pull, a holder killed, a handle of other hashes — falls back to computing the prompt, and
 the request still answers the same tokens. No node leaks a block or a held offer after any of it."""
@@ -30,6 +30,15 @@ def nodes(tmp_path_factory, tiny_model_store):
     locations, name = tiny_model_store
     specs = {k: ("both", "tcp", *HOLD) for k in ("a", "b", "c")}
     with nodes_up(tmp_path_factory.mktemp("peer"), locations, name, specs, invariant=True) as up:
+        yield up
+
+
+@pytest.fixture(scope="module")
+def nixl_nodes(tmp_path_factory, tiny_model_store):
+    """Two `both` nodes whose KV moves over NIXL (UCX on loopback): the only ones that need nixl-cu12."""
+    pytest.importorskip("nixl_cu12", reason="nixl-cu12 (extra 'rdma') is not installed")
+    specs = {k: ("both", "nixl", *HOLD) for k in ("na", "nb")}
+    with nodes_up(tmp_path_factory.mktemp("peer-nixl"), *tiny_model_store, specs, invariant=True) as up:
         yield up
 
 
@@ -67,18 +76,22 @@ def no_leaks(*nodes) -> None:
             0, 0, 0, 0), (n.name, ld)  # fmt: skip
 
 
-def test_a_node_pulls_a_prefix_from_a_peer_and_answers_as_a_recompute(nodes):
-    a, b = nodes["a"], nodes["b"]
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_a_node_pulls_a_prefix_from_a_peer_and_answers_as_a_recompute(request, transport):
+    up = request.getfixturevalue("nodes" if transport == "tcp" else "nixl_nodes")
+    a, b = (up["a"], up["b"]) if transport == "tcp" else (up["na"], up["nb"])
     ids = prompt(1)
     ref, cached = generate(a, "warm", ids)  # computed from scratch on a: its full blocks stay cached there
     assert cached == 0
     r = export(a, ids)
     assert r.status_code == 200, r.text
     kv = r.json()["kv"]
+    assert kv["backend"] == transport  # the handle names the transport the pull will run over
     n = (len(ids) - 2) // BS  # 12 blocks: a prompt leaves its last 2 tokens to compute
     assert r.json()["num_blocks"] == n == len(kv["block_hashes"])
     before = b.load()
     bytes0, blocks0 = metric(b, "pdserve_node_peer_pulled_bytes_total"), metric(b, "pdserve_node_peer_pulled_blocks_total")
+    wire0 = metric(b, "pdserve_kv_transfer_bytes_total", backend=transport, direction="received")
     got, cached = generate(b, "pulled", ids, pull=kv)
     after = b.load()
     assert got == ref  # invariant kernels: the pulled KV gives the numbers a recompute gives
@@ -93,6 +106,7 @@ def test_a_node_pulls_a_prefix_from_a_peer_and_answers_as_a_recompute(nodes):
     again, cached = generate(b, "again", ids)
     assert again == ref and cached == n * BS and b.load()["prefix_pulled"] == after["prefix_pulled"]
     assert metric(a, "pdserve_node_peer_exported_blocks_total") >= n
+    assert metric(b, "pdserve_kv_transfer_bytes_total", backend=transport, direction="received") > wire0
     no_leaks(a, b)
 
 
