@@ -196,13 +196,13 @@ def omp_options(locations, model: str, streams=(1, 32), steps: int = 15) -> dict
 
 
 def weight_bytes(model) -> dict[str, int]:
-    """Runtime weight bytes by kind: int8 weights, the bf16 copies a measured plan keeps (``w_bf16``), and the rest
-    (scales, norms, float weights); each tensor once (fused buffers and their parts' views, tied weights)."""
+    """Runtime weight bytes by kind: int8 weights, int4 codes (uint8, two per byte), the bf16 copies a measured plan
+    keeps (``w_bf16``), and the rest (scales, int4 scale/zero tables, norms, float weights); each tensor once (fused buffers and their parts' views, tied weights)."""
     import torch
 
     from compute.kernels.linear import LinearPart
 
-    seen, out = set(), {"int8": 0, "bf16 copies": 0, "other": 0}
+    seen, out = set(), {"int8": 0, "int4": 0, "bf16 copies": 0, "other": 0}
     for mod in model.modules():
         if isinstance(mod, LinearPart):
             continue  # views of its FusedLinear's buffers
@@ -211,7 +211,8 @@ def weight_bytes(model) -> dict[str, int]:
             if t is None or t.is_meta or (t.data_ptr(), t.nbytes) in seen:
                 continue
             seen.add((t.data_ptr(), t.nbytes))
-            kind = "int8" if t.dtype == torch.int8 else "bf16 copies" if t is getattr(mod, "w_bf16", None) else "other"
+            kind = {torch.int8: "int8", torch.uint8: "int4"}.get(t.dtype, "other")
+            kind = "bf16 copies" if t is getattr(mod, "w_bf16", None) else kind
             out[kind] += t.nbytes
     return out
 
@@ -231,8 +232,10 @@ def report(models: dict, chats: list[list[int]], locations, ref: str, steps: boo
             print(f"{name}: " + format_breakdown(b))
     for name, w in out["weight_bytes"].items():
         total = sum(w.values())
-        print(f"{name}: runtime weights {total / 2**20:.1f} MiB = {total / max(1, w['int8'] + w['other']):.2f}x "
-              f"the int8 model ({w['int8'] / 2**20:.1f} MiB int8, {w['bf16 copies'] / 2**20:.1f} MiB bf16 copies, "
+        stored = w["int8"] + w["int4"] + w["other"]
+        print(f"{name}: runtime weights {total / 2**20:.1f} MiB = {total / max(1, stored):.2f}x "
+              f"the stored model ({w['int8'] / 2**20:.1f} MiB int8, {w['int4'] / 2**20:.1f} MiB int4, "
+              f"{w['bf16 copies'] / 2**20:.1f} MiB bf16 copies, "
               f"{w['other'] / 2**20:.1f} MiB scales/norms)")  # fmt: skip
     if omp:
         out["omp_options"] = omp_options(locations, ref)
