@@ -24,23 +24,33 @@ SCHEME = "int4-asym-g32"
 GROUP = 32  # weights per (scale, zero) pair along K
 ZERO_SUFFIX = "_zero"
 MID = 8  # the code whose value is ``zero``
+REFITS = 2  # least-squares refits of each group's zero to its codes (``quantize_int4``)
 
 
-def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w: [N, K] float -> (packed: uint8 [N, K/2], scale: bf16 [N, K/group], zero: bf16 [N, K/group])."""
+def quantize_int4(w: torch.Tensor, group: int = GROUP, refits: int = REFITS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w: [N, K] float -> (packed: uint8 [N, K/2], scale: bf16 [N, K/group], zero: bf16 [N, K/group]).
+
+    Each group's scale is its range over 15 steps, and its zero first the middle of that range; then, ``refits``
+    times, the codes are taken and the zero refitted to them by least squares (the mean residual), rounded to bf16.
+    bf16 keeps 8 bits of mantissa: rounding the pair alone moved each group's values by up to ~0.2% of its zero, a
+    bias over 32 weights, which turned SmolLM2's greedy answer to "What is the capital of France?" into French
+    (its Q4_1 source uses fp16 pairs); the refit brings it back, at perplexity within int8's (docs/engine.md)."""
     if w.dim() != 2:
         raise ValueError(f"int4 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
     n, k = w.shape
     if k % group:
         raise ValueError(f"int4 quantization needs K % {group} == 0, got K = {k}")
     wg = w.to(torch.float32).reshape(n, k // group, group)  # [N, G, group]
-    lo, hi = wg.amin(-1), wg.amax(-1)  # [N, G]
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)  # [N, G, 1]
     scale = ((hi - lo) / 15.0).to(torch.bfloat16)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: any step, q = 8 exactly
-    zero = (lo + MID * scale.to(torch.float32)).to(torch.bfloat16)
-    s32, z32 = scale.to(torch.float32)[..., None], zero.to(torch.float32)[..., None]
-    q = torch.round((wg - z32) / s32 + MID).clamp_(0, 15).to(torch.uint8).reshape(n, k)
-    return pack(q), scale.contiguous(), zero.contiguous()
+    s32 = scale.to(torch.float32)
+    zero = (lo + MID * s32).to(torch.bfloat16)
+    for i in range(refits + 1):
+        q = torch.round((wg - zero.to(torch.float32)) / s32 + MID).clamp_(0, 15)
+        if i < refits:
+            zero = (wg - (q - MID) * s32).mean(-1, keepdim=True).to(torch.bfloat16)
+    return pack(q.to(torch.uint8).reshape(n, k)), scale[..., 0].contiguous(), zero[..., 0].contiguous()
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
