@@ -29,7 +29,7 @@ import time
 
 # ATen op (self time) -> part of the step; anything else is "other aten"
 PARTS = {
-    "gemv kernels": ("aten::_weight_int8pack_mm", "aten::mm", "aten::addmm", "aten::_int_mm"),
+    "gemv kernels": ("aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::mm", "aten::addmm", "aten::_int_mm"),
     "attention (bmm/softmax, sdpa)": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm",
                                       "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_attention_math",
                                       "aten::_softmax", "aten::softmax", "aten::masked_fill_"),  # fmt: skip
@@ -124,10 +124,12 @@ def breakdown(model, prompts, steps: int = 10) -> dict:
 
 
 def gemv_floor(model, m: int, runs: int = 30) -> float:
-    """ms per step of every int8 linear's planned kernel alone (warm loop, bf16 aligned input, min of runs)."""
+    """ms per step of every int8 linear's planned kernel alone, and every int4 linear's int4 kernel (warm loop, bf16
+    aligned input, min of runs)."""
     import torch
 
-    from compute.kernels import int8
+    from compute.kernels import int4, int8
+    from compute.kernels.linear import FusedLinear, Linear
 
     total = 0.0
     with torch.inference_mode():
@@ -142,6 +144,17 @@ def gemv_floor(model, m: int, runs: int = 30) -> float:
             for _ in range(runs):
                 t0 = time.perf_counter()
                 int8.run(name, x, w, scale, sb, mod.w_bf16)
+                best = min(best, time.perf_counter() - t0)
+            total += best
+        for mod in model.modules():
+            w, sz = (mod.w, mod.sz) if isinstance(mod, FusedLinear) else (mod.weight, getattr(mod, "_sz", None))
+            if not isinstance(mod, (Linear, FusedLinear)) or sz is None:
+                continue
+            x = torch.randn(m, sz.shape[0] * int4.GROUP).to(torch.bfloat16)
+            best = float("inf")
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                int4.matmul(x, w, sz)
                 best = min(best, time.perf_counter() - t0)
             total += best
     return total * 1e3
