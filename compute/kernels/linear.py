@@ -263,14 +263,17 @@ class Linear(_WeightSlot):
     def load(self, leaf: str, t: torch.Tensor) -> None:
         super().load(leaf, t)
         if self._int4_loaded():  # the last of weight / scale / zero: repack for the kernel, release the stored
-            w, self._sz = _repack(self.weight, self.weight_scale, self.weight_zero)
+            w, self._sz = int4.repack_or_mismatch(self.weight, self.weight_scale, self.weight_zero)
             self.weight = w
             self.weight_scale, self.weight_zero = int4.scale_zero_views(self._sz)
+
+    def int4_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.weight, self._sz) if self._sz is not None else None
 
     def forward(self, x: torch.Tensor, cast: bool = True) -> torch.Tensor:
         # x: [M, K] -> [M, N] (cast=False: see ``matmul``)
         if self._sz is not None:
-            return _int4_out(int4.matmul(x, self.weight, self._sz), x, self.bias, cast)
+            return int4.output(int4.run(x, self.weight, self._sz, self.w_bf16), x, self.bias, cast)
         return matmul(x, self.weight, self.weight_scale, self._scale_act, self.bias, self.int8mm_max_m, cast,
                       self.plan, self.w_bf16)  # fmt: skip
 
@@ -347,7 +350,7 @@ class FusedLinear(_KernelPlan, nn.Module):
         the parts at views of the result (the stored copies are released)."""
         if self.sz is not None or not all(p._int4_loaded() for p in self.parts):
             return
-        self.w, self.sz = _repack(self.w, self.groups["weight_scale"], self.groups["weight_zero"])
+        self.w, self.sz = int4.repack_or_mismatch(self.w, self.groups["weight_scale"], self.groups["weight_zero"])
         self.groups = {}
         for p in self.parts:
             rows = slice(p.offset, p.offset + p.out_features)
@@ -357,11 +360,15 @@ class FusedLinear(_KernelPlan, nn.Module):
     def forward(self, x: torch.Tensor, cast: bool = True) -> torch.Tensor:
         # x: [M, K] -> [M, N_0 + N_1 + ...] (cast=False: see ``matmul``)
         if self.sz is not None:
-            return _int4_out(int4.matmul(x, self.w, self.sz), x, self.b, cast)
+            return int4.output(int4.run(x, self.w, self.sz, self.w_bf16), x, self.b, cast)
         return matmul(x, self.w, self.scale, self.scale_bf16, self.b, self.int8mm_max_m, cast, self.plan, self.w_bf16)
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return (self.w, self.scale) if self.w is not None and self.w.dtype == torch.int8 else None
+
+    def int4_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the repacked weight, its scale/zero table) once an int4 weight is in; ``w_bf16`` its optional copy."""
+        return (self.w, self.sz) if self.sz is not None else None
 
 
 class Embedding(_WeightSlot):
@@ -375,19 +382,6 @@ class Embedding(_WeightSlot):
         if not self.is_int8:
             return F.embedding(ids, self.weight)
         return (self.weight[ids].to(torch.float32) * self.weight_scale[ids, None]).to(self.dtype)
-
-
-def _repack(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    try:
-        return int4.repack(w, scale, zero)
-    except (ValueError, RuntimeError) as e:
-        raise WeightMismatch(str(e)) from None
-
-
-def _int4_out(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, cast: bool) -> torch.Tensor:
-    """The int4 kernel's bf16 output in x's dtype (``cast=False``: as is, see ``matmul``), plus the bias."""
-    y = y if y.dtype == x.dtype or not cast else y.to(x.dtype)
-    return y if bias is None else y + bias
 
 
 def _check_shape(t: torch.Tensor, shape: tuple[int, ...], leaf: str) -> None:

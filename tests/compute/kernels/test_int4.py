@@ -112,3 +112,39 @@ def test_model_from_an_int4_import_end_to_end(memory_store_config, tiny_hf):
     assert all(len(o) == 8 for o in outs[0])
     # the int4 kernel (bf16 activations) against the same int4 values in fp32: the first tokens agree
     assert [o[:2] for o in outs[0]] == [o[:2] for o in outs[1]], outs
+
+
+def _int4_tiny():
+    from compute.modeling.model import Transformer
+    from tests.compute.tiny import tiny_model
+
+    ref = tiny_model()
+    tensors = {}
+    for name, t in ((n, b) for n, b in ref.named_buffers() if b is not None):
+        if ".layers." in name and t.dim() == 2:
+            packed, scale, zero = quantize_int4(t)
+            tensors |= {name: packed, name + "_scale": scale, name + "_zero": zero}
+        else:
+            tensors[name] = t
+    model = Transformer.build(ref.config)
+    model.load_weights(tensors)
+    return model
+
+
+def test_int4_bf16_copies_only_within_a_budget_and_agree_with_int4mm():
+    model = _int4_tiny()
+    mods = model.int4_modules()
+    sizes = [2 * m.int4_weight()[0].shape[0] * m.int4_weight()[1].shape[0] * int4.GROUP for m in mods]
+    x = torch.randn(3 * int4.COPY_MIN_M, mods[0].in_features)
+    before = mods[0](x)
+    assert model.use_int4_copies(None, faster=lambda n, k: True) == 0  # no budget: none, the int4 size
+    assert model.use_int4_copies(10**9, "invariant", faster=lambda n, k: True) == 0
+    assert model.use_int4_copies(10**9, faster=lambda n, k: False) == 0  # where int4mm measures faster: none
+    budget = sizes[0] + sizes[1] + 1
+    assert model.use_int4_copies(budget, faster=lambda n, k: True) == sizes[0] + sizes[1]
+    assert [m.w_bf16 is not None for m in mods[:3]] == [True, True, False]
+    after = mods[0](x)
+    assert _rel(after, before) < 0.01  # the copy's bf16 GEMM vs int4mm on the same int4 values
+    small = x[: int4.COPY_MIN_M]
+    assert torch.equal(mods[0](small), before[: int4.COPY_MIN_M])  # at M <= COPY_MIN_M: int4mm still
+    assert model.use_int4_copies(0, faster=lambda n, k: True) == 0 and all(m.w_bf16 is None for m in mods)
