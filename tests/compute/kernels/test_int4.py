@@ -148,3 +148,40 @@ def test_int4_bf16_copies_only_within_a_budget_and_agree_with_int4mm():
     small = x[: int4.COPY_MIN_M]
     assert torch.equal(mods[0](small), before[: int4.COPY_MIN_M])  # at M <= COPY_MIN_M: int4mm still
     assert model.use_int4_copies(0, faster=lambda n, k: True) == 0 and all(m.w_bf16 is None for m in mods)
+
+
+_LEVEL_CHECK = """
+import torch
+from paramstore.quant4 import quantize_int4, dequantize_int4
+from compute.kernels import int4
+w = torch.randn(576, 576, generator=torch.Generator().manual_seed(0)) * 0.05
+p, s, z = quantize_int4(w)
+ref = dequantize_int4(p, s, z)
+W, SZ = int4.repack(p, s, z)
+worst = 0.0
+for off in (0, 1, 3, 8):  # inputs at 2-, 6- and 16-byte offsets too (int8mm needs 32-byte aligned inputs)
+    for m in (1, 2, 4, 7, 16, 33, 64):
+        x = torch.randn(m * 576 + off).to(torch.bfloat16)[off:].view(m, 576)
+        r = x.float() @ ref.t()
+        worst = max(worst, ((int4.matmul(x, W, SZ).float() - r).norm() / r.norm()).item())
+print(torch.backends.cpu.get_cpu_capability(), worst)
+"""
+
+
+def test_int4_kernel_under_every_dispatch_level_and_unaligned_inputs():
+    """Each ATEN_CPU_CAPABILITY this CPU has, in a subprocess (a segfault fails the test, not the session)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.compute.kernels.test_dispatch import LEVELS, missing_reason
+
+    ran = []
+    for level in (lv for lv in LEVELS if missing_reason(lv) is None):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": level, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+        p = subprocess.run([sys.executable, "-c", _LEVEL_CHECK], capture_output=True, text=True, timeout=120, env=env)
+        assert p.returncode == 0, (level, p.returncode, p.stderr[-2000:])
+        got, err = p.stdout.split()
+        assert got.lower() == level and float(err) < 0.005, (level, p.stdout)  # bf16 rounding: ~0.2%
+        ran.append(level)
+    assert "default" in ran
