@@ -196,6 +196,9 @@ class _WeightSlot(_KernelPlan, nn.Module):
                 raise WeightMismatch(f"an int4 weight cannot load into {type(self).__name__} with K = "
                                      f"{self.in_features} (int4 needs a linear with K % {int4.GROUP} == 0)")  # fmt: skip
             _check_shape(t, (self.out_features, self.in_features // 2), leaf)
+            if t.device.type != "cpu":
+                raise WeightMismatch(f"int4 weights run on the CPU only (got one on {t.device}): a node elsewhere "
+                                     "loads an int4 import dequantized (compute.modeling.loader)")  # fmt: skip
             return t if t.is_contiguous() else t.contiguous()
         if leaf in ("weight_scale", "weight_zero") and t.dim() == 2:  # int4 groups
             _check_shape(t, self._groups(), leaf)
