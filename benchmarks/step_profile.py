@@ -147,9 +147,9 @@ def gemv_floor(model, m: int, runs: int = 30) -> float:
                 best = min(best, time.perf_counter() - t0)
             total += best
         for mod in model.modules():
-            w, sz = (mod.w, mod.sz) if isinstance(mod, FusedLinear) else (mod.weight, getattr(mod, "_sz", None))
-            if not isinstance(mod, (Linear, FusedLinear)) or sz is None:
+            if not isinstance(mod, (Linear, FusedLinear)) or mod.int4_weight() is None:
                 continue
+            w, sz = mod.int4_weight()
             x = torch.randn(m, sz.shape[0] * int4.GROUP).to(torch.bfloat16)
             best = float("inf")
             for _ in range(runs):
