@@ -185,3 +185,16 @@ def test_int4_kernel_under_every_dispatch_level_and_unaligned_inputs():
         assert got.lower() == level and float(err) < 0.005, (level, p.stdout)  # bf16 rounding: ~0.2%
         ran.append(level)
     assert "default" in ran
+
+
+def test_int4mm_rows_do_not_depend_on_the_batch():
+    """Every row of int4mm's output is bitwise the same at every M of the int8 table's invariance probe as alone:
+    int4 linears keep ``kernels = invariant`` batch-invariant (they keep no bf16 copy there)."""
+    from compute.kernels.int8 import INVARIANCE_M
+
+    stored, _ = _weight(576, 576)
+    w, sz = int4.repack(stored["weight"], stored["weight_scale"], stored["weight_zero"])
+    x = torch.randn(max(INVARIANCE_M), 576, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    big = int4.matmul(x, w, sz)
+    assert all(torch.equal(int4.matmul(x[i : i + 1], w, sz)[0], big[i]) for i in range(8))
+    assert [m for m in INVARIANCE_M if not torch.equal(int4.matmul(x[:m], w, sz), big[:m])] == []
