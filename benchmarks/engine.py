@@ -11,6 +11,8 @@ Same run, interleaved (each repeat measures every system in turn), medians repor
 - served (``ours-served``): the same model through `pdserve up` (one ``both`` node, ``--threads``
   threads) and the ``openai`` client streaming: decode rate between streamed tokens and the time to
   the first token of the 512-token prompt (``--no-served`` skips it);
+- ``ours-int4``: the same model imported as int4 (``MODEL-int4``, ``paramstore import --dtype int4``: the layers'
+  linears on the CPU int4 kernel, ``compute.kernels.int4``), beside the int8 one (``--no-int4`` skips it);
 - spawn -> ready: a fresh process that imports, opens the store, injects and makes a first token,
   vs a fresh process doing ``from_pretrained`` of the same weights saved as an HF folder + a first token.
 
@@ -48,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fp32", action="store_true", help="skip the HF fp32 baseline")
     p.add_argument("--no-spawn", action="store_true", help="skip the spawn -> ready measurement")
     p.add_argument("--no-served", action="store_true", help="skip the served path (pdserve up + openai client)")
+    p.add_argument("--int4", action=argparse.BooleanOptionalAction, default=True,
+                   help="the ours-int4 system: MODEL-int4, imported from the GGUF as int4 if absent")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-step breakdown (1 and 32 streams)")
     p.add_argument("--omp", action="store_true", help="also time the 1- and 32-stream step under each OpenMP "
                    "setting (benchmarks/step_profile.py OMP_OPTIONS), each in a fresh process")
@@ -97,6 +101,13 @@ def main(args: argparse.Namespace) -> int:
                 systems[name] = Ours(store, args.model, args.weights, kernels=kernels)
         if args.weight_copies_gb >= 0 and want(budgeted):  # the measured plan, bf16 copies only within the budget
             systems[budgeted] = Ours(store, args.model, args.weights, weight_copies_gb=args.weight_copies_gb)
+    if args.int4 and want("ours-int4"):
+        try:
+            store.manifest(args.model + "-int4")
+        except NotFound:
+            print(f"importing {gguf.name} into the store as {args.model + '-int4'!r} (int4) ...", file=sys.stderr)
+            store.import_model(str(gguf), args.model + "-int4", dtype="int4")
+        systems["ours-int4"] = Ours(store, args.model + "-int4", "int8")
     for name, dtype in (("hf-bf16", torch.bfloat16), ("hf-fp32", torch.float32)):
         if want(name) and not (name == "hf-fp32" and args.no_fp32):
             systems[name] = HF(hf_config, tensors, dtype)

@@ -29,7 +29,7 @@ import time
 
 # ATen op (self time) -> part of the step; anything else is "other aten"
 PARTS = {
-    "gemv kernels": ("aten::_weight_int8pack_mm", "aten::mm", "aten::addmm", "aten::_int_mm"),
+    "gemv kernels": ("aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::mm", "aten::addmm", "aten::_int_mm"),
     "attention (bmm/softmax, sdpa)": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm",
                                       "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_attention_math",
                                       "aten::_softmax", "aten::softmax", "aten::masked_fill_"),  # fmt: skip
@@ -124,10 +124,12 @@ def breakdown(model, prompts, steps: int = 10) -> dict:
 
 
 def gemv_floor(model, m: int, runs: int = 30) -> float:
-    """ms per step of every int8 linear's planned kernel alone (warm loop, bf16 aligned input, min of runs)."""
+    """ms per step of every int8 linear's planned kernel alone, and every int4 linear's int4 kernel (warm loop, bf16
+    aligned input, min of runs)."""
     import torch
 
-    from compute.kernels import int8
+    from compute.kernels import int4, int8
+    from compute.kernels.linear import FusedLinear, Linear
 
     total = 0.0
     with torch.inference_mode():
@@ -142,6 +144,17 @@ def gemv_floor(model, m: int, runs: int = 30) -> float:
             for _ in range(runs):
                 t0 = time.perf_counter()
                 int8.run(name, x, w, scale, sb, mod.w_bf16)
+                best = min(best, time.perf_counter() - t0)
+            total += best
+        for mod in model.modules():
+            if not isinstance(mod, (Linear, FusedLinear)) or mod.int4_weight() is None:
+                continue
+            w, sz = mod.int4_weight()
+            x = torch.randn(m, sz.shape[0] * int4.GROUP).to(torch.bfloat16)
+            best = float("inf")
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                int4.matmul(x, w, sz)
                 best = min(best, time.perf_counter() - t0)
             total += best
     return total * 1e3
@@ -196,13 +209,13 @@ def omp_options(locations, model: str, streams=(1, 32), steps: int = 15) -> dict
 
 
 def weight_bytes(model) -> dict[str, int]:
-    """Runtime weight bytes by kind: int8 weights, the bf16 copies a measured plan keeps (``w_bf16``), and the rest
-    (scales, norms, float weights); each tensor once (fused buffers and their parts' views, tied weights)."""
+    """Runtime weight bytes by kind: int8 weights, int4 codes (uint8, two per byte), the bf16 copies a measured plan
+    keeps (``w_bf16``), and the rest (scales, int4 scale/zero tables, norms, float weights); each tensor once (fused buffers and their parts' views, tied weights)."""
     import torch
 
     from compute.kernels.linear import LinearPart
 
-    seen, out = set(), {"int8": 0, "bf16 copies": 0, "other": 0}
+    seen, out = set(), {"int8": 0, "int4": 0, "bf16 copies": 0, "other": 0}
     for mod in model.modules():
         if isinstance(mod, LinearPart):
             continue  # views of its FusedLinear's buffers
@@ -211,7 +224,8 @@ def weight_bytes(model) -> dict[str, int]:
             if t is None or t.is_meta or (t.data_ptr(), t.nbytes) in seen:
                 continue
             seen.add((t.data_ptr(), t.nbytes))
-            kind = "int8" if t.dtype == torch.int8 else "bf16 copies" if t is getattr(mod, "w_bf16", None) else "other"
+            kind = {torch.int8: "int8", torch.uint8: "int4"}.get(t.dtype, "other")
+            kind = "bf16 copies" if t is getattr(mod, "w_bf16", None) else kind
             out[kind] += t.nbytes
     return out
 
@@ -231,8 +245,10 @@ def report(models: dict, chats: list[list[int]], locations, ref: str, steps: boo
             print(f"{name}: " + format_breakdown(b))
     for name, w in out["weight_bytes"].items():
         total = sum(w.values())
-        print(f"{name}: runtime weights {total / 2**20:.1f} MiB = {total / max(1, w['int8'] + w['other']):.2f}x "
-              f"the int8 model ({w['int8'] / 2**20:.1f} MiB int8, {w['bf16 copies'] / 2**20:.1f} MiB bf16 copies, "
+        stored = w["int8"] + w["int4"] + w["other"]
+        print(f"{name}: runtime weights {total / 2**20:.1f} MiB = {total / max(1, stored):.2f}x "
+              f"the stored model ({w['int8'] / 2**20:.1f} MiB int8, {w['int4'] / 2**20:.1f} MiB int4, "
+              f"{w['bf16 copies'] / 2**20:.1f} MiB bf16 copies, "
               f"{w['other'] / 2**20:.1f} MiB scales/norms)")  # fmt: skip
     if omp:
         out["omp_options"] = omp_options(locations, ref)

@@ -19,7 +19,7 @@ _EXPORTS = {
     "StoreError": "errors", "InvalidRequest": "errors", "NotFound": "errors", "ConflictRetry": "errors",
     "IntegrityError": "errors", "LocationUnavailable": "errors", "NotEnoughFragments": "errors",
     "Manifest": "manifest", "ShardInfo": "manifest",
-    "quantize_int8": "quant", "dequantize_int8": "quant",
+    "quantize_int8": "quant", "dequantize_int8": "quant", "quantize_int4": "quant4", "dequantize_int4": "quant4",
     "ModelReader": "reader", "ReaderConfig": "reader", "ShardRead": "reader",
     "ParamStore": "store",
     "CacheConfig": "cache", "NodeCache": "cache",

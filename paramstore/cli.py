@@ -2,7 +2,7 @@
 
     paramstore [--store URL ...] [--config FILE] [--hmac-key-file F] COMMAND ...
     (the [store] table of the config file: --config, $PDSERVE_CONFIG or $PARAMSTORE_CONFIG)
-    import SRC --name NAME [--dtype int8|bf16|fp32] [--k 8 --m 3] [--shard-mb 128]
+    import SRC --name NAME [--dtype int8|int4|bf16|fp32] [--k 8 --m 3] [--shard-mb 128]
     ls | show REF | verify REF [--deep] | repair REF | rm REF | gc [--grace S] | warm REF | stats
     plans [show ID | rm ID]     kernel plans per machine class (nodes publish them; see plans.py)
 
@@ -63,7 +63,8 @@ def cmd_import(store, args) -> int:
           f"{_human(m.stored_bytes)} stored (zfec {m.k}+{m.m}), {res.seconds:.2f} s")  # fmt: skip
     q = res.quant_error
     if q:
-        print(f"int8 quantization: {q['tensors']} tensors, relative RMS error {q['rel_rmse']:.4%}, "
+        kinds = f"{q['int4_tensors']} int4 + {q['tensors'] - q['int4_tensors']} int8" if m.dtype == "int4" else "int8"
+        print(f"{kinds} quantization: {q['tensors']} tensors, relative RMS error {q['rel_rmse']:.4%}, "
               f"max abs error {q['max_abs_err']:.3g}, worst {q['worst_tensor']} ({q['worst_rel_rmse']:.4%})")  # fmt: skip
     return 0
 
@@ -227,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("import", cmd_import, "import an HF folder or a GGUF file as a new version")
     sp.add_argument("src")
     sp.add_argument("--name", required=True)
-    sp.add_argument("--dtype", default="int8", choices=["int8", "bf16", "fp32"])
+    sp.add_argument("--dtype", default="int8", choices=["int8", "int4", "bf16", "fp32"])
     sp.add_argument("--k", type=int, default=None, help="data fragments per shard (default 8)")
     sp.add_argument("--m", type=int, default=None, help="parity fragments per shard (default 3)")
     sp.add_argument("--shard-mb", type=float, default=None, help="target shard size in MiB (default 128)")

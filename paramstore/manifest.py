@@ -51,8 +51,8 @@ class Manifest:
     name: str
     version: int
     created: float  # unix seconds
-    dtype: str  # int8 | bf16 | fp32 (storage dtype of 2-D weights)
-    quant: dict | None  # {"scheme": ..., "scale_suffix": ...} for int8
+    dtype: str  # int8 | int4 | bf16 | fp32 (storage dtype of 2-D weights; int4: the layers' linears, the rest int8)
+    quant: dict | None  # {"scheme": ..., "scale_suffix": ...} for int8; int4 adds group_size, zero_suffix
     config: dict  # HF config.json
     k: int
     m: int

@@ -50,13 +50,20 @@ class QuantErrorSummary:
     worst_tensor: str = ""
     worst_rel: float = 0.0
 
+    int4_tensors: int = 0  # of ``tensors``, those stored as int4 (``paramstore.quant4``); the rest int8
+
     def add(self, name: str, ref: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.add_dequantized(name, ref, dequantize_int8(q, scale))
+
+    def add_dequantized(self, name: str, ref: torch.Tensor, deq: torch.Tensor, int4: bool = False) -> None:
+        """One quantized tensor: ``ref`` as imported, ``deq`` what the store's scheme gives back."""
         ref32 = ref.to(torch.float32)
-        err = dequantize_int8(q, scale) - ref32
+        err = deq.to(torch.float32) - ref32
         sq = float(err.pow(2).sum())
         ref_sq = float(ref32.pow(2).sum())
         rel = (sq / ref_sq) ** 0.5 if ref_sq > 0 else 0.0
         self.tensors += 1
+        self.int4_tensors += int4
         self.elements += ref.numel()
         self.max_abs_err = max(self.max_abs_err, float(err.abs().max()) if err.numel() else 0.0)
         self.sum_sq_err += sq
@@ -72,6 +79,7 @@ class QuantErrorSummary:
     def as_dict(self) -> dict:
         return {
             "tensors": self.tensors,
+            "int4_tensors": self.int4_tensors,
             "elements": self.elements,
             "max_abs_err": self.max_abs_err,
             "rel_rmse": self.rel_rmse,

@@ -68,7 +68,7 @@ class ParamStore:
         if "@" in name:
             raise InvalidRequest(f"import takes a model name, not a version: {name!r}")
         if dtype not in _writer.DTYPES:
-            raise InvalidRequest(f"invalid dtype {dtype!r}: int8, bf16 or fp32")
+            raise InvalidRequest(f"invalid dtype {dtype!r}: {_writer.DTYPE_NAMES}")
         source = open_source(src) if not isinstance(src, ModelSource) else src
         manifest, summary, w = _writer.build_manifest(
             self.config, self.locations, self.pool, source, name, dtype, progress
@@ -79,7 +79,7 @@ class ParamStore:
         except BaseException:
             self._discard(w)
             raise
-        return ImportResult(manifest, summary.as_dict() if dtype == "int8" else None, time.perf_counter() - t0)
+        return ImportResult(manifest, summary.as_dict() if _writer.DTYPES[dtype] is None else None, time.perf_counter() - t0)
 
     def _discard(self, w: _writer.ShardWriter) -> None:
         """Best effort after a failed import: remove fragments no published manifest uses."""

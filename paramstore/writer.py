@@ -1,4 +1,4 @@
-"""Import: checkpoint -> INT8 (or bf16/fp32) -> layer-aligned shards -> erasure-coded fragments -> manifest.
+"""Import: checkpoint -> INT8 (or INT4, bf16, fp32) -> layer-aligned shards -> erasure-coded fragments -> manifest.
 
 Lifecycle of one import:
  1. validate everything that can be checked before writing (name, codec, locations, source headers);
@@ -25,11 +25,13 @@ from .errors import InvalidRequest, LocationUnavailable
 from .integrity import fragment_hash, shard_digest
 from .locations import Location
 from .manifest import FragmentRef, Manifest, ShardInfo
+from . import quant4
 from .quant import SCALE_SUFFIX, SCHEME, QuantErrorSummary, quantize_int8, should_quantize
 from .shards import ShardPlan, cut_shards, pack, pack_files
 from .sources import ModelSource, layer_of
 
-DTYPES = {"int8": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"int8": None, "int4": None, "bf16": torch.bfloat16, "fp32": torch.float32}  # None: quantized
+DTYPE_NAMES = ", ".join(DTYPES)
 
 
 def placement(digest: str, n: int, num_locations: int) -> list[int]:
@@ -97,17 +99,32 @@ class ShardWriter:
 
 
 def convert(name: str, t: torch.Tensor, dtype: str, summary: QuantErrorSummary) -> dict[str, torch.Tensor]:
-    """One source tensor -> the stored tensor(s): int8 + scale for 2-D weights, else cast."""
-    if dtype == "int8" and should_quantize(name, t):
+    """One source tensor -> the stored tensor(s): int8 + scale for 2-D weights (int4 + scale + zero for a decoder
+    layer's linears under ``int4``: ``paramstore.quant4``), else cast."""
+    if dtype == "int4" and quant4.int4_eligible(name, t, layer_of(name)):
+        packed, scale, zero = quant4.quantize_int4(t)
+        summary.add_dequantized(name, t, quant4.dequantize_int4(packed, scale, zero), int4=True)
+        return {name: packed, name + SCALE_SUFFIX: scale, name + quant4.ZERO_SUFFIX: zero}
+    if dtype in ("int8", "int4") and should_quantize(name, t):
         q, scale = quantize_int8(t)
         summary.add(name, t, q, scale)
         return {name: q, name + SCALE_SUFFIX: scale}
     if t.is_floating_point():
         target = DTYPES[dtype]
-        if target is None:  # int8 import: norms and vectors keep their dtype (fp32 from GGUF)
+        if target is None:  # int8 / int4 import: norms and vectors keep their dtype (fp32 from GGUF)
             return {name: t.contiguous()}
         return {name: t.to(target).contiguous()}
     return {name: t.contiguous()}
+
+
+def quant_info(dtype: str) -> dict:
+    """The manifest's ``quant`` for a quantized import: the scheme and how its tensors are named."""
+    int8 = {"scheme": SCHEME, "scale_suffix": SCALE_SUFFIX, "scale_dtype": "float32"}
+    if dtype == "int8":
+        return int8
+    return {"scheme": quant4.SCHEME, "group_size": quant4.GROUP, "scale_suffix": SCALE_SUFFIX,
+            "zero_suffix": quant4.ZERO_SUFFIX, "scale_dtype": "bfloat16", "codes": "uint8 [N, K/2], even column low nibble",
+            "tensors": "decoder layers' linears (K % 32 == 0); other 2-D weights int8", "int8": int8}  # fmt: skip
 
 
 def build_manifest(
@@ -122,7 +139,7 @@ def build_manifest(
     """Steps 2-3 of the lifecycle: write every shard; return the (unpublished) manifest."""
     validate_name(name)
     if dtype not in DTYPES:
-        raise InvalidRequest(f"invalid dtype {dtype!r}: int8, bf16 or fp32")
+        raise InvalidRequest(f"invalid dtype {dtype!r}: {DTYPE_NAMES}")
     writer = ShardWriter(config, locations, pool)
     summary = QuantErrorSummary()
     names = load_order(source.tensor_names)
@@ -137,7 +154,8 @@ def build_manifest(
             if progress:
                 progress(done, total)
 
-    meta = {"dtype": dtype, "scheme": SCHEME if dtype == "int8" else "none"}
+    quantized = DTYPES[dtype] is None
+    meta = {"dtype": dtype, "scheme": quant_info(dtype)["scheme"] if quantized else "none"}
     shards: list[ShardInfo] = []
     bundle = pack_files(source.files)
     shards.append(writer.write(0, "bundle", [], [f"file/{n}" for n in source.files], bundle))
@@ -148,14 +166,14 @@ def build_manifest(
         version=0,  # assigned at publish
         created=time.time(),
         dtype=dtype,
-        quant={"scheme": SCHEME, "scale_suffix": SCALE_SUFFIX, "scale_dtype": "float32"} if dtype == "int8" else None,
+        quant=quant_info(dtype) if quantized else None,
         config=source.config,
         k=config.k,
         m=config.m,
         digest=config.digest,
         locations=[loc.url for loc in locations],
         shards=shards,
-        source={"format": source.source_format, "quant_error": summary.as_dict() if dtype == "int8" else None},
+        source={"format": source.source_format, "quant_error": summary.as_dict() if quantized else None},
     )
     return manifest, summary, writer
 

@@ -1,4 +1,8 @@
-"""Weight-holding layers that run either float or INT8 weights.
+"""Weight-holding layers that run float, INT8 or INT4 weights.
+
+INT4 (the store's ``int4-asym-g32``: ``weight: uint8 [N, K/2]``, ``weight_scale`` / ``weight_zero``: bf16
+``[N, K/32]``) is repacked once loaded for the CPU int4 kernel and runs it at every M (``compute.kernels.int4``);
+after that ``weight`` holds the kernel's packing (opaque, same shape) and scale / zero are views of its table.
 
 INT8 is the store's ``int8-absmax-per-row`` scheme: ``weight: int8 [N, K]``,
 ``weight_scale: fp32 [N]``, ``w ~= q * scale[:, None]``. Weights are assigned
@@ -86,7 +90,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compute.kernels import int8
+from compute.kernels import int4, int8
 from compute.errors import WeightMismatch
 from compute.kernels.int8 import (  # noqa: F401 - the int8 kernel's needs live beside it; re-exported (model, tests)
     ALIGN,
@@ -167,15 +171,38 @@ class _WeightSlot(_KernelPlan, nn.Module):
         self.dtype = dtype  # activation dtype; float weights are converted to it once, at load
         self.register_buffer("weight", torch.empty(out_features, in_features), persistent=True)
         self.register_buffer("weight_scale", None)
+        self.register_buffer("weight_zero", None)  # int4 only
         self.register_buffer("bias", torch.empty(out_features) if bias else None)
         self._scale_act: torch.Tensor | None = None  # scale in bf16, for int8mm
+        self._sz: torch.Tensor | None = None  # int4, once repacked: the kernel's scale/zero [K/32, N, 2] bf16
+
+    INT4 = False  # whether an int4 weight may load here (the linears; not the embedding)
 
     @property
     def is_int8(self) -> bool:
         return self.weight.dtype == torch.int8
 
+    @property
+    def is_int4(self) -> bool:
+        return self.weight.dtype == torch.uint8
+
+    def _groups(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features // int4.GROUP)
+
     def prepare(self, leaf: str, t: torch.Tensor) -> torch.Tensor:
         """Check one tensor by its leaf name (``weight``, ``weight_scale``, ``bias``) -> its runtime form."""
+        if leaf == "weight" and t.dtype == torch.uint8:  # int4 codes, two per byte
+            if not self.INT4 or self.in_features % int4.GROUP:
+                raise WeightMismatch(f"an int4 weight cannot load into {type(self).__name__} with K = "
+                                     f"{self.in_features} (int4 needs a linear with K % {int4.GROUP} == 0)")  # fmt: skip
+            _check_shape(t, (self.out_features, self.in_features // 2), leaf)
+            if t.device.type != "cpu":
+                raise WeightMismatch(f"int4 weights run on the CPU only (got one on {t.device}): a node elsewhere "
+                                     "loads an int4 import dequantized (compute.modeling.loader)")  # fmt: skip
+            return t if t.is_contiguous() else t.contiguous()
+        if leaf in ("weight_scale", "weight_zero") and t.dim() == 2:  # int4 groups
+            _check_shape(t, self._groups(), leaf)
+            return t.to(torch.bfloat16)
         if leaf == "weight":
             _check_shape(t, (self.out_features, self.in_features), leaf)
             if t.dtype != torch.int8:
@@ -195,7 +222,7 @@ class _WeightSlot(_KernelPlan, nn.Module):
 
     def _assign(self, leaf: str, t: torch.Tensor) -> None:
         setattr(self, leaf, t)
-        if leaf == "weight_scale":
+        if leaf == "weight_scale" and t.dim() == 1:  # int8 (int4's scale is per group)
             self._scale_act = t.to(torch.bfloat16)
 
     def missing(self) -> list[str]:
@@ -203,7 +230,14 @@ class _WeightSlot(_KernelPlan, nn.Module):
         out = [n for n in ("weight", "bias") if getattr(self, n) is not None and getattr(self, n).is_meta]
         if not self.weight.is_meta and self.is_int8 and self.weight_scale is None:
             out.append("weight_scale")
+        if not self.weight.is_meta and self.is_int4:
+            out.extend(n for n in ("weight_scale", "weight_zero") if getattr(self, n) is None)
         return out
+
+    def _int4_loaded(self) -> bool:
+        """An int4 weight with its scale and zero, not repacked yet."""
+        return (self._sz is None and not self.weight.is_meta and self.is_int4 and self.weight_scale is not None
+                and self.weight_zero is not None)  # fmt: skip
 
     def share(self, other: _WeightSlot) -> None:
         """Use ``other``'s tensors (tied embeddings): the same storage, no copy."""
@@ -214,7 +248,9 @@ class _WeightSlot(_KernelPlan, nn.Module):
 
 
 class Linear(_WeightSlot):
-    """y = x @ W^T (+ b) with W float or INT8; picks the kernel by M and dtype."""
+    """y = x @ W^T (+ b) with W float, INT8 or INT4; picks the kernel by M and dtype."""
+
+    INT4 = True
 
     def __init__(
         self,
@@ -227,8 +263,20 @@ class Linear(_WeightSlot):
         super().__init__(out_features, in_features, bias, dtype)
         self.int8mm_max_m = int8mm_max_m
 
+    def load(self, leaf: str, t: torch.Tensor) -> None:
+        super().load(leaf, t)
+        if self._int4_loaded():  # the last of weight / scale / zero: repack for the kernel, release the stored
+            w, self._sz = int4.repack_or_mismatch(self.weight, self.weight_scale, self.weight_zero)
+            self.weight = w
+            self.weight_scale, self.weight_zero = int4.scale_zero_views(self._sz)
+
+    def int4_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.weight, self._sz) if self._sz is not None else None
+
     def forward(self, x: torch.Tensor, cast: bool = True) -> torch.Tensor:
         # x: [M, K] -> [M, N] (cast=False: see ``matmul``)
+        if self._sz is not None:
+            return int4.output(int4.run(x, self.weight, self._sz, self.w_bf16), x, self.bias, cast)
         return matmul(x, self.weight, self.weight_scale, self._scale_act, self.bias, self.int8mm_max_m, cast,
                       self.plan, self.w_bf16)  # fmt: skip
 
@@ -240,6 +288,8 @@ class LinearPart(_WeightSlot):
     (for ``missing`` and for readers of ``.weight``). It has no forward of its own.
     """
 
+    INT4 = True
+
     def __init__(self, fused: FusedLinear, offset: int, out_features: int, bias: bool) -> None:
         super().__init__(out_features, fused.in_features, bias, fused.dtype)
         self.offset = offset
@@ -247,6 +297,7 @@ class LinearPart(_WeightSlot):
 
     def load(self, leaf: str, t: torch.Tensor) -> None:
         self._assign(leaf, self._fused.put(self, leaf, self.prepare(leaf, t)))
+        self._fused.repack_int4()
 
 
 class FusedLinear(_KernelPlan, nn.Module):
@@ -268,16 +319,22 @@ class FusedLinear(_KernelPlan, nn.Module):
         self.scale: torch.Tensor | None = None  # [N] fp32 (int8 only)
         self.scale_bf16: torch.Tensor | None = None  # [N] bf16, for int8mm
         self.b: torch.Tensor | None = None  # [N] or None
+        self.groups: dict[str, torch.Tensor] = {}  # int4 while loading: weight_scale / weight_zero [N, K/32] bf16
+        self.sz: torch.Tensor | None = None  # int4, once repacked: the kernel's [K/32, N, 2] bf16
 
     def put(self, part: LinearPart, leaf: str, t: torch.Tensor) -> torch.Tensor:
         """Copy ``part``'s tensor into its rows of the fused buffer; returns the view."""
         n, rows = self.out_features, slice(part.offset, part.offset + part.out_features)
         if leaf == "weight":
             if self.w is None:
-                self.w = torch.empty(n, self.in_features, dtype=t.dtype, device=t.device)
+                self.w = torch.empty(n, t.shape[1], dtype=t.dtype, device=t.device)  # int4: [N, K/2]
             elif self.w.dtype != t.dtype:
                 raise WeightMismatch(f"weight dtype {t.dtype} differs from its fused siblings' {self.w.dtype}")
             dst = self.w[rows]
+        elif leaf in ("weight_scale", "weight_zero") and t.dim() == 2:  # int4 groups
+            if leaf not in self.groups:
+                self.groups[leaf] = torch.empty(n, t.shape[1], dtype=torch.bfloat16, device=t.device)
+            dst = self.groups[leaf][rows]
         elif leaf == "weight_scale":
             if self.scale is None:
                 self.scale = torch.empty(n, device=t.device)
@@ -291,12 +348,30 @@ class FusedLinear(_KernelPlan, nn.Module):
         dst.copy_(t)
         return dst
 
+    def repack_int4(self) -> None:
+        """Once every part's int4 weight, scale and zero are in: repack the fused rows for the kernel and point
+        the parts at views of the result (the stored copies are released)."""
+        if self.sz is not None or not all(p._int4_loaded() for p in self.parts):
+            return
+        self.w, self.sz = int4.repack_or_mismatch(self.w, self.groups["weight_scale"], self.groups["weight_zero"])
+        self.groups = {}
+        for p in self.parts:
+            rows = slice(p.offset, p.offset + p.out_features)
+            p.weight, p._sz = self.w[rows], self.sz
+            p.weight_scale, p.weight_zero = int4.scale_zero_views(self.sz, rows)
+
     def forward(self, x: torch.Tensor, cast: bool = True) -> torch.Tensor:
         # x: [M, K] -> [M, N_0 + N_1 + ...] (cast=False: see ``matmul``)
+        if self.sz is not None:
+            return int4.output(int4.run(x, self.w, self.sz, self.w_bf16), x, self.b, cast)
         return matmul(x, self.w, self.scale, self.scale_bf16, self.b, self.int8mm_max_m, cast, self.plan, self.w_bf16)
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return (self.w, self.scale) if self.w is not None and self.w.dtype == torch.int8 else None
+
+    def int4_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the repacked weight, its scale/zero table) once an int4 weight is in; ``w_bf16`` its optional copy."""
+        return (self.w, self.sz) if self.sz is not None else None
 
 
 class Embedding(_WeightSlot):

@@ -34,6 +34,7 @@ from compute.kernels.int8 import plan_for
 from compute.modeling.model import Transformer
 from compute.modeling.tokenizer import TextBundle, _token_name
 from paramstore.quant import dequantize_int8
+from paramstore.quant4 import ZERO_SUFFIX, dequantize_int4
 
 log = logging.getLogger("pdserve.node")
 TIME_TO_READY = Histogram("pdserve_node_time_to_ready_seconds", "Node start to all weights injected",
@@ -119,8 +120,9 @@ def release_copied(buffer, tensors: dict[str, torch.Tensor], model: torch.nn.Mod
 
 
 def runtime_weights(manifest, weights: str) -> str:
-    """The runtime weights a load of ``manifest`` asked for ``weights`` gets (a float import keeps no int8)."""
-    return "bf16" if weights == "int8" and manifest.dtype != "int8" else weights
+    """The runtime weights a load of ``manifest`` asked for ``weights`` gets (a float import keeps no int8).
+    ``int8`` means the store's quantized weights as stored: an ``int4`` import keeps its int4 linears too."""
+    return "bf16" if weights == "int8" and manifest.dtype not in ("int8", "int4") else weights
 
 
 class WeightInjector:
@@ -301,13 +303,23 @@ class WeightInjector:
         hooks["post"](swap)
 
     def _convert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Stored tensors -> runtime tensors: keep INT8 as is, or dequantize for a float runtime."""
-        if self.keep_int8:
+        """Stored tensors -> runtime tensors: keep INT8 / INT4 as is, or dequantize for a float runtime. INT4 runs
+        on the CPU's int4 kernel only: on another device its weights are dequantized to the activation dtype
+        (``compute.kernels.int4``)."""
+        int4_float = not self.keep_int8 or self.model.device.type != "cpu"
+        if self.keep_int8 and not (int4_float and any(n.endswith(ZERO_SUFFIX) for n in tensors)):
             return tensors
         out = {}
         for name, t in tensors.items():
-            if name.endswith("_scale"):
+            if name.endswith(("_scale", ZERO_SUFFIX)):
                 continue
-            scale = tensors.get(name + "_scale")
-            out[name] = dequantize_int8(t, scale, self.dtype) if scale is not None else t
+            scale, zero = tensors.get(name + "_scale"), tensors.get(name + ZERO_SUFFIX)
+            if zero is not None:  # int4 (dequantized: a float runtime, or a device without the kernel)
+                out[name] = dequantize_int4(t, scale, zero, self.dtype)
+            elif scale is not None and not self.keep_int8:
+                out[name] = dequantize_int8(t, scale, self.dtype)
+            else:
+                out[name] = t
+                if scale is not None:
+                    out[name + "_scale"] = scale
         return out

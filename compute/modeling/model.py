@@ -23,7 +23,8 @@ from compute.modeling.attention import paged_attention
 from compute.modeling.batch import ForwardBatch
 from compute.modeling.config import ModelConfig
 from compute.errors import WeightMismatch
-from compute.kernels.budget import copy_plans
+from compute.kernels import int4
+from compute.kernels.budget import copy_bytes_of, copy_plans
 from compute.modeling.kv_cache import KVCache
 from compute.kernels.linear import (
     INT8MM_MAX_M,
@@ -268,6 +269,30 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, Attention):  # a row's numbers independent of its prefill chunking too
                 m.aligned = mode == "invariant"
+        int8_copies = sum(copy_bytes_of(tuple(m.int8_weight()[0].shape)) for m in self.kernel_modules()
+                          if "bf16" in (m.plan or ()))  # fmt: skip
+        self.use_int4_copies(None if copy_budget is None else max(0, copy_budget - int8_copies),
+                             mode if table is not None else "fixed")  # fmt: skip
+
+    def int4_modules(self) -> list[Linear | FusedLinear]:
+        """The linears that run int4 weights (``compute.kernels.int4``)."""
+        return [m for m in self.modules() if isinstance(m, (Linear, FusedLinear)) and m.int4_weight() is not None]
+
+    def use_int4_copies(self, budget: int | None, mode: str = "measured", faster=int4.copy_faster) -> int:
+        """bf16 copies of int4 weights, in model order, while they fit ``budget`` bytes, under ``measured`` only and
+        where ``faster(N, K)`` (this machine's bf16 GEMM beats int4mm at prefill M); no budget (None): none, the
+        int4 size is the point of an int4 import (``compute.kernels.int4``). -> bytes of copies kept."""
+        kept = 0
+        for m in self.int4_modules():
+            w, sz = m.int4_weight()
+            n, k = w.shape[0], sz.shape[0] * int4.GROUP
+            if budget is not None and mode == "measured" and kept + 2 * n * k <= budget and faster(n, k):
+                if m.w_bf16 is None:
+                    m.w_bf16 = aligned(int4.dequantized(w, sz, torch.bfloat16))
+                kept += 2 * n * k
+            else:
+                m.w_bf16 = None
+        return kept
 
     def prepare_kernels(self, table: dict, mode: str = "measured", copy_budget: int | None = None) -> None:
         """Make the copies ``table``'s plan needs (bf16 weights) without switching to it: ``use_kernels`` then

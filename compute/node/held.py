@@ -45,7 +45,7 @@ from compute.node.worker import EngineWorker
 
 log = logging.getLogger("pdserve.node")
 LOAD_TIMEOUT_S = 600.0  # a load not done by then fails
-_ELEM = {"int8": 1, "bf16": 2, "fp32": 4}
+_ELEM = {"int8": 1, "int4": 0.625, "bf16": 2, "fp32": 4}  # stored bytes per weight (int4: codes + scale/zero)
 class Held:
     def __init__(self, name: str, weights: str, manifest, weights_estimate: int, kv_estimate: int,
                  transient: int = 0, prefetch: int = 2):  # fmt: skip

@@ -149,3 +149,16 @@ def test_text_stream_holds_back_split_stop_strings(workdir):
     assert eng.scheduler.blocks.num_free == 32 and not eng.has_unfinished()
     with pytest.raises(ValueError):
         stream.add(prompt, greedy, stop=[""])
+
+
+def test_generate_from_an_int4_import(workdir):
+    """`paramstore import --dtype int4` then `pdserve generate` in a fresh process: the int4 linears run on the CPU
+    int4 kernel there, and the answer is text of the requested length."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    imp = subprocess.run([sys.executable, "-m", "paramstore.cli", "-q", "import", str(workdir / "hf"), "--name", "tiny4",
+                          "--dtype", "int4", "--k", "2", "--m", "1", "--json"], cwd=workdir, env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert imp.returncode == 0 and json.loads(imp.stdout)["dtype"] == "int4", imp.stderr
+    j = json.loads(pdserve(workdir, "--model", "tiny4", "--prompt", "hello world", "--max-tokens", "12",
+                           "--ignore-eos", "--json").stdout)  # fmt: skip
+    assert len(j["token_ids"]) == 12 and j["finish_reason"] == "length" and j["text"]

@@ -63,3 +63,29 @@ def test_engine_runs_and_seeded_sampling_repeats(device):
     first, again = eng.generate(PROMPTS, seeded), eng.generate(PROMPTS[::-1], seeded)[::-1]
     assert first == again  # a seeded draw depends on (seed, position) only, not on the batch
     assert first != greedy
+
+
+@pytest.mark.parametrize("device", ["meta", *DEVICES[1:]])
+def test_int4_weights_off_the_host(device, memory_store_config, tiny_hf):
+    """The int4 kernel is the CPU's: a model off the host refuses int4 tensors by name (``load_weights``), and a node
+    there loads an int4 import dequantized to its activation dtype (``WeightInjector``), a float model."""
+    from compute.errors import WeightMismatch
+    from compute.modeling.loader import WeightInjector
+    from paramstore import ParamStore
+    from paramstore.quant4 import quantize_int4
+
+    host = tiny_model(seed=3)
+    name = "model.layers.0.mlp.down_proj.weight"
+    packed, scale, zero = quantize_int4(host.get_buffer(name))
+    model = Transformer.build(host.config, torch.float32, device=device)
+    with pytest.raises(WeightMismatch, match="CPU only"):
+        model.load_weights({name: packed, name + "_scale": scale, name + "_zero": zero})
+    if device == "meta":
+        return
+    with ParamStore(memory_store_config) as store:
+        store.import_model(tiny_hf[0], "tiny", dtype="int4")
+        on_dev, on_cpu = (WeightInjector(store, "tiny", weights="int8", kernels="fixed", text=False, device=d).start()
+                          for d in (device, "cpu"))  # fmt: skip
+        assert on_dev.wait(30) and on_cpu.wait(30)
+    assert on_dev.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert on_cpu.model.model.layers[0].mlp.down_proj.is_int4

@@ -186,3 +186,34 @@ def test_int8_answer_and_perplexity(fp32, int8):
               f"{ppl8_prefill:.4f} ({ppl8_prefill / ppl32 - 1:+.2%}), int8 decode path {ppl8_decode:.4f} "
               f"({ppl8_decode / ppl32 - 1:+.2%})")  # fmt: skip
         assert ppl8_prefill <= limit * ppl32 and ppl8_decode <= limit * ppl32, name
+
+
+def test_int4_import_answers_and_stays_within_one_percent_of_int8(real, int8):
+    """``import --dtype int4`` (the layers' linears int4-asym-g32, embedding/head int8) on the CPU int4 kernel: the
+    same greedy answer, perplexity within +1% of int8's on the held texts (the gate that made it a store dtype)."""
+    from compute.engine.engine import Engine
+    from compute.engine.sampling import SamplingParams
+    from compute.kernels import int4
+    from paramstore.sources import ModelSource
+
+    if not int4.kernel_available():
+        pytest.skip("this torch has no CPU int4 kernel")
+    store, config, tensors = real
+    with store.reader(store.manifest("smollm2")) as r:
+        files = r.bundle()
+    src = ModelSource(config, list(tensors), tensors.__getitem__, files, "gguf")
+    res = store.import_model(src, "smollm2-int4", dtype="int4")
+    assert res.quant_error["int4_tensors"] == 30 * 7
+    q4 = _inject(store, "smollm2-int4", "int8", kernels="fixed")
+    assert q4.model.model.layers[0].mlp.down_proj.is_int4
+    b = q4.bundle
+    prompt = b.encode(b.render_chat([{"role": "user", "content": "What is the capital of France?"}]))
+    out = Engine.for_model(q4.model, num_blocks=16).generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
+    assert b.decode(out) == "The capital of France is Paris." and out[-1] in b.eos_token_ids, b.decode(out)
+    for name, text in (("CC0-1.0", license_text("CC0-1.0")), ("Apache-2.0", license_text("Apache-2.0")),
+                       ("the Zen of Python", zen_of_python())):  # fmt: skip
+        ids = b.encode(text)[:512]
+        ppl8 = perplexity(logprobs(int8.model, ids, 64), ids)  # int8mm, as in decode
+        ppl4 = perplexity(logprobs(q4.model, ids, 64), ids)
+        print(f"perplexity on {name} ({len(ids)} tokens): int8 {ppl8:.4f}, int4 {ppl4:.4f} ({ppl4 / ppl8 - 1:+.2%})")
+        assert ppl4 <= 1.01 * ppl8, name
