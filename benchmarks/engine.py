@@ -127,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if served is not None:
             served.stop()
-    if lc is None:
+    if lc is None and want("llama.cpp"):
         print("llama.cpp: not installed, its column is missing (make bench-deps builds it, ~10 min)")
     extra = _profile(args, cfg, systems, chats)
     return _finish(args, cfg, gguf, systems, samples, table, extra)
@@ -142,7 +142,11 @@ def _profile(args, cfg, systems: dict, chats: list[list[int]]) -> dict:
 
 
 def _measure(systems: dict, samples: dict, args, chats: list[list[int]], long: list[int]) -> None:
-    """Every metric of every system, ``args.repeat`` times, interleaved (each repeat runs all in turn)."""
+    """Every metric of every system, ``args.repeat`` times, interleaved (each repeat runs all in turn), after one
+    untimed round of each (a first call pays one-time costs: page faults, a served stack settling after ready)."""
+    for sysm in systems.values():
+        sysm.decode_rate(chats[0], min(8, args.tokens))
+        sysm.prefill_time(long)
     for r in range(args.repeat):
         for name, sysm in systems.items():
             m = samples[name]

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 
 import httpx
 
@@ -283,10 +284,13 @@ class ServedEngine:
     def stop(self) -> None:
         self.up.stop()
 
-    def _run(self, prompt, tokens: int) -> list[float]:
+    def _run(self, prompt, tokens: int, fresh: bool = False) -> list[float]:
+        """Stream one completion; its token stamps. ``fresh``: under a new ``cache_salt``, so no cached prefix of an
+        earlier call serves it (the node's prefix cache outlives a request; the in-process systems' does not)."""
+        body = {"ignore_eos": True} | ({"cache_salt": uuid.uuid4().hex} if fresh else {})
         stamps = [time.perf_counter()]
         stream = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=tokens, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+                                                stream=True, extra_body=body)  # fmt: skip
         for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 stamps.append(time.perf_counter())
@@ -297,5 +301,5 @@ class ServedEngine:
         return (len(s) - 2) / (s[-1] - s[1])
 
     def prefill_time(self, prompt) -> float:
-        s = self._run(prompt, 1)
+        s = self._run(prompt, 1, fresh=True)
         return s[1] - s[0]
