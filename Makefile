@@ -30,12 +30,14 @@ constraints: $(STAMP)
 	  $(PIP) freeze --exclude-editable; } > constraints.txt
 
 PORT ?= 8000
+# how `make demo` imports MODEL when the store lacks it: int8 | int4 (opt-in) | bf16 | fp32
+DTYPE ?= int8
 PIDFILE := .pdserve/up.pid
 
 # set-up, import SmolLM2 (once), start the service in the background, ask one question
 demo: $(STAMP)
 	@$(VENV)/bin/paramstore -q show $(MODEL) >/dev/null 2>&1 || \
-	  $(VENV)/bin/paramstore import "$$($(PY) -m paramstore.realmodel)" --name $(MODEL)
+	  $(VENV)/bin/paramstore import "$$($(PY) -m paramstore.realmodel)" --name $(MODEL) --dtype $(DTYPE)
 	$(VENV)/bin/paramstore show $(MODEL)
 	@mkdir -p .pdserve/logs
 	@if [ -f $(PIDFILE) ] && kill -0 $$(cat $(PIDFILE)) 2>/dev/null; then echo "service already running (pid $$(cat $(PIDFILE)))"; \
