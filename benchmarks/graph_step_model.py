@@ -1,0 +1,163 @@
+"""The engine's decode step as one pure-tensor function a compiler can take whole (issue 28, "one step as one graph").
+
+    GraphStep(model, streams)(ids, positions, slots, ctx_slots, ctx_lens, kv) -> logits [B, V] fp32
+
+``model`` is a loaded ``compute.modeling.model.Transformer`` with the int8 runtime (fp32 activations and residual,
+int8 or int4 linears, a bf16 KV cache); its tensors are registered here as buffers by reference (no copy), and
+each linear's kernel is fixed at construction from its plan for ``streams`` rows (``compute.kernels.int8.bucket``:
+int8mm / bf16 copy; int4mm), so the function holds no Python decision that depends on a tensor's value or address.
+Per layer it does what ``Transformer.forward`` does for a batch of decodes (``paged_attention`` with
+``DecodeGroup.only``), in the same dtypes and order, as index ops on the cache tensor ``kv`` it is handed:
+
+1. RMSNorm, the fused qkv linear (bf16 out), RoPE on q and k in fp32 rounded once to bf16;
+2. the new K/V written at ``slots`` (``index_copy_`` into ``kv``: the one side effect);
+3. the context gathered at ``ctx_slots`` (``[B, L]``, ``L`` a fixed bucket; keys at or past ``ctx_lens`` masked by
+   an additive -inf bias made inside the graph), two fp32 batched matmuls and a softmax, o_proj;
+4. the MLP (gate/up fused, SiLU * up, down); the final norm and the head (int8, tied to the embedding).
+
+``step_inputs`` turns the engine's plain lists (tokens, positions, block tables) into those tensors for a bucket.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compute.kernels import int4, int8
+from compute.modeling.model import Transformer, apply_rope, rope_cos_sin
+
+BUCKET_MULTIPLE = 64  # context keys per call are padded to a multiple of this (one graph per bucket)
+
+
+def bucket_len(ctx: int, multiple: int = BUCKET_MULTIPLE) -> int:
+    return -(-ctx // multiple) * multiple
+
+
+class GraphStep(nn.Module):
+    """One decode step of ``streams`` sequences over a paged KV cache, as a pure-tensor function (module doc)."""
+
+    def __init__(self, model: Transformer, streams: int) -> None:
+        super().__init__()
+        c = model.config
+        if model.dtype != torch.float32:
+            raise ValueError(f"GraphStep mirrors the int8 runtime (fp32 activations), got {model.dtype}")
+        self.nl, self.h, self.kvh, self.dh = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim
+        self.f, self.eps, self.scale = c.intermediate_size, c.rms_norm_eps, c.head_dim**-0.5
+        self.exact = math.frexp(self.scale)[0] == 0.5  # a power of two: the score matmul's alpha (as ``_decode``)
+        self.kinds: dict[str, str] = {}  # linear name -> kernel: int4 | int8mm | bf16 | float
+        self.register_buffer("inv_freq", model.inv_freq, persistent=False)
+        emb = model.model.embed_tokens
+        self.register_buffer("emb_w", emb.weight, persistent=False)
+        self.register_buffer("emb_s", emb.weight_scale if emb.is_int8 else None, persistent=False)
+        for i, layer in enumerate(model.model.layers):
+            self.register_buffer(f"n{i}_in", layer.input_layernorm.weight, persistent=False)
+            self.register_buffer(f"n{i}_post", layer.post_attention_layernorm.weight, persistent=False)
+            self._linear(f"l{i}_qkv", layer.self_attn.qkv, streams)
+            self._linear(f"l{i}_o", layer.self_attn.o_proj, streams)
+            self._linear(f"l{i}_gu", layer.mlp.gate_up, streams)
+            self._linear(f"l{i}_down", layer.mlp.down_proj, streams)
+        self.register_buffer("n_final", model.model.norm.weight, persistent=False)
+        self._linear("head", model.lm_head, streams)
+
+    def _linear(self, name: str, lin, m: int) -> None:
+        """Register ``lin``'s tensors as ``{name}_w`` (+ ``_s``, ``_b``) and fix its kernel for ``m`` rows."""
+        bias = getattr(lin, "b", None) if hasattr(lin, "parts") else lin.bias
+        self.register_buffer(f"{name}_b", bias, persistent=False)
+        q4, q8 = lin.int4_weight(), lin.int8_weight()
+        if q4 is not None:
+            if lin.w_bf16 is not None and m > int4.COPY_MIN_M:
+                self.kinds[name] = "bf16"
+                self.register_buffer(f"{name}_w", lin.w_bf16, persistent=False)
+            else:
+                self.kinds[name] = "int4"
+                self.register_buffer(f"{name}_w", q4[0], persistent=False)
+                self.register_buffer(f"{name}_s", q4[1], persistent=False)
+            return
+        if q8 is None:
+            self.kinds[name] = "float"
+            self.register_buffer(f"{name}_w", lin.w if hasattr(lin, "parts") else lin.weight, persistent=False)
+            return
+        kernel = lin.plan[int8.bucket(m)] if lin.plan is not None else ("int8mm" if m <= lin.int8mm_max_m else "?")
+        if kernel not in ("int8mm", "bf16"):
+            raise ValueError(f"{name}: the graph step runs int8mm or a bf16 copy, the plan says {kernel!r} at M = {m}")
+        self.kinds[name] = kernel
+        if kernel == "bf16":
+            self.register_buffer(f"{name}_w", lin.w_bf16, persistent=False)
+        else:
+            self.register_buffer(f"{name}_w", q8[0], persistent=False)
+            scale_bf16 = lin.scale_bf16 if hasattr(lin, "parts") else lin._scale_act
+            self.register_buffer(f"{name}_s", scale_bf16, persistent=False)
+
+    def _lin(self, name: str, x: torch.Tensor, cast: bool) -> torch.Tensor:
+        # x: [M, K] fp32 -> [M, N]: bf16 from a kernel (cast=False), else x's dtype (as ``compute.kernels.linear``)
+        kind, w = self.kinds[name], getattr(self, f"{name}_w")
+        if kind == "float":
+            y = F.linear(x, w)
+        elif kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), w, int4.GROUP,
+                                                           getattr(self, f"{name}_s"))  # fmt: skip
+        elif kind == "int8mm":
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w, getattr(self, f"{name}_s"))
+        else:  # bf16 copy
+            y = F.linear(x.to(torch.bfloat16), w)
+        if cast and y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        b = getattr(self, f"{name}_b")
+        return y if b is None else y + b
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.rms_norm(x, w.shape, w, self.eps)  # fp32, <= 64 rows: RMSNorm.forward's path
+
+    def _attention(self, i: int, x, cos, sin, kvl, slots, flat, bias, b: int, n: int) -> torch.Tensor:
+        # x: [B, D] -> [B, D] bf16; kvl: [2, NB*BS, KVH*Dh] (layer i of the cache), written at slots, read at flat
+        h, kvh, dh = self.h, self.kvh, self.dh
+        qkv = self._lin(f"l{i}_qkv", x, cast=False).view(b, h + 2 * kvh, dh)  # [B, H + 2 KVH, Dh] bf16
+        qk = apply_rope(qkv[:, : h + kvh], cos, sin).to(kvl.dtype)  # [B, H + KVH, Dh]: rounded once
+        src = torch.stack((qk[:, h:].reshape(b, kvh * dh), qkv[:, h + kvh :].reshape(b, kvh * dh)))  # [2, B, KVH*Dh]
+        kvl.index_copy_(1, slots, src.to(kvl.dtype))
+        ctx = kvl.index_select(1, flat).view(2, b, n, kvh, dh)  # [2, B, L, KVH, Dh]
+        kv32 = ctx.transpose(2, 3).to(torch.float32).reshape(2, b * kvh, n, dh)  # [2, B*KVH, L, Dh]
+        qg = qk[:, :h].to(torch.float32)
+        qg = (qg if self.exact else qg * self.scale).reshape(b * kvh, h // kvh, dh)  # [B*KVH, G, Dh]
+        s = torch.baddbmm(bias, qg, kv32[0].transpose(1, 2), alpha=self.scale if self.exact else 1.0)  # [B*KVH, G, L]
+        o = torch.bmm(torch.softmax(s, -1), kv32[1]).view(b, h * dh).to(kvl.dtype)  # [B, H*Dh]
+        return self._lin(f"l{i}_o", o, cast=False)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_slots: torch.Tensor,
+                ctx_lens: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        # ids, positions, slots, ctx_lens: [B] long; ctx_slots: [B, L] long; kv: [NL, 2, NB, BS, KVH, Dh] -> [B, V]
+        b, n = ctx_slots.shape
+        kvs = kv.view(self.nl, 2, -1, self.kvh * self.dh)  # [NL, 2, NB*BS, KVH*Dh]
+        if self.emb_s is None:
+            x = F.embedding(ids, self.emb_w)
+        else:
+            x = self.emb_w[ids].to(torch.float32) * self.emb_s[ids, None]  # [B, D] fp32
+        cos, sin = rope_cos_sin(self.inv_freq, positions, torch.float32)  # [B, 1, Dh]
+        g = self.h // self.kvh
+        off = torch.arange(n, device=ids.device)[None, :] >= ctx_lens[:, None]  # [B, L]: past the context
+        bias = torch.zeros(b, n, device=ids.device).masked_fill(off, float("-inf"))
+        bias = bias.view(b, 1, 1, n).expand(b, self.kvh, g, n).reshape(b * self.kvh, g, n)  # [B*KVH, G, L]
+        flat = ctx_slots.reshape(-1)
+        for i in range(self.nl):
+            x = x + self._attention(i, self._norm(x, getattr(self, f"n{i}_in")), cos, sin, kvs[i], slots, flat,
+                                    bias, b, n)  # fmt: skip
+            gu = self._lin(f"l{i}_gu", self._norm(x, getattr(self, f"n{i}_post")), cast=True)  # [B, 2F] fp32
+            x = x + self._lin(f"l{i}_down", F.silu(gu[:, : self.f]) * gu[:, self.f :], cast=False)
+        return self._lin("head", self._norm(x, self.n_final), cast=True).to(torch.float32)  # [B, V]
+
+
+def step_inputs(tokens: list[int], positions: list[int], tables: list[list[int]], block_size: int,
+                n: int | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """One decode token per sequence -> (ids, positions, slots, ctx_slots [B, n], ctx_lens) for ``GraphStep``;
+    ``n``: the bucket's keys (default: the longest context rounded up to ``BUCKET_MULTIPLE``); padding -> slot 0."""
+    ctx = [p + 1 for p in positions]
+    n = n or bucket_len(max(ctx))
+    nb = -(-n // block_size)
+    padded = torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in tables], dtype=torch.long)  # [B, nb]
+    ctx_slots = (padded[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :n].contiguous()
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
+    return (torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+            torch.tensor(slots, dtype=torch.long), ctx_slots, torch.tensor(ctx, dtype=torch.long))  # fmt: skip
