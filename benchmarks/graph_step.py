@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=100, help="timed steps per side (interleaved)")
     p.add_argument("--warm-rounds", type=int, default=30, help="timed steps per side in the warm process")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cache-blocks", type=int, default=512,
+                   help="KV cache blocks (a real-sized cache: a graph that copied it per step would show)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per child process")
     p.add_argument("--no-warm", action="store_true", help="skip the second (warm-cache / package-load) process")
     p.add_argument("--out", default="bench-results/graph_step.json")
@@ -106,21 +109,30 @@ def _spawn(args, model: str, n: int, variant: str, phase: str, cache: str, pkg: 
     """One child process (``--child``), bounded by ``args.timeout``; its JSON line, or what went wrong."""
     cmd = [sys.executable, "-m", "benchmarks.graph_step", "--child", "--model", model, "--n", str(n),
            "--variant", variant, "--phase", phase, "--package", pkg, "--threads", str(args.threads),
-           "--rounds", str(args.rounds if phase == "cold" else args.warm_rounds)]  # fmt: skip
+           "--rounds", str(args.rounds if phase == "cold" else args.warm_rounds),
+           "--cache-blocks", str(args.cache_blocks)]  # fmt: skip
     for s in args.store or ():
         cmd += ["--store", s]
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
     base = {"model": model, "streams": n, "variant": variant, "phase": phase, "load_before": os.getloadavg()[0]}
     t0 = time.perf_counter()
+    # a session of its own: on a timeout its whole group goes (inductor's compile workers with it)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)  # fmt: skip
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout, check=False)
-    except subprocess.TimeoutExpired:  # subprocess.run kills the child
+        stdout, stderr = p.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
         return base | {"error": f"timed out after {args.timeout:.0f} s"}
+    finally:
+        if p.poll() is None:  # interrupted: stop what it started
+            os.killpg(p.pid, signal.SIGKILL)
     base["wall_s"] = time.perf_counter() - t0
-    lines = p.stdout.strip().splitlines()
+    lines = stdout.strip().splitlines()
     if p.returncode != 0 or not lines:
-        tail = (p.stderr.strip().splitlines() or ["no output"])[-3:]
+        tail = (stderr.strip().splitlines() or ["no output"])[-3:]
         return base | {"error": f"rc {p.returncode}: " + " | ".join(tail)}
     return base | json.loads(lines[-1])
 
@@ -149,7 +161,8 @@ def _child(args) -> dict:
     keys = bucket_len(max(map(len, prompts)) + CHECK_STEPS + 1)
     bs, per = 16, -(-keys // 16)
     tables = [list(range(1 + j * per, 1 + (j + 1) * per)) for j in range(n)]  # block 0 stays the padding slot
-    caches = [KVCache(model.config, n * per + 1, bs, torch.bfloat16) for _ in range(2)]  # eager, graph
+    blocks = max(n * per + 1, args.cache_blocks)
+    caches = [KVCache(model.config, blocks, bs, torch.bfloat16) for _ in range(2)]  # eager, graph
     with torch.inference_mode():
         first = model(ForwardBatch.build(prompts, [0] * n, tables, bs), caches[0]).argmax(-1).tolist()
         caches[1].kv.copy_(caches[0].kv)

@@ -93,10 +93,10 @@ class GraphStep(nn.Module):
 
     def _lin(self, name: str, x: torch.Tensor, cast: bool) -> torch.Tensor:
         # x: [M, K] fp32 -> [M, N]: bf16 from a kernel (cast=False), else x's dtype (as ``compute.kernels.linear``)
-        kind, w = self.kinds[name], getattr(self, f"{name}_w")
+        kind, w, b = self.kinds[name], getattr(self, f"{name}_w"), getattr(self, f"{name}_b")
         if kind == "float":
-            y = F.linear(x, w)
-        elif kind == "int4":
+            return F.linear(x, w, b)  # as ``compute.kernels.linear.matmul`` for a float weight
+        if kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), w, int4.GROUP,
                                                            getattr(self, f"{name}_s"))  # fmt: skip
         elif kind == "int8mm":
@@ -105,7 +105,6 @@ class GraphStep(nn.Module):
             y = F.linear(x.to(torch.bfloat16), w)
         if cast and y.dtype != x.dtype:
             y = y.to(x.dtype)
-        b = getattr(self, f"{name}_b")
         return y if b is None else y + b
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
