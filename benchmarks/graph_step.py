@@ -145,7 +145,7 @@ def _child(args) -> dict:
 
     torch.set_num_threads(args.threads)
     from benchmarks.engine import Ours
-    from benchmarks.graph_step_model import GraphStep, bucket_len, step_inputs
+    from benchmarks.graph_step_model import GraphStep, bucket_len, decode, graph_args, step_inputs
     from compute.modeling.batch import ForwardBatch
     from compute.modeling.kv_cache import KVCache
     from paramstore import ParamStore
@@ -168,16 +168,16 @@ def _child(args) -> dict:
         caches[1].kv.copy_(caches[0].kv)
         step = GraphStep(model, n).eval()
         pos = [len(p) for p in prompts]
-        fn, out_c = _compile(step, args, step_inputs(first, pos, tables, bs, keys), caches[1].kv.clone())
+        fn, out_c = _compile(step, args, graph_args(step_inputs(first, pos, tables, bs, keys), caches[1].kv.clone()))
         out |= out_c
-        pure = step(*step_inputs(first, pos, tables, bs, keys), caches[1].kv.clone())
+        pure = decode(step, step, step_inputs(first, pos, tables, bs, keys), caches[1].kv.clone())
         eager0 = model(ForwardBatch.build([[t] for t in first], pos, tables, bs), _cloned(caches[0], model.config))
         out["pure_vs_eager_max_abs"] = (pure - eager0).abs().max().item()
         t0 = time.perf_counter()
-        out |= _check(model, fn, first, pos, tables, bs, keys, caches, ForwardBatch, step_inputs)
+        out |= _check(model, fn, step, first, pos, tables, bs, keys, caches, ForwardBatch, step_inputs, decode)
         out["check_s"] = time.perf_counter() - t0
         out |= _timing(model, fn, step, out.pop("_state"), tables, bs, keys, caches, args.rounds, ForwardBatch,
-                       step_inputs)  # fmt: skip
+                       step_inputs, decode)  # fmt: skip
     out["load_end"] = os.getloadavg()[0]
     out["kinds"] = sorted(set(step.kinds.values()))
     return out
@@ -192,13 +192,13 @@ def _cloned(cache, config):
     return c
 
 
-def _compile(step, args, inputs: tuple, kv) -> tuple:
-    """(the compiled callable, {compile_s | export_s, package_s, load_s, graphs}): the first call on ``kv`` (a
-    scratch copy of the cache: the call writes it) is the compile."""
+def _compile(step, args, inputs: tuple) -> tuple:
+    """(the compiled callable, {compile_s | export_s, package_s, load_s, graphs}): its first call on ``inputs``
+    (``GraphStep.forward``'s arguments) is the compile."""
     import torch
 
     if args.variant == "aoti":
-        return _aoti(step, args, inputs, kv)
+        return _aoti(step, args, inputs)
     if args.variant == "none":
         return step, {"compile_s": 0.0}
     cfg, mode = VARIANTS[args.variant]
@@ -208,12 +208,12 @@ def _compile(step, args, inputs: tuple, kv) -> tuple:
 
     fn = torch.compile(step, dynamic=False, fullgraph=True, mode=mode)
     t0 = time.perf_counter()
-    fn(*inputs, kv)
+    fn(*inputs)
     t = time.perf_counter() - t0
     return fn, {"compile_s": t, "graphs": counters["stats"]["unique_graphs"]}
 
 
-def _aoti(step, args, inputs: tuple, kv) -> tuple:
+def _aoti(step, args, inputs: tuple) -> tuple:
     """torch.export + AOTInductor: cold = export + compile + package, then load; warm = load the package only."""
     import torch
 
@@ -221,7 +221,7 @@ def _aoti(step, args, inputs: tuple, kv) -> tuple:
     if args.phase == "cold":
         t0 = time.perf_counter()
         with torch.no_grad():
-            ep = torch.export.export(step, (*inputs, kv))
+            ep = torch.export.export(step, inputs)
         out["export_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         torch._inductor.aoti_compile_and_package(ep, package_path=args.package)
@@ -230,18 +230,18 @@ def _aoti(step, args, inputs: tuple, kv) -> tuple:
         out["package_mb"] = os.path.getsize(args.package) / 2**20
     t0 = time.perf_counter()
     fn = torch._inductor.aoti_load_package(args.package)
-    fn(*inputs, kv)
+    fn(*inputs)
     out["load_s"] = time.perf_counter() - t0
     return fn, out
 
 
-def _check(model, fn, first, pos, tables, bs, keys, caches, ForwardBatch, step_inputs) -> dict:
+def _check(model, fn, step, first, pos, tables, bs, keys, caches, ForwardBatch, step_inputs, decode) -> dict:
     """``CHECK_STEPS`` greedy steps, eager on caches[0], compiled on caches[1]: tokens equal per stream?"""
     a, b, seq_a, seq_b, worst = list(first), list(first), [], [], 0.0
     p = list(pos)
     for _ in range(CHECK_STEPS):
         la = model(ForwardBatch.build([[t] for t in a], p, tables, bs), caches[0])
-        lb = fn(*step_inputs(b, p, tables, bs, keys), caches[1].kv)
+        lb = decode(fn, step, step_inputs(b, p, tables, bs, keys), caches[1].kv)
         if a == b:
             worst = max(worst, (la - lb).abs().max().item())
         a, b = la.argmax(-1).tolist(), lb.argmax(-1).tolist()
@@ -254,7 +254,8 @@ def _check(model, fn, first, pos, tables, bs, keys, caches, ForwardBatch, step_i
             "_state": (a, b, p)}  # fmt: skip
 
 
-def _timing(model, fn, step, state, tables, bs, keys, caches, rounds: int, ForwardBatch, step_inputs) -> dict:
+def _timing(model, fn, step, state, tables, bs, keys, caches, rounds: int, ForwardBatch, step_inputs,
+            decode) -> dict:  # fmt: skip
     """Eager, compiled and uncompiled pure step, interleaved (ABC), the same step repeated at a fixed position."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -262,8 +263,8 @@ def _timing(model, fn, step, state, tables, bs, keys, caches, rounds: int, Forwa
     p = [x - 1 for x in p]  # the last checked position: re-running it rewrites the same slots
     runs = {
         "eager": lambda: model(ForwardBatch.build([[t] for t in a], p, tables, bs), caches[0]),
-        "graph": lambda: fn(*step_inputs(b, p, tables, bs, keys), caches[1].kv),
-        "pure": lambda: step(*step_inputs(b, p, tables, bs, keys), caches[1].kv),
+        "graph": lambda: decode(fn, step, step_inputs(b, p, tables, bs, keys), caches[1].kv),
+        "pure": lambda: decode(step, step, step_inputs(b, p, tables, bs, keys), caches[1].kv),
     }
     times: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(10 + rounds):

@@ -1,6 +1,7 @@
 """The engine's decode step as one pure-tensor function a compiler can take whole (issue 28, "one step as one graph").
 
-    GraphStep(model, streams)(ids, positions, slots, ctx_slots, ctx_lens, kv) -> logits [B, V] fp32
+    GraphStep(model, streams)(ids, positions, ctx_slots, ctx_lens, kv) -> (logits [B, V] fp32, new K/V)
+    GraphStep.write(kv, slots, new K/V)
 
 ``model`` is a loaded ``compute.modeling.model.Transformer`` with the int8 runtime (fp32 activations and residual,
 int8 or int4 linears, a bf16 KV cache); its tensors are registered here as buffers by reference (no copy), and
@@ -10,10 +11,15 @@ Per layer it does what ``Transformer.forward`` does for a batch of decodes (``pa
 ``DecodeGroup.only``), in the same dtypes and order, as index ops on the cache tensor ``kv`` it is handed:
 
 1. RMSNorm, the fused qkv linear (bf16 out), RoPE on q and k in fp32 rounded once to bf16;
-2. the new K/V written at ``slots`` (``index_copy_`` into ``kv``: the one side effect);
-3. the context gathered at ``ctx_slots`` (``[B, L]``, ``L`` a fixed bucket; keys at or past ``ctx_lens`` masked by
-   an additive -inf bias made inside the graph), two fp32 batched matmuls and a softmax, o_proj;
+2. the context gathered at ``ctx_slots`` (``[B, L]``, ``L`` a fixed bucket) from the cache as it was, this step's
+   own K/V put in at each row's position (``torch.where``: the values a write then a read would give); keys at or
+   past ``ctx_lens`` masked by an additive -inf bias made inside the graph; two fp32 batched matmuls, a softmax,
+   o_proj;
 4. the MLP (gate/up fused, SiLU * up, down); the final norm and the head (int8, tied to the embedding).
+
+The graph reads the cache and returns the step's K/V of every layer; ``write`` stores them (one ``index_copy_``).
+Writing inside the graph (``index_copy_`` on the input, then the gather) made inductor copy each layer's whole
+cache per step (a functionalized mutation read back: 294 ms per step on a 512-block cache, vs 15 ms eager).
 
 ``step_inputs`` turns the engine's plain lists (tokens, positions, block tables) into those tensors for a bucket.
 """
@@ -110,24 +116,27 @@ class GraphStep(nn.Module):
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.rms_norm(x, w.shape, w, self.eps)  # fp32, <= 64 rows: RMSNorm.forward's path
 
-    def _attention(self, i: int, x, cos, sin, kvl, slots, flat, bias, b: int, n: int) -> torch.Tensor:
-        # x: [B, D] -> [B, D] bf16; kvl: [2, NB*BS, KVH*Dh] (layer i of the cache), written at slots, read at flat
+    def _attention(self, i: int, x, cos, sin, kvl, new, flat, bias, b: int, n: int) -> tuple[torch.Tensor, ...]:
+        # x: [B, D] -> [B, D] bf16, and this step's K/V [2, B, KVH*Dh]; kvl: [2, NB*BS, KVH*Dh] (layer i of the
+        # cache, read only: read at flat, this step's own key taken where new [B, L] is true)
         h, kvh, dh = self.h, self.kvh, self.dh
         qkv = self._lin(f"l{i}_qkv", x, cast=False).view(b, h + 2 * kvh, dh)  # [B, H + 2 KVH, Dh] bf16
         qk = apply_rope(qkv[:, : h + kvh], cos, sin).to(kvl.dtype)  # [B, H + KVH, Dh]: rounded once
         src = torch.stack((qk[:, h:].reshape(b, kvh * dh), qkv[:, h + kvh :].reshape(b, kvh * dh)))  # [2, B, KVH*Dh]
-        kvl.index_copy_(1, slots, src.to(kvl.dtype))
-        ctx = kvl.index_select(1, flat).view(2, b, n, kvh, dh)  # [2, B, L, KVH, Dh]
+        src = src.to(kvl.dtype)
+        ctx = kvl.index_select(1, flat).view(2, b, n, kvh * dh)  # [2, B, L, KVH*Dh]: the cache before this step
+        ctx = torch.where(new[None, :, :, None], src[:, :, None, :], ctx).view(2, b, n, kvh, dh)  # as if written
         kv32 = ctx.transpose(2, 3).to(torch.float32).reshape(2, b * kvh, n, dh)  # [2, B*KVH, L, Dh]
         qg = qk[:, :h].to(torch.float32)
         qg = (qg if self.exact else qg * self.scale).reshape(b * kvh, h // kvh, dh)  # [B*KVH, G, Dh]
         s = torch.baddbmm(bias, qg, kv32[0].transpose(1, 2), alpha=self.scale if self.exact else 1.0)  # [B*KVH, G, L]
         o = torch.bmm(torch.softmax(s, -1), kv32[1]).view(b, h * dh).to(kvl.dtype)  # [B, H*Dh]
-        return self._lin(f"l{i}_o", o, cast=False)
+        return self._lin(f"l{i}_o", o, cast=False), src
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_slots: torch.Tensor,
-                ctx_lens: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        # ids, positions, slots, ctx_lens: [B] long; ctx_slots: [B, L] long; kv: [NL, 2, NB, BS, KVH, Dh] -> [B, V]
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx_slots: torch.Tensor, ctx_lens: torch.Tensor,
+                kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        # ids, positions, ctx_lens: [B] long; ctx_slots: [B, L] long; kv: [NL, 2, NB, BS, KVH, Dh], read only
+        # -> logits [B, V] fp32, this step's K/V [NL, 2, B, KVH*Dh] (``write`` stores them)
         b, n = ctx_slots.shape
         kvs = kv.view(self.nl, 2, -1, self.kvh * self.dh)  # [NL, 2, NB*BS, KVH*Dh]
         if self.emb_s is None:
@@ -140,12 +149,20 @@ class GraphStep(nn.Module):
         bias = torch.zeros(b, n, device=ids.device).masked_fill(off, float("-inf"))
         bias = bias.view(b, 1, 1, n).expand(b, self.kvh, g, n).reshape(b * self.kvh, g, n)  # [B*KVH, G, L]
         flat = ctx_slots.reshape(-1)
+        new = torch.arange(n, device=ids.device)[None, :] == positions[:, None]  # [B, L]: this step's key
+        fresh = []
         for i in range(self.nl):
-            x = x + self._attention(i, self._norm(x, getattr(self, f"n{i}_in")), cos, sin, kvs[i], slots, flat,
-                                    bias, b, n)  # fmt: skip
+            y, kv_i = self._attention(i, self._norm(x, getattr(self, f"n{i}_in")), cos, sin, kvs[i], new, flat,
+                                      bias, b, n)  # fmt: skip
+            x, fresh = x + y, fresh + [kv_i]
             gu = self._lin(f"l{i}_gu", self._norm(x, getattr(self, f"n{i}_post")), cast=True)  # [B, 2F] fp32
             x = x + self._lin(f"l{i}_down", F.silu(gu[:, : self.f]) * gu[:, self.f :], cast=False)
-        return self._lin("head", self._norm(x, self.n_final), cast=True).to(torch.float32)  # [B, V]
+        return self._lin("head", self._norm(x, self.n_final), cast=True).to(torch.float32), torch.stack(fresh)
+
+    def write(self, kv: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> None:
+        """Store a step's K/V (``forward``'s second output, ``[NL, 2, B, KVH*Dh]``) at ``slots: [B]`` of every layer:
+        one ``index_copy_``, outside the graph (inside, the compiler copies each layer's whole cache: measured)."""
+        kv.view(self.nl, 2, -1, self.kvh * self.dh).index_copy_(2, slots, fresh)
 
 
 def step_inputs(tokens: list[int], positions: list[int], tables: list[list[int]], block_size: int,
@@ -160,3 +177,16 @@ def step_inputs(tokens: list[int], positions: list[int], tables: list[list[int]]
     slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
     return (torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
             torch.tensor(slots, dtype=torch.long), ctx_slots, torch.tensor(ctx, dtype=torch.long))  # fmt: skip
+
+
+def graph_args(inputs: tuple[torch.Tensor, ...], kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``step_inputs``' tensors and the cache -> ``GraphStep.forward``'s arguments (the slots are ``write``'s)."""
+    ids, positions, _, ctx_slots, ctx_lens = inputs
+    return ids, positions, ctx_slots, ctx_lens, kv
+
+
+def decode(fn, step: GraphStep, inputs: tuple[torch.Tensor, ...], kv: torch.Tensor) -> torch.Tensor:
+    """One step through ``fn`` (``step`` itself, or it compiled) -> logits [B, V]; the cache written."""
+    logits, fresh = fn(*graph_args(inputs, kv))
+    step.write(kv, inputs[2], fresh)
+    return logits

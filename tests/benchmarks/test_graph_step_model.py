@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.graph_step_model import GraphStep, bucket_len, step_inputs
+from benchmarks.graph_step_model import GraphStep, bucket_len, decode, step_inputs
 from compute.modeling.batch import ForwardBatch
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
@@ -49,7 +49,7 @@ def test_graph_step_equals_the_eager_forward_bitwise(build, lens):
     with torch.inference_mode():
         for _ in range(8):  # 8 greedy steps each way: logits and the caches stay identical
             eager = model(ForwardBatch.build([[t] for t in tok], pos, tables, BS), caches[0])
-            graph = step(*step_inputs(graph_tok, pos, tables, BS, keys), caches[1].kv)
+            graph = decode(step, step, step_inputs(graph_tok, pos, tables, BS, keys), caches[1].kv)
             assert graph.shape == eager.shape == (len(lens), model.config.vocab_size) and graph.dtype == torch.float32
             assert torch.equal(graph, eager)
             assert torch.equal(caches[0].kv, caches[1].kv)
