@@ -54,59 +54,75 @@ class GraphStep(nn.Module):
         self.f, self.eps, self.scale = c.intermediate_size, c.rms_norm_eps, c.head_dim**-0.5
         self.exact = math.frexp(self.scale)[0] == 0.5  # a power of two: the score matmul's alpha (as ``_decode``)
         self.kinds: dict[str, str] = {}  # linear name -> kernel: int4 | int8mm | bf16 | float
-        self.register_buffer("inv_freq", model.inv_freq, persistent=False)
+        self.alias: dict[str, str] = {}  # a tensor kept twice (the tied head's weight) -> the buffer that holds it
+        self.absent: set[str] = set()  # tensors the model does not have (biases)
+        self._keep("inv_freq", model.inv_freq)
         emb = model.model.embed_tokens
-        self.register_buffer("emb_w", emb.weight, persistent=False)
-        self.register_buffer("emb_s", emb.weight_scale if emb.is_int8 else None, persistent=False)
+        self._keep("emb_w", emb.weight)
+        self._keep("emb_s", emb.weight_scale if emb.is_int8 else None)
         for i, layer in enumerate(model.model.layers):
-            self.register_buffer(f"n{i}_in", layer.input_layernorm.weight, persistent=False)
-            self.register_buffer(f"n{i}_post", layer.post_attention_layernorm.weight, persistent=False)
+            self._keep(f"n{i}_in", layer.input_layernorm.weight)
+            self._keep(f"n{i}_post", layer.post_attention_layernorm.weight)
             self._linear(f"l{i}_qkv", layer.self_attn.qkv, streams)
             self._linear(f"l{i}_o", layer.self_attn.o_proj, streams)
             self._linear(f"l{i}_gu", layer.mlp.gate_up, streams)
             self._linear(f"l{i}_down", layer.mlp.down_proj, streams)
-        self.register_buffer("n_final", model.model.norm.weight, persistent=False)
+        self._keep("n_final", model.model.norm.weight)
         self._linear("head", model.lm_head, streams)
+
+    def _keep(self, name: str, t: torch.Tensor | None) -> None:
+        """Register ``t`` as a buffer by reference, once (``torch.export`` rejects one tensor under two names)."""
+        if t is None:
+            self.absent.add(name)
+            return
+        same = [k for k, b in self._buffers.items() if b is t]
+        if same:
+            self.alias[name] = same[0]
+        else:
+            self.register_buffer(name, t, persistent=False)
+
+    def _t(self, name: str) -> torch.Tensor | None:
+        return None if name in self.absent else getattr(self, self.alias.get(name, name))
 
     def _linear(self, name: str, lin, m: int) -> None:
         """Register ``lin``'s tensors as ``{name}_w`` (+ ``_s``, ``_b``) and fix its kernel for ``m`` rows."""
         bias = getattr(lin, "b", None) if hasattr(lin, "parts") else lin.bias
-        self.register_buffer(f"{name}_b", bias, persistent=False)
+        self._keep(f"{name}_b", bias)
         q4, q8 = lin.int4_weight(), lin.int8_weight()
         if q4 is not None:
             if lin.w_bf16 is not None and m > int4.COPY_MIN_M:
                 self.kinds[name] = "bf16"
-                self.register_buffer(f"{name}_w", lin.w_bf16, persistent=False)
+                self._keep(f"{name}_w", lin.w_bf16)
             else:
                 self.kinds[name] = "int4"
-                self.register_buffer(f"{name}_w", q4[0], persistent=False)
-                self.register_buffer(f"{name}_s", q4[1], persistent=False)
+                self._keep(f"{name}_w", q4[0])
+                self._keep(f"{name}_s", q4[1])
             return
         if q8 is None:
             self.kinds[name] = "float"
-            self.register_buffer(f"{name}_w", lin.w if hasattr(lin, "parts") else lin.weight, persistent=False)
+            self._keep(f"{name}_w", lin.w if hasattr(lin, "parts") else lin.weight)
             return
         kernel = lin.plan[int8.bucket(m)] if lin.plan is not None else ("int8mm" if m <= lin.int8mm_max_m else "?")
         if kernel not in ("int8mm", "bf16"):
             raise ValueError(f"{name}: the graph step runs int8mm or a bf16 copy, the plan says {kernel!r} at M = {m}")
         self.kinds[name] = kernel
         if kernel == "bf16":
-            self.register_buffer(f"{name}_w", lin.w_bf16, persistent=False)
+            self._keep(f"{name}_w", lin.w_bf16)
         else:
-            self.register_buffer(f"{name}_w", q8[0], persistent=False)
+            self._keep(f"{name}_w", q8[0])
             scale_bf16 = lin.scale_bf16 if hasattr(lin, "parts") else lin._scale_act
-            self.register_buffer(f"{name}_s", scale_bf16, persistent=False)
+            self._keep(f"{name}_s", scale_bf16)
 
     def _lin(self, name: str, x: torch.Tensor, cast: bool) -> torch.Tensor:
         # x: [M, K] fp32 -> [M, N]: bf16 from a kernel (cast=False), else x's dtype (as ``compute.kernels.linear``)
-        kind, w, b = self.kinds[name], getattr(self, f"{name}_w"), getattr(self, f"{name}_b")
+        kind, w, b = self.kinds[name], self._t(f"{name}_w"), self._t(f"{name}_b")
         if kind == "float":
             return F.linear(x, w, b)  # as ``compute.kernels.linear.matmul`` for a float weight
         if kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), w, int4.GROUP,
-                                                           getattr(self, f"{name}_s"))  # fmt: skip
+                                                           self._t(f"{name}_s"))  # fmt: skip
         elif kind == "int8mm":
-            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w, getattr(self, f"{name}_s"))
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w, self._t(f"{name}_s"))
         else:  # bf16 copy
             y = F.linear(x.to(torch.bfloat16), w)
         if cast and y.dtype != x.dtype:
@@ -139,11 +155,11 @@ class GraphStep(nn.Module):
         # -> logits [B, V] fp32, this step's K/V [NL, 2, B, KVH*Dh] (``write`` stores them)
         b, n = ctx_slots.shape
         kvs = kv.view(self.nl, 2, -1, self.kvh * self.dh)  # [NL, 2, NB*BS, KVH*Dh]
-        if self.emb_s is None:
-            x = F.embedding(ids, self.emb_w)
+        if self._t("emb_s") is None:
+            x = F.embedding(ids, self._t("emb_w"))
         else:
-            x = self.emb_w[ids].to(torch.float32) * self.emb_s[ids, None]  # [B, D] fp32
-        cos, sin = rope_cos_sin(self.inv_freq, positions, torch.float32)  # [B, 1, Dh]
+            x = self._t("emb_w")[ids].to(torch.float32) * self._t("emb_s")[ids, None]  # [B, D] fp32
+        cos, sin = rope_cos_sin(self._t("inv_freq"), positions, torch.float32)  # [B, 1, Dh]
         g = self.h // self.kvh
         off = torch.arange(n, device=ids.device)[None, :] >= ctx_lens[:, None]  # [B, L]: past the context
         bias = torch.zeros(b, n, device=ids.device).masked_fill(off, float("-inf"))
@@ -152,12 +168,12 @@ class GraphStep(nn.Module):
         new = torch.arange(n, device=ids.device)[None, :] == positions[:, None]  # [B, L]: this step's key
         fresh = []
         for i in range(self.nl):
-            y, kv_i = self._attention(i, self._norm(x, getattr(self, f"n{i}_in")), cos, sin, kvs[i], new, flat,
+            y, kv_i = self._attention(i, self._norm(x, self._t(f"n{i}_in")), cos, sin, kvs[i], new, flat,
                                       bias, b, n)  # fmt: skip
             x, fresh = x + y, fresh + [kv_i]
-            gu = self._lin(f"l{i}_gu", self._norm(x, getattr(self, f"n{i}_post")), cast=True)  # [B, 2F] fp32
+            gu = self._lin(f"l{i}_gu", self._norm(x, self._t(f"n{i}_post")), cast=True)  # [B, 2F] fp32
             x = x + self._lin(f"l{i}_down", F.silu(gu[:, : self.f]) * gu[:, self.f :], cast=False)
-        return self._lin("head", self._norm(x, self.n_final), cast=True).to(torch.float32), torch.stack(fresh)
+        return self._lin("head", self._norm(x, self._t("n_final")), cast=True).to(torch.float32), torch.stack(fresh)
 
     def write(self, kv: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> None:
         """Store a step's K/V (``forward``'s second output, ``[NL, 2, B, KVH*Dh]``) at ``slots: [B]`` of every layer:
