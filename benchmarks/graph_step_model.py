@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compute.kernels import int4, int8
+from compute.kernels.nocopy import w8a16
 from compute.modeling.model import Transformer, apply_rope, rope_cos_sin
 
 BUCKET_MULTIPLE = 64  # context keys per call are padded to a multiple of this (one graph per bucket)
@@ -103,11 +104,15 @@ class GraphStep(nn.Module):
             self._keep(f"{name}_w", lin.w if hasattr(lin, "parts") else lin.weight)
             return
         kernel = lin.plan[int8.bucket(m)] if lin.plan is not None else ("int8mm" if m <= lin.int8mm_max_m else "?")
-        if kernel not in ("int8mm", "bf16"):
-            raise ValueError(f"{name}: the graph step runs int8mm or a bf16 copy, the plan says {kernel!r} at M = {m}")
+        if kernel not in ("int8mm", "bf16", "w8a16"):
+            raise ValueError(f"{name}: the graph step runs int8mm, w8a16 or a bf16 copy, the plan says {kernel!r} "
+                             f"at M = {m}")  # fmt: skip
         self.kinds[name] = kernel
         if kernel == "bf16":
             self._keep(f"{name}_w", lin.w_bf16)
+        elif kernel == "w8a16":
+            self._keep(f"{name}_w", q8[0])
+            self._keep(f"{name}_s", q8[1])  # fp32 [N]
         else:
             self._keep(f"{name}_w", q8[0])
             scale_bf16 = lin.scale_bf16 if hasattr(lin, "parts") else lin._scale_act
@@ -123,6 +128,8 @@ class GraphStep(nn.Module):
                                                            self._t(f"{name}_s"))  # fmt: skip
         elif kind == "int8mm":
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w, self._t(f"{name}_s"))
+        elif kind == "w8a16":  # fp32 out (``compute.kernels.nocopy``)
+            y = w8a16(x, w, self._t(f"{name}_s"))
         else:  # bf16 copy
             y = F.linear(x.to(torch.bfloat16), w)
         if cast and y.dtype != x.dtype:
