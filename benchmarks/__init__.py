@@ -12,6 +12,7 @@ Layout: one module per thing measured, each a `pdserve bench NAME` command with
     first_start.py   pdserve bench first-start  launch -> answer with empty HOME and caches vs a warm start
     swap.py          pdserve bench swap      many models on one pool: cold-model first token, from zero
     weight_copies.py  pdserve bench weight-copies  int8-weight matmuls without a bf16 copy vs with one, per shape
+    graph_step.py    python -m benchmarks.graph_step  the decode step compiled whole (torch.compile, AOTInductor) vs eager
   and what they share:
     service.py       `pdserve up` in a process of its own, observed from outside (used by burst.py, swap.py)
     observe.py       its timeline: a /load sampler thread and the /load readers (used by burst.py, swap.py)
@@ -20,6 +21,7 @@ Layout: one module per thing measured, each a `pdserve bench NAME` command with
     mixed_workload.py  chat streams + long prompts through a gateway (used by pd.py)
     loadgen.py       client-side requests and closed loops (used by gateway.py, burst.py, swap.py)
     common.py        the real model in a store, host accounting (CPU flags, load average)
+    graph_step_model.py  the decode step as one pure-tensor function (used by graph_step.py)
 
 Benchmarks may import any library package (paramstore, compute, gateway, autoscaler); no library
 package imports them (tests/test_layering.py checks; the CLI names them by string in its BENCHES
