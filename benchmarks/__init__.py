@@ -21,7 +21,6 @@ Layout: one module per thing measured, each a `pdserve bench NAME` command with
     mixed_workload.py  chat streams + long prompts through a gateway (used by pd.py)
     loadgen.py       client-side requests and closed loops (used by gateway.py, burst.py, swap.py)
     common.py        the real model in a store, host accounting (CPU flags, load average)
-    graph_step_model.py  the decode step as one pure-tensor function (used by graph_step.py)
 
 Benchmarks may import any library package (paramstore, compute, gateway, autoscaler); no library
 package imports them (tests/test_layering.py checks; the CLI names them by string in its BENCHES

@@ -7,7 +7,7 @@ For each (model, streams, variant), two fresh processes (``--child``), each boun
 
 1. **cold**: an empty ``TORCHINDUCTOR_CACHE_DIR``; the model loads from the store (``benchmarks.engine.Ours``), a
    prompt per stream is prefilled eagerly into a KV cache and copied to a second one; ``GraphStep``
-   (``benchmarks/graph_step_model.py``) is compiled (the first call, timed: the cold compile) or, for ``aoti``,
+   (``compute/modeling/graph_step.py``) is compiled (the first call, timed: the cold compile) or, for ``aoti``,
    exported, compiled and packaged (timed) then loaded (timed);
 2. the check: ``CHECK_STEPS`` greedy decode steps, the engine's eager forward on one cache and the compiled step on
    the other: tokens equal per stream, the largest logit difference while they agree; the uncompiled
@@ -145,7 +145,7 @@ def _child(args) -> dict:
 
     torch.set_num_threads(args.threads)
     from benchmarks.engine import Ours
-    from benchmarks.graph_step_model import GraphStep, bucket_len, decode, graph_args, step_inputs
+    from compute.modeling.graph_step import GraphStep, bucket_len, decode, graph_args, step_inputs
     from compute.modeling.batch import ForwardBatch
     from compute.modeling.kv_cache import KVCache
     from paramstore import ParamStore

@@ -13,6 +13,7 @@ from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
 from compute.engine.sampling import History, Sampler, TokenLogprobs, token_logprobs
 from compute.engine.scheduler import ScheduledBatch
+from compute.engine.step_graphs import StepGraphs
 from compute.engine.sequence import Sequence
 
 
@@ -26,10 +27,15 @@ class ModelRunner:
     def __init__(self, model: Transformer, cache: KVCache, sampler: Sampler | None = None) -> None:
         self.model, self.cache = model, cache
         self.sampler = sampler or Sampler()
+        self.graphs: StepGraphs | None = None  # compiled decode steps (``[node] step = "graph"``), else eager
 
-    def run(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> StepResult:
-        """Compute every scheduled chunk and sample where a chunk reached the end of its sequence."""
-        scored = [_scores_prompt(seqs[s.seq_id], s.start_pos) for s in batch.seqs]
+    def forward(self, batch: ScheduledBatch, scored: list[bool]):
+        """Logits of ``batch``: a pure-decode batch through a compiled step graph where one covers it, else eager."""
+        if self.graphs is not None and not any(scored) and all(len(s.token_ids) == 1 for s in batch.seqs):
+            logits = self.graphs.decode([s.token_ids[0] for s in batch.seqs], [s.start_pos for s in batch.seqs],
+                                        [s.block_table for s in batch.seqs], self.cache)  # fmt: skip
+            if logits is not None:
+                return logits
         fb = ForwardBatch.build(
             [s.token_ids for s in batch.seqs],
             [s.start_pos for s in batch.seqs],
@@ -37,7 +43,12 @@ class ModelRunner:
             self.cache.block_size,
             all_logits=scored,
         ).to(self.cache.device)
-        logits = self.model(fb, self.cache)  # [rows, V]: the last token of each, every token of a scored chunk
+        return self.model(fb, self.cache)  # [rows, V]: the last token of each, every token of a scored chunk
+
+    def run(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> StepResult:
+        """Compute every scheduled chunk and sample where a chunk reached the end of its sequence."""
+        scored = [_scores_prompt(seqs[s.seq_id], s.start_pos) for s in batch.seqs]
+        logits = self.forward(batch, scored)
         last, start = [], 0  # each chunk's last logits row
         prompts: dict[int, list] = {}
         for s, full in zip(batch.seqs, scored):

@@ -48,6 +48,9 @@ class NodeConfig:
     # int8 size; batched steps run w8a16/int8mm instead), else the copies that save the most time per byte (compute/kernels/budget.py)
     measure_share: float = 0.25  # a kernel measurement after ready (no plan in the store or the machine's cache)
     # takes at most this share of the time while the engine has work (all of it while idle); niced either way
+    step: str = "eager"  # decode steps: eager | graph (pure-decode batches through the step compiled ahead of time per
+    # range of batch sizes, taken after ready from this machine, the store, or built once per machine class and
+    # published: compute/engine/step_graphs.py; CPU, kernels measured or fixed)
     import_nice: int = 0  # heavy imports in a thread niced by this much (pool refill); serving threads are not
 
     def __post_init__(self) -> None:
@@ -76,6 +79,11 @@ class NodeConfig:
         if not (self.weight_copies_gb == -1 or self.weight_copies_gb >= 0):
             raise ValueError(f"invalid weight_copies_gb {self.weight_copies_gb!r}: -1 (no limit: the bf16 copies the "
                              "measured plan picks), 0 (none: weights stay int8) or a budget in GiB > 0")
+        if self.step not in ("eager", "graph"):
+            raise ValueError(f"invalid step {self.step!r}: eager or graph")
+        if self.step == "graph" and (self.device != "cpu" or self.kernels == "invariant"):
+            raise ValueError("step = graph runs on device cpu with kernels measured or fixed (a compiled step sums in "
+                             "another order than the batch-invariant kernels): set step = eager")
         if not 0 < self.measure_share <= 1:
             raise ValueError("measure_share must be in (0, 1]")
         if not 0 <= self.import_nice <= 19:

@@ -28,6 +28,8 @@ import torch
 
 from compute.modeling.config import ModelConfig
 from compute.engine.engine import Engine, StepOutput
+from compute.engine.step_graphs import GraphBuilder, StepGraphs
+from compute.modeling.graph_step import GraphStep
 from compute.modeling.kv_cache import KVCache, kv_dtype
 from compute.modeling.loader import (
     DEFAULT_KERNEL_CACHE,
@@ -61,6 +63,7 @@ class Held:
         self.injector: WeightInjector | None = None
         self.svc: NodeService | None = None
         self.meter: CapacityMeter | None = None
+        self.graphs: GraphBuilder | None = None  # [node] step = graph: takes the compiled decode steps after ready
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # the load thread's publish vs cancel
@@ -118,9 +121,15 @@ class Held:
             self.weights_bytes = tensor_bytes(inj.model)
             worker = self.svc.worker
 
+            if cfg.step == "graph":
+                self.graphs = start_graphs(cfg, self.name, inj, worker, store)
+
             def swapped() -> None:  # on the engine thread, between two steps
                 self.weights_bytes = tensor_bytes(inj.model)
                 worker.engine.clear_prefix_cache()  # cached KV was computed by the old kernels: other numbers
+                if self.graphs is not None:  # built for the old kernels: taken again for the new ones
+                    worker.engine.runner.graphs.clear()
+                    self.graphs.again()
 
             inj.attach(post=lambda fn: worker.post(lambda engine: fn()), served=lambda: worker.steps > 0,
                        busy=lambda: worker.engine is not None and worker.engine.has_unfinished(),
@@ -162,6 +171,7 @@ class Held:
             progress=self.progress.as_dict(), error=self.error, ready_s=self.ready_s,
             transient_bytes=self.transient_bytes if self.state == "loading" else 0, prefetch=self.prefetch,
             kernels=self.injector.kernel_state() if self.injector is not None else None,
+            graphs=self.graphs.state(svc.worker.engine.runner.graphs) if self.graphs is not None and svc else None,
             capacity=meter.report() if meter is not None else CapacityMeter(cfg.tpot_target_s, 1).report(),
             **msgspec.structs.asdict(engine),
         )  # fmt: skip
@@ -211,6 +221,9 @@ def free(h: Held, wait_load_s: float = 30.0) -> None:
         h._thread.join(wait_load_s)
     with h._lock:
         svc, h.svc, h.meter, inj, h.injector = h.svc, None, None, h.injector, None
+        graphs, h.graphs = h.graphs, None
+    if graphs is not None:
+        graphs.stop()
         h.weights_bytes = h.kv_bytes = 0
     if svc is not None:
         _close(svc)
@@ -219,6 +232,31 @@ def free(h: Held, wait_load_s: float = 30.0) -> None:
     del svc, inj
     gc.collect()
     trim()
+
+
+def start_graphs(cfg: NodeConfig, name: str, inj: WeightInjector, worker: EngineWorker, store) -> GraphBuilder:
+    """The compiled decode steps of a ready model (``compute/engine/step_graphs.py``): taken off the request path,
+    installed on the engine thread only while the model still runs the kernels they were built for."""
+    runner = worker.engine.runner
+    runner.graphs = StepGraphs()
+
+    def install(g) -> None:  # on the engine thread, between two steps
+        if worker.engine is None or runner.graphs is None:
+            return
+        if GraphStep(runner.model, g.lo).kinds != g.step.kinds:  # a plan swap came first: take them again
+            builder.again()
+            return
+        runner.graphs.install(g)
+
+    def plan_final(timeout: float) -> bool:
+        pl = inj.planner
+        return pl is None or pl.wait(timeout)
+
+    builder = GraphBuilder(inj.model, runner.cache, cfg.max_num_seqs, store=store,
+                           cache_dir=os.path.dirname(kernel_cache(cfg)), model_key=inj.weights,
+                           plan_final=plan_final, install=lambda g: worker.post(lambda engine: install(g)),
+                           name=name)  # fmt: skip
+    return builder.start()
 
 
 def _close(svc: NodeService) -> None:

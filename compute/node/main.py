@@ -62,6 +62,9 @@ def add_arguments(p) -> None:
                    help="bf16 copies of int8 weights the kernel plan may keep per model, GiB: -1 no limit (default: "
                         "the fastest plan, ~3x the int8 size), 0 none (weights stay int8), else the copies that save "
                         "the most time per byte")  # fmt: skip
+    p.add_argument("--step", choices=("eager", "graph"),
+                   help="decode steps: eager (default) or graph (the step compiled ahead of time per range of batch "
+                        "sizes, from this machine, the store, or built once per machine class after ready)")
     p.add_argument("--measure-share", type=float,
                    help="a kernel measurement after ready takes at most this share of the time while serving (0.25)")
     p.add_argument("--advertise-url", help="the URL callers reach this node by, the only one it proves "
@@ -100,7 +103,8 @@ def node_config(args):
              "cache_dir": args.cache_dir, "cache_gb": args.cache_gb, "threads": args.threads,
              "memory_gb": args.memory_gb, "tpot_target_s": args.tpot_target_s,
              "import_nice": args.import_nice, "kernels": args.kernels, "device": args.device,
-             "measure_share": args.measure_share, "weight_copies_gb": args.weight_copies_gb, "advertise_url": args.advertise_url}  # fmt: skip
+             "measure_share": args.measure_share, "weight_copies_gb": args.weight_copies_gb, "step": args.step,
+             "advertise_url": args.advertise_url}  # fmt: skip
     token = env_secret("PDSERVE_INTERNAL_TOKEN", args.token_file)  # --token-file, else $PDSERVE_INTERNAL_TOKEN[_FILE]
     env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None, "internal_token": token or None,
            "advertise_url": os.environ.get("PDSERVE_ADVERTISE_URL") or None}

@@ -212,6 +212,7 @@ class ModelLoad(EngineLoad, kw_only=True):
     transient_bytes: int = 0
     prefetch: int = 0
     kernels: dict[str, str] | None = None  # mode, source, measure (compute/modeling/loader.py kernel_state)
+    graphs: dict | None = None  # [node] step = graph: installed batch ranges, where each package came from, steps run
     capacity: dict[str, Any] = {}
 
 

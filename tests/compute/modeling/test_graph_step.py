@@ -1,4 +1,4 @@
-"""GraphStep (benchmarks/graph_step_model.py): the decode step as one pure-tensor function computes the engine's
+"""GraphStep (compute/modeling/graph_step.py): the decode step as one pure-tensor function computes the engine's
 numbers, bit for bit, on tiny int8 and int4 models, and writes the cache as the engine does."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.graph_step_model import GraphStep, bucket_len, decode, step_inputs
+from compute.modeling.graph_step import GraphStep, bucket_len, decode, step_inputs
 from compute.modeling.batch import ForwardBatch
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer

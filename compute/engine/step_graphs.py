@@ -1,0 +1,296 @@
+"""The decode step compiled ahead of time, per range of batch sizes: which graphs, where they come from, the swap.
+
+Lifecycle of one model's graphs on one node (``[node] step = "graph"``; issue 28):
+ 1. the node serves eagerly from ready: nothing is compiled on the request path;
+ 2. a ``GraphBuilder`` thread waits for the model's final kernel plan (a measurement in progress ends first), then,
+    for every range of batch sizes over which each linear runs the same kernel (``ranges``), takes the graph's
+    package: this machine's file (``<cache_dir>/graphs/<id>.pt2``), else the store's (``store.graphs``), else it
+    builds one (``torch.export`` + AOTInductor, without the weights: ~1-2 min for SmolLM2 on 2 cores) and
+    publishes it, so that no other node of this machine class compiles;
+ 3. a package is loaded (dlopen: no compile) with the model's own tensors bound as its constants (no copy) and
+    posted to the engine thread, which installs it only if the model still runs the kernels it was built for;
+ 4. ``StepGraphs.decode`` runs a pure-decode batch whose size an installed graph covers; prefill, mixed batches,
+    prompt logprobs and uncovered sizes stay eager. A kernel-plan swap drops every graph and the builder re-runs.
+
+A package's id: sha256 of the machine key, the graph's spec (kernel per linear, every bound tensor's name, shape
+and dtype, dims, batch range, KV dtype; not the weights' values: models of one architecture share packages) and
+the source of ``compute/modeling/graph_step.py``: 16 hex digits. The graph only reads the KV cache;
+``GraphStep.write`` stores the step's K/V after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from compute.kernels import int8
+from compute.modeling.graph_step import GraphStep, step_inputs
+from compute.modeling.kv_cache import KVCache
+from compute.modeling.model import Transformer
+
+log = logging.getLogger("pdserve.node")
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "modeling", "graph_step.py")
+
+
+@dataclass(slots=True)
+class Graph:
+    """One installed graph: batch sizes ``lo..hi``, keys up to ``max_keys``; ``fn`` the loaded package."""
+
+    lo: int
+    hi: int
+    max_keys: int
+    step: GraphStep
+    fn: Callable
+    gid: str
+
+
+def ranges(model: Transformer, max_streams: int) -> list[tuple[int, int]]:
+    """Batch sizes 1..max_streams cut where a linear's kernel changes; size 1 alone (``torch.export`` takes a
+    dynamic size of 1 as a constant)."""
+    out: list[tuple[int, int]] = []
+    last = None
+    for m in range(1, max_streams + 1):
+        kinds = GraphStep(model, m).kinds
+        if m == 2 or kinds != last:
+            out.append((m, m))
+        else:
+            out[-1] = (out[-1][0], m)
+        last = kinds
+    return out
+
+
+def spec(model: Transformer, lo: int, hi: int, cache: KVCache) -> dict:
+    """What a package depends on besides the machine and the model's weights (``graph_id``)."""
+    c, step = model.config, GraphStep(model, lo)
+    tensors = {k: [list(t.shape), str(t.dtype)] for k, t in step.named_buffers()}
+    return {"batch": [lo, hi], "kinds": step.kinds, "tensors": tensors, "alias": step.alias,
+            "kv_dtype": str(cache.dtype),
+            "block_size": cache.block_size, "max_keys": max_keys(model, cache),
+            "dims": [c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size,
+                     c.vocab_size]}  # fmt: skip
+
+
+def max_keys(model: Transformer, cache: KVCache) -> int:
+    bs = cache.block_size
+    return -(-model.config.max_position_embeddings // bs) * bs
+
+
+def graph_id(machine_key: str, model_key: str, sp: dict) -> str:
+    with open(SOURCE, "rb") as f:
+        code = hashlib.sha256(f.read()).hexdigest()
+    raw = json.dumps({"machine": machine_key, "model": model_key, "spec": sp, "code": code}, sort_keys=True)
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def export_package(step: GraphStep, lo: int, hi: int, cache: KVCache, keys: int, path: str) -> str:
+    """Trace ``step`` for batches lo..hi, any number of keys (a multiple of the block size, 2..keys) and any cache
+    size, and compile it with AOTInductor into ``path`` without its weights (bound at load)."""
+    from torch.export import Dim
+
+    bs = cache.block_size
+    b = lo if lo == hi else max(lo, 2)
+    n = max(2 * bs, 32) if keys >= max(2 * bs, 32) else keys
+    blocks = cache.num_blocks
+    tables = [[(j * (n // bs) + i) % blocks for i in range(n // bs)] for j in range(b)]
+    ids, pos, _, ctx_slots, ctx_lens = step_inputs([1] * b, [n - 1] * b, tables, bs, n)
+    B = None if lo == hi else Dim("B", min=lo, max=hi)
+    L = Dim("L", min=2, max=keys)
+    NB = Dim("NB", min=2, max=2**31 - 1)
+    dyn = ({0: B} if B else None, {0: B} if B else None, {0: B, 1: L} if B else {1: L}, {0: B} if B else None,
+           {2: NB})  # fmt: skip
+    with torch.no_grad():
+        ep = torch.export.export(step, (ids, pos, ctx_slots, ctx_lens, cache.kv), dynamic_shapes=dyn, strict=False)
+        return torch._inductor.aoti_compile_and_package(
+            ep, package_path=path, inductor_configs={"aot_inductor.package_constants_in_so": False})
+
+
+def load_package(path: str, step: GraphStep) -> Callable:
+    """The package at ``path`` as a callable over ``step``'s tensors (bound by reference: no copy)."""
+    fn = torch._inductor.aoti_load_package(path)
+    consts = dict(step.named_buffers())
+    want = set(fn.get_constant_fqns())
+    if want - set(consts):
+        raise ValueError(f"step graph package wants tensors this model does not have: {sorted(want - set(consts))[:3]}")
+    fn.load_constants({k: consts[k] for k in want}, check_full_update=True, user_managed=True)
+    return fn
+
+
+class StepGraphs:
+    """The graphs installed on one engine (its thread only): ``decode`` a batch through one, else None."""
+
+    def __init__(self) -> None:
+        self.graphs: list[Graph] = []
+        self.steps = 0  # decode steps run through a graph
+
+    def install(self, g: Graph) -> None:
+        self.graphs = [x for x in self.graphs if x.hi < g.lo or x.lo > g.hi] + [g]
+
+    def clear(self) -> int:
+        n, self.graphs = len(self.graphs), []
+        return n
+
+    def covers(self, b: int) -> Graph | None:
+        return next((g for g in self.graphs if g.lo <= b <= g.hi), None)
+
+    def decode(self, tokens: list[int], positions: list[int], tables: list[list[int]],
+               cache: KVCache) -> torch.Tensor | None:  # fmt: skip
+        """One decode token per sequence -> logits [B, V] fp32 and the cache written; None: no graph covers it."""
+        g = self.covers(len(tokens))
+        bs = cache.block_size
+        n = -(-(max(positions) + 1) // bs) * bs
+        if g is None or n > g.max_keys or n < 2:
+            return None
+        ids, pos, slots, ctx_slots, ctx_lens = step_inputs(tokens, positions, tables, bs, n)
+        logits, fresh = g.fn(ids, pos, ctx_slots, ctx_lens, cache.kv)
+        g.step.write(cache.kv, slots, fresh)
+        self.steps += 1
+        return logits
+
+
+class GraphBuilder:
+    """Takes (loads, fetches or builds) a model's graphs off the request path and hands them to ``install``."""
+
+    def __init__(self, model: Transformer, cache: KVCache, max_streams: int, *, store=None, cache_dir: str | None,
+                 model_key: str, plan_final: Callable[[float], bool], install: Callable[[Graph], None],
+                 name: str = "") -> None:  # fmt: skip
+        """``plan_final(timeout)``: True once the model's kernel plan will not change (a measurement ended);
+        ``install(graph)``: hands a graph to the engine thread (which re-checks its spec)."""
+        self.model, self.cache, self.max_streams, self.store = model, cache, max_streams, store
+        self.dir = os.path.join(cache_dir, "graphs") if cache_dir else None
+        self.model_key, self.plan_final, self.install, self.name = model_key, plan_final, install, name
+        self.sources: dict[str, str] = {}  # graph id -> local | store | built (the load log, for /load and tests)
+        self._stop, self._again = threading.Event(), threading.Event()
+        self._idle = False  # every graph of the current kernels taken (or given up)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> GraphBuilder:
+        self._again.set()
+        self._thread = threading.Thread(target=self._run, name=f"graphs-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def state(self, graphs: StepGraphs | None) -> dict:
+        """For /load: the installed batch ranges, where each package came from (local | store | built), steps run."""
+        installed = list(graphs.graphs) if graphs is not None else []
+        return {"installed": [[g.lo, g.hi] for g in sorted(installed, key=lambda g: g.lo)],
+                "sources": dict(self.sources), "steps": graphs.steps if graphs is not None else 0,
+                "idle": self._idle and (self._stop.is_set() or not self._again.is_set())}  # fmt: skip
+
+    def again(self) -> None:
+        """The kernels changed (a plan swap): take the graphs again."""
+        self._again.set()
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        self._stop.set()
+        self._again.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """True once every graph of the current kernels has been taken (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._again.is_set() and self._idle:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._again.wait()
+            if self._stop.is_set():
+                return
+            self._idle = False
+            self._again.clear()
+            while not self.plan_final(0.5):
+                if self._stop.is_set():
+                    return
+            try:
+                self._take_all()
+            except Exception as e:  # noqa: BLE001 - the node serves eagerly; one log line
+                log.error("step graphs of %s not taken: %s: %s (serving eagerly)", self.name, type(e).__name__, e)
+            self._idle = True
+
+    def _take_all(self) -> None:
+        mk = int8.machine_key(torch.get_num_threads())
+        for lo, hi in ranges(self.model, self.max_streams):
+            if self._stop.is_set() or self._again.is_set():
+                return
+            sp = spec(self.model, lo, hi, self.cache)
+            gid = graph_id(mk, self.model_key, sp)
+            step = GraphStep(self.model, lo)
+            t0 = time.perf_counter()
+            path, source = self._package(gid, step, lo, hi, sp, mk)
+            fn = load_package(path, step)
+            self.sources[gid] = source
+            log.info("step graph %s (%s, batch %d-%d) %s, loaded in %.2f s", gid, self.name, lo, hi,
+                     {"local": "from this machine", "store": "from the store", "built": "built"}[source],
+                     time.perf_counter() - t0)  # fmt: skip
+            self.install(Graph(lo, hi, sp["max_keys"], step, fn, gid))
+
+    def _package(self, gid: str, step: GraphStep, lo: int, hi: int, sp: dict, mk: str) -> tuple[str, str]:
+        """(path of the package's file, where it came from)."""
+        local = os.path.join(self.dir, f"{gid}.pt2") if self.dir else None
+        if local and os.path.exists(local):
+            return local, "local"
+        tmpdir = self.dir or tempfile.gettempdir()
+        os.makedirs(tmpdir, exist_ok=True)
+        got = self._from_store(gid)
+        if got is not None:
+            return self._save(got, local, gid), "store"
+        t0 = time.perf_counter()
+        log.info("step graph %s (%s, batch %d-%d): none in the store for this machine class, building it",
+                 gid, self.name, lo, hi)  # fmt: skip
+        fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=tmpdir)
+        os.close(fd)
+        try:
+            export_package(step, lo, hi, self.cache, sp["max_keys"], tmp)
+            with open(tmp, "rb") as f:
+                data = f.read()
+        finally:
+            os.unlink(tmp)
+        log.info("step graph %s built in %.1f s (%.1f MiB)", gid, time.perf_counter() - t0, len(data) / 2**20)
+        self._publish(gid, {"machine_key": mk, "model": self.model_key, "spec": sp}, data)
+        return self._save(data, local, gid), "built"
+
+    def _save(self, data: bytes, local: str | None, gid: str) -> str:
+        path = local or os.path.join(tempfile.gettempdir(), f"pdserve-graph-{os.getpid()}-{gid}.pt2")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)  # never a half-written package under its name
+        return path
+
+    def _from_store(self, gid: str) -> bytes | None:
+        if self.store is None or not hasattr(self.store, "graphs"):
+            return None
+        from paramstore.errors import NotFound, StoreError
+
+        try:
+            return self.store.graphs.get(gid)[1]
+        except NotFound:
+            return None
+        except (StoreError, OSError) as e:  # corrupt, unsigned, tampered, unreachable: never loaded
+            log.warning("step graph %s in the store ignored: %s", gid, e)
+            return None
+
+    def _publish(self, gid: str, meta: dict, data: bytes) -> None:
+        if self.store is None or not hasattr(self.store, "graphs"):
+            return
+        from paramstore.errors import StoreError
+
+        try:
+            self.store.graphs.publish(gid, meta, data)
+            log.info("step graph %s published to the store", gid)
+        except (StoreError, OSError) as e:
+            log.warning("step graph %s not published to the store: %s", gid, e)

@@ -1,0 +1,121 @@
+"""The decode step compiled ahead of time (compute/engine/step_graphs.py) on a tiny int8 model: packages built with
+AOTInductor for each range of batch sizes, loaded with the model's own tensors, run by the engine for pure-decode
+batches (prefill stays eager) with the eager step's numbers within rounding; a second builder on the same machine
+cache loads them and builds nothing."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from compute.engine.engine import Engine
+from compute.engine.sampling import SamplingParams
+from compute.engine.step_graphs import GraphBuilder, StepGraphs, ranges
+from compute.modeling.batch import ForwardBatch
+from tests.compute.modeling.test_graph_step import _int8_tiny
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+BS, STREAMS = 16, 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _int8_tiny()
+
+
+@pytest.fixture(scope="module")
+def machine(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("machine-cache"))
+
+
+def _engine(model, graphs: StepGraphs | None = None) -> Engine:
+    e = Engine.for_model(model, num_blocks=96, block_size=BS, max_num_seqs=STREAMS, max_num_batched_tokens=64)
+    e.runner.graphs = graphs
+    return e
+
+
+def _take(model, engine: Engine, cache_dir: str) -> tuple[StepGraphs, GraphBuilder]:
+    graphs = StepGraphs()
+    b = GraphBuilder(model, engine.runner.cache, STREAMS, cache_dir=cache_dir, model_key="int8",
+                     plan_final=lambda t: True, install=graphs.install, name="tiny").start()  # fmt: skip
+    try:
+        assert b.wait_idle(400), "graphs not taken in 400 s"
+    finally:
+        assert b.stop()
+    return graphs, b
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(3)
+    return [rng.choices(range(3, 250), k=rng.randrange(3, 40)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def built(model, machine):
+    engine = _engine(model)
+    graphs, b = _take(model, engine, machine)
+    engine.runner.graphs = graphs
+    return engine, graphs, b
+
+
+def test_one_graph_per_range_of_equal_kernels_built_once(model, built, machine):
+    engine, graphs, b = built
+    assert ranges(model, STREAMS) == [(1, 1), (2, STREAMS)]  # size 1 alone (export takes it as a constant)
+    assert [(g.lo, g.hi) for g in sorted(graphs.graphs, key=lambda g: g.lo)] == [(1, 1), (2, STREAMS)]
+    assert sorted(b.sources.values()) == ["built", "built"]
+    assert sorted(os.listdir(os.path.join(machine, "graphs"))) == sorted(f"{g}.pt2" for g in b.sources)
+    assert b.state(graphs)["installed"] == [[1, 1], [2, STREAMS]] and b.state(graphs)["idle"]
+
+
+def test_a_second_builder_on_the_machine_cache_loads_and_builds_nothing(model, built, machine):
+    engine = _engine(model)
+    graphs, b = _take(model, engine, machine)
+    assert set(b.sources.values()) == {"local"} and set(b.sources) == set(built[2].sources)
+    assert len(graphs.graphs) == 2
+
+
+def test_graph_decode_step_equals_eager_within_rounding(model, built):
+    """Teacher-forced: the same decode steps through the graph and eagerly, on two copies of one cache."""
+    engine, graphs, _ = built
+    ps = _prompts(3)
+    tables = [list(range(1 + 4 * j, 5 + 4 * j)) for j in range(3)]
+    caches = [engine.runner.cache, _engine(model).runner.cache]
+    with torch.inference_mode():
+        first = model(ForwardBatch.build(ps, [0] * 3, tables, BS), caches[1]).argmax(-1).tolist()
+        caches[0].kv.copy_(caches[1].kv)
+        tok, pos, agree, steps = first, [len(p) for p in ps], 0, 0
+        for n in (3, 1, 2, 3):  # batch sizes through both graphs
+            for _ in range(4):
+                g = graphs.decode(tok[:n], pos[:n], tables[:n], caches[0])
+                e = model(ForwardBatch.build([[t] for t in tok[:n]], pos[:n], tables[:n], BS), caches[1])
+                assert g is not None and g.shape == e.shape and g.dtype == torch.float32
+                assert (g - e).abs().max().item() < 0.05 * e.abs().max().item()  # rounding, not another function
+                assert (caches[0].kv[:, :, :13].float() - caches[1].kv[:, :, :13].float()).abs().max() < 0.1
+                agree, steps = agree + (g.argmax(-1) == e.argmax(-1)).sum().item(), steps + n
+                tok = e.argmax(-1).tolist() + tok[n:]
+                pos = [p + 1 for p in pos[:n]] + pos[n:]
+    assert agree >= 0.9 * steps, (agree, steps)
+
+
+def test_the_engine_runs_decodes_through_graphs_and_prefill_eagerly(model, built):
+    engine, graphs, _ = built
+    before = graphs.steps
+    ps = _prompts(6)  # 6 requests, 4 at a time: batches of 4, 3, 2 and 1 decode, prefills mixed in (eager)
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    out = engine.generate(ps, greedy)
+    ref = _engine(model).generate(ps, greedy)
+    assert graphs.steps - before >= 12 and all(len(o) == 12 for o in out)
+    gaps = []  # each token the engine chose, scored by the eager model over the whole text: a near-maximum
+    with torch.inference_mode():
+        for p, o in zip(ps, out):
+            cache = _engine(model).runner.cache
+            full = model(ForwardBatch.build([p + o[:-1]], [0], [list(range(1, 6))], BS, all_logits=[True]), cache)
+            rows = full[len(p) - 1 :]  # [12, V]: the logits each output token was chosen from
+            chosen = rows.gather(1, torch.tensor(o)[:, None])[:, 0]
+            gaps += ((rows.max(-1).values - chosen) / rows.abs().max(-1).values).tolist()
+    assert max(gaps) < 0.02, max(gaps)  # within rounding of the best: the same function, summed in another order
+    assert sum(a == b for a, b in zip(out, ref)) >= 3, (out, ref)  # most streams token for token
+
