@@ -5,6 +5,7 @@
     import SRC --name NAME [--dtype int8|int4|bf16|fp32] [--k 8 --m 3] [--shard-mb 128]
     ls | show REF | verify REF [--deep] | repair REF | rm REF | gc [--grace S] | warm REF | stats
     plans [show ID | rm ID]     kernel plans per machine class (nodes publish them; see plans.py)
+    graphs [show ID | rm ID]    compiled decode-step packages (nodes publish them; see graphs.py)
 
 Every listing takes --json. Exit 0 on success; on error one line on stderr and
 exit 2 (bad input, not found, integrity) or 1 (anything unexpected); never a
@@ -212,6 +213,36 @@ def cmd_plans(store, args) -> int:
     return 0
 
 
+def cmd_graphs(store, args) -> int:
+    if args.action == "ls":
+        if args.id:
+            return _fail("graphs ls takes no ID (graphs show ID: one step graph)")
+        rows = store.graphs.list()
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        elif not rows:
+            print("(no step graphs: a node publishes its compiled decode step after it builds one)")
+        else:
+            print(f"{'ID':16} {'REV':>3} {'SIZE':>10}  {'BY':20} META")
+            for r in rows:
+                if not r["valid"]:
+                    print(f"{r['id']:16} {'-':>3} {'-':>10}  INVALID: {r['error']}")
+                else:
+                    meta = json.dumps(r["meta"], sort_keys=True)
+                    meta = meta if len(meta) <= 60 else meta[:59] + "…"
+                    print(f"{r['id']:16} {r['revision']:>3} {_human(r['size']):>10}  {str(r['by'])[:20]:20} {meta}")
+        return 0
+    if not args.id:
+        return _fail(f"graphs {args.action} needs a step graph ID (paramstore graphs: the list)")
+    if args.action == "rm":
+        gid = store.graphs.delete(args.id)
+        print(json.dumps({"removed": gid}) if args.json else f"removed step graph {gid}")
+        return 0
+    body, _ = store.graphs.get(args.id)  # verified: show says so only for a package that would load
+    print(json.dumps(body, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paramstore", description="Admin CLI of the pdserve parameter store")
     add_store_arguments(p)
@@ -252,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("plans", cmd_plans, "kernel plans per machine class: list, show ID, rm ID")
     sp.add_argument("action", nargs="?", default="ls", choices=["ls", "show", "rm"])
     sp.add_argument("id", nargs="?", metavar="ID", help="a plan id (16 hex digits) or a full machine key")
+    sp = add("graphs", cmd_graphs, "compiled decode-step packages: list, show ID, rm ID")
+    sp.add_argument("action", nargs="?", default="ls", choices=["ls", "show", "rm"])
+    sp.add_argument("id", nargs="?", metavar="ID", help="a step graph id (16 hex digits)")
     return p
 
 

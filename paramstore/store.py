@@ -2,7 +2,8 @@
 
 Verbs: ``import_model``, ``models``, ``manifest``, ``reader``, ``verify``,
 ``repair``, ``remove``, ``gc``, ``warm``, ``stats``; kernel plans per machine class
-through ``store.plans`` (``plans``). See ``locations`` for the
+through ``store.plans`` (``plans``), compiled decode-step packages (AOTInductor) through
+``store.graphs`` (``graphs``; ``gc`` leaves both alone). See ``locations`` for the
 on-disk layout, ``writer`` for the import lifecycle, ``reader`` for reads.
 """
 
@@ -17,6 +18,7 @@ from . import writer as _writer
 from .catalog import Catalog
 from .config import StoreConfig, parse_ref
 from .errors import IntegrityError, InvalidRequest
+from .graphs import Graphs
 from .locations import Location, open_location
 from .manifest import Manifest
 from .plans import Plans
@@ -40,6 +42,7 @@ class ParamStore:
         self.pool = ThreadPoolExecutor(max(8, config.n), thread_name_prefix="paramstore")
         self.catalog = Catalog(self.locations, config.hmac_key, self.pool)
         self.plans = Plans(self.locations, config.hmac_key, self.pool)  # kernel plans per machine class
+        self.graphs = Graphs(self.locations, config.hmac_key, self.pool)  # compiled decode steps per class + model
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
