@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-served", action="store_true", help="skip the served path (pdserve up + openai client)")
     p.add_argument("--int4", action=argparse.BooleanOptionalAction, default=True,
                    help="the ours-int4 system: MODEL-int4, imported from the GGUF as int4 if absent")
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="the ours-*-graph systems: pure-decode steps through the step compiled ahead of time ([node] "
+                        "step = graph; built once per machine class, ~2 min a graph, then cached and in the store)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-step breakdown (1 and 32 streams)")
     p.add_argument("--omp", action="store_true", help="also time the 1- and 32-stream step under each OpenMP "
                    "setting (benchmarks/step_profile.py OMP_OPTIONS), each in a fresh process")
@@ -108,6 +111,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"importing {gguf.name} into the store as {args.model + '-int4'!r} (int4) ...", file=sys.stderr)
             store.import_model(str(gguf), args.model + "-int4", dtype="int4")
         systems["ours-int4"] = Ours(store, args.model + "-int4", "int8")
+    if args.graph:  # the decode step compiled ahead of time ([node] step = graph), beside each eager one
+        for name, ref in ((f"{ours}-graph", args.model), ("ours-int4-graph", args.model + "-int4")):
+            if want(name) and (name != "ours-int4-graph" or "ours-int4" in systems):
+                systems[name] = Ours(store, ref, "int8" if "int4" in name else args.weights, step="graph")
     for name, dtype in (("hf-bf16", torch.bfloat16), ("hf-fp32", torch.float32)):
         if want(name) and not (name == "hf-fp32" and args.no_fp32):
             systems[name] = HF(hf_config, tensors, dtype)
@@ -137,7 +144,7 @@ def _profile(args, cfg, systems: dict, chats: list[list[int]]) -> dict:
     """The per-step breakdown of our systems (1 and 32 streams), their weight memory, and the OpenMP options."""
     from benchmarks.step_profile import report
 
-    ours = {name: s.model for name, s in systems.items() if isinstance(s, Ours)}
+    ours = {name: s.model for name, s in systems.items() if isinstance(s, Ours) and s.graphs is None}  # eager steps
     return report(ours, chats, cfg.locations, args.model, steps=not args.no_breakdown, omp=args.omp)
 
 
@@ -188,18 +195,24 @@ def _finish(args, cfg, gguf, systems, samples, table, extra: dict) -> int:
 class Ours:
     batched = True
 
-    def __init__(self, store, ref: str, weights: str, kernels: str = "measured", weight_copies_gb: float = -1) -> None:
+    def __init__(self, store, ref: str, weights: str, kernels: str = "measured", weight_copies_gb: float = -1,
+                 step: str = "eager", max_streams: int = 32) -> None:  # fmt: skip
         from compute.modeling.loader import WeightInjector
 
         self.injector = WeightInjector(store, ref, weights=weights, kernels=kernels, measure="blocking",
                                        weight_copies_gb=weight_copies_gb).start()  # fmt: skip
         self.injector.wait()
         self.model, self.bundle = self.injector.model, self.injector.bundle
+        self.graphs, self.graph_sources = None, {}
+        if step == "graph":  # the compiled decode steps, as a node takes them (machine cache, store, else built)
+            self.graphs, self.graph_sources = _graphs(self, store, max_streams)
 
     def _engine(self, n_tokens: int, **kw):
         from compute.engine.engine import Engine
 
-        return Engine.for_model(self.model, num_blocks=-(-n_tokens // 16) + 64, **kw)
+        e = Engine.for_model(self.model, num_blocks=-(-n_tokens // 16) + 64, **kw)
+        e.runner.graphs = self.graphs
+        return e
 
     def _run(self, prompts, tokens: int, **kw) -> list[float]:
         """Step timestamps (one per step that produced tokens)."""
@@ -225,6 +238,25 @@ class Ours:
     def prefill_time(self, prompt) -> float:
         s = self._run([prompt], 1, max_num_batched_tokens=len(prompt))
         return s[1] - s[0]
+
+
+def _graphs(ours: Ours, store, max_streams: int) -> tuple:
+    """(StepGraphs, {graph id: local | store | built}) of ``ours``' model for 1..max_streams streams."""
+    from compute.engine.step_graphs import GraphBuilder, StepGraphs
+    from compute.kernels.int8 import DEFAULT_CACHE
+
+    graphs = StepGraphs()
+    b = GraphBuilder(ours.model, ours._engine(64).runner.cache, max_streams, store=store,
+                     cache_dir=os.path.dirname(DEFAULT_CACHE), model_key=ours.injector.weights,
+                     plan_final=lambda t: True, install=graphs.install, name="bench").start()  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        if not b.wait_idle(3600):
+            raise TimeoutError("step graphs not taken in an hour")
+    finally:
+        b.stop()
+    print(f"step graphs taken in {time.perf_counter() - t0:.1f} s: {b.sources}", file=sys.stderr, flush=True)
+    return graphs, dict(b.sources)
 
 
 # -- spawn -> ready ----------------------------------------------------------------------------

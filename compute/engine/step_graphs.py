@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compute.kernels import int8
+from compute.kernels import int4, int8
 from compute.modeling.graph_step import GraphStep, step_inputs
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
@@ -114,13 +114,18 @@ def export_package(step: GraphStep, lo: int, hi: int, cache: KVCache, keys: int,
 
 
 def load_package(path: str, step: GraphStep) -> Callable:
-    """The package at ``path`` as a callable over ``step``'s tensors (bound by reference: no copy)."""
+    """The package at ``path`` as a callable over ``step``'s tensors (bound by reference: no copy). Besides them it
+    wants one 0-d int64 constant per int4 linear, named ``constantN`` by the compiler: the kernel's group size
+    (``_weight_int4pack_mm_cpu_tensor`` takes it as a tensor); any other unknown constant refuses the package."""
     fn = torch._inductor.aoti_load_package(path)
     consts = dict(step.named_buffers())
-    want = set(fn.get_constant_fqns())
-    if want - set(consts):
-        raise ValueError(f"step graph package wants tensors this model does not have: {sorted(want - set(consts))[:3]}")
-    fn.load_constants({k: consts[k] for k in want}, check_full_update=True, user_managed=True)
+    unknown = sorted(set(fn.get_constant_fqns()) - set(consts))
+    int4s = sum(k == "int4" for k in step.kinds.values())
+    if unknown and (len(unknown) != int4s or not all(n.startswith("constant") for n in unknown)):
+        raise ValueError(f"step graph package wants tensors this model does not have: {unknown[:3]}")
+    group = torch.tensor(int4.GROUP, dtype=torch.int64)
+    fn.load_constants({**{k: consts[k] for k in fn.get_constant_fqns() if k in consts}, **dict.fromkeys(unknown, group)},
+                      check_full_update=True, user_managed=True)  # fmt: skip
     return fn
 
 
@@ -226,7 +231,11 @@ class GraphBuilder:
         for lo, hi in ranges(self.model, self.max_streams):
             if self._stop.is_set() or self._again.is_set():
                 return
-            sp = spec(self.model, lo, hi, self.cache)
+            try:
+                sp = spec(self.model, lo, hi, self.cache)
+            except ValueError as e:  # a kernel the graph does not run (e.g. dequant): this range stays eager
+                log.warning("no step graph for batch %d-%d of %s: %s", lo, hi, self.name, e)
+                continue
             gid = graph_id(mk, self.model_key, sp)
             step = GraphStep(self.model, lo)
             t0 = time.perf_counter()

@@ -104,9 +104,9 @@ class GraphStep(nn.Module):
             self._keep(f"{name}_w", lin.w if hasattr(lin, "parts") else lin.weight)
             return
         kernel = lin.plan[int8.bucket(m)] if lin.plan is not None else ("int8mm" if m <= lin.int8mm_max_m else "?")
-        if kernel not in ("int8mm", "bf16", "w8a16"):
-            raise ValueError(f"{name}: the graph step runs int8mm, w8a16 or a bf16 copy, the plan says {kernel!r} "
-                             f"at M = {m}")  # fmt: skip
+        if kernel not in ("int8mm", "bf16", "w8a16", "otf"):
+            raise ValueError(f"{name}: the graph step runs int8mm, w8a16, otf or a bf16 copy, the plan says "
+                             f"{kernel!r} at M = {m}")  # fmt: skip
         self.kinds[name] = kernel
         if kernel == "bf16":
             self._keep(f"{name}_w", lin.w_bf16)
@@ -123,13 +123,15 @@ class GraphStep(nn.Module):
         kind, w, b = self.kinds[name], self._t(f"{name}_w"), self._t(f"{name}_b")
         if kind == "float":
             return F.linear(x, w, b)  # as ``compute.kernels.linear.matmul`` for a float weight
-        if kind == "int4":
+        if kind == "int4":  # (compiled, the group size becomes a 0-d int64 constant of the package)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), w, int4.GROUP,
                                                            self._t(f"{name}_s"))  # fmt: skip
         elif kind == "int8mm":
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w, self._t(f"{name}_s"))
         elif kind == "w8a16":  # fp32 out (``compute.kernels.nocopy``)
             y = w8a16(x, w, self._t(f"{name}_s"))
+        elif kind == "otf":  # the int8 weight as bf16 for this call only (``compute.kernels.nocopy.otf_weight``)
+            y = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).mul_(self._t(f"{name}_s"))
         else:  # bf16 copy
             y = F.linear(x.to(torch.bfloat16), w)
         if cast and y.dtype != x.dtype:

@@ -1,4 +1,4 @@
-"""The decode step compiled ahead of time (compute/engine/step_graphs.py) on a tiny int8 model: packages built with
+"""The decode step compiled ahead of time (compute/engine/step_graphs.py) on tiny int8 and int4 models: packages built with
 AOTInductor for each range of batch sizes, loaded with the model's own tensors, run by the engine for pure-decode
 batches (prefill stays eager) with the eager step's numbers within rounding; a second builder on the same machine
 cache loads them and builds nothing."""
@@ -15,19 +15,20 @@ from compute.engine.engine import Engine
 from compute.engine.sampling import SamplingParams
 from compute.engine.step_graphs import GraphBuilder, StepGraphs, ranges
 from compute.modeling.batch import ForwardBatch
+from tests.compute.kernels.test_int4 import _int4_tiny
 from tests.compute.modeling.test_graph_step import _int8_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 BS, STREAMS = 16, 4
 
 
-@pytest.fixture(scope="module")
-def model():
-    return _int8_tiny()
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def model(request):
+    return _int8_tiny() if request.param == "int8" else _int4_tiny()
 
 
 @pytest.fixture(scope="module")
-def machine(tmp_path_factory):
+def machine(tmp_path_factory, model):
     return str(tmp_path_factory.mktemp("machine-cache"))
 
 
