@@ -23,6 +23,7 @@ so both sides compute with the same weights. If the store lacks ``--model`` it i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -71,6 +72,7 @@ def main(args: argparse.Namespace) -> int:
 
     from benchmarks.baselines import HF, LlamaCpp, gguf_tensors
     from benchmarks.service import ServedEngine
+    from compute.node.config import NodeConfig
     from paramstore import NotFound, ParamStore
     from paramstore.config import store_config
     from paramstore.realmodel import gguf_path
@@ -112,9 +114,11 @@ def main(args: argparse.Namespace) -> int:
             store.import_model(str(gguf), args.model + "-int4", dtype="int4")
         systems["ours-int4"] = Ours(store, args.model + "-int4", "int8")
     if args.graph:  # the decode step compiled ahead of time ([node] step = graph), beside each eager one
+        seqs = next(f.default for f in dataclasses.fields(NodeConfig) if f.name == "max_num_seqs")
         for name, ref in ((f"{ours}-graph", args.model), ("ours-int4-graph", args.model + "-int4")):
             if want(name) and (name != "ours-int4-graph" or "ours-int4" in systems):
-                systems[name] = Ours(store, ref, "int8" if "int4" in name else args.weights, step="graph")
+                systems[name] = Ours(store, ref, "int8" if "int4" in name else args.weights, step="graph",
+                                     max_streams=seqs)  # a node's ranges: its packages serve it
     for name, dtype in (("hf-bf16", torch.bfloat16), ("hf-fp32", torch.float32)):
         if want(name) and not (name == "hf-fp32" and args.no_fp32):
             systems[name] = HF(hf_config, tensors, dtype)
@@ -122,18 +126,23 @@ def main(args: argparse.Namespace) -> int:
     if lc is not None:
         systems["llama.cpp"] = lc
     served = None if args.no_served else ServedEngine(cfg.locations, args.model, args.threads)
+    served_graph = ServedEngine(cfg.locations, args.model + "-int4", args.threads, step="graph") if (
+        not args.no_served and args.graph and "ours-int4-graph" in systems and want("ours-served-int4-graph")) else None
     bundle = systems[f"ours-{args.weights}"].bundle
     chats = [bundle.encode(bundle.render_chat([{"role": "user", "content": q}])) for q in QUESTIONS]
     long = (bundle.encode(" ".join(QUESTIONS)) * 64)[:PREFILL_TOKENS]
 
-    if served is not None:
-        systems["ours-served"] = served.start()
-    samples: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
     try:
+        if served is not None:
+            systems["ours-served"] = served.start()
+        if served_graph is not None:  # the fastest 1-stream system, served: int4, [node] step = graph
+            systems["ours-served-int4-graph"] = served_graph.start()
+        samples: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
         _measure(systems, samples, args, chats, long)
     finally:
-        if served is not None:
-            served.stop()
+        for sv in (served, served_graph):
+            if sv is not None:
+                sv.stop()
     if lc is None and want("llama.cpp"):
         print("llama.cpp: not installed, its column is missing (make bench-deps builds it, ~10 min)")
     extra = _profile(args, cfg, systems, chats)

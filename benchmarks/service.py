@@ -264,9 +264,9 @@ class ServedEngine:
 
     batched = False
 
-    def __init__(self, locations: list[str], model: str, threads: int) -> None:
-        self.model, self.log_dir = model, tempfile.mkdtemp(prefix="pdserve-bench-engine-")
-        self.up = UpService([model], locations, self.log_dir, {"node": {"threads": threads}},
+    def __init__(self, locations: list[str], model: str, threads: int, step: str = "eager") -> None:
+        self.model, self.step, self.log_dir = model, step, tempfile.mkdtemp(prefix="pdserve-bench-engine-")
+        self.up = UpService([model], locations, self.log_dir, {"node": {"threads": threads, "step": step}},
                             {"both": 1, "prefill": 0, "decode": 0}, autoscale=False)  # fmt: skip
 
     def start(self) -> ServedEngine:
@@ -279,7 +279,22 @@ class ServedEngine:
             self.up.stop()
             raise
         self.client = openai.OpenAI(base_url=f"{self.up.url}/v1", api_key=self.up.token, max_retries=0)
+        if self.step == "graph":
+            self._wait_graphs(1800)
         return self
+
+    def _wait_graphs(self, timeout: float) -> None:
+        """Until the node has taken its step graphs (from this machine or the store in seconds; built: minutes)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            loads = [self.up.load(url) for url in self.up.nodes()]
+            graphs = [((ld or {}).get("models", {}).get(self.model) or {}).get("graphs") for ld in loads]
+            if graphs and all(g and g.get("idle") for g in graphs):
+                print(f"served step graphs: {graphs}", file=sys.stderr, flush=True)
+                return
+            time.sleep(0.5)
+        self.up.stop()
+        raise TimeoutError(f"the served node's step graphs were not taken in {timeout:g} s")
 
     def stop(self) -> None:
         self.up.stop()

@@ -20,6 +20,7 @@ the source of ``compute/modeling/graph_step.py``: 16 hex digits. The graph only 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -127,6 +128,20 @@ def load_package(path: str, step: GraphStep) -> Callable:
     fn.load_constants({**{k: consts[k] for k in fn.get_constant_fqns() if k in consts}, **dict.fromkeys(unknown, group)},
                       check_full_update=True, user_managed=True)  # fmt: skip
     return fn
+
+
+def _sweep(folder: str) -> None:
+    """Remove the partial files of builds whose process is gone (killed mid-build)."""
+    for name in os.listdir(folder):
+        parts = name.split(".")
+        if name.startswith(".") and name.endswith(".building.pt2") and len(parts) == 5 and parts[2].isdigit():
+            try:
+                os.kill(int(parts[2]), 0)
+            except ProcessLookupError:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, name))
+            except PermissionError:  # another user's live process
+                pass
 
 
 class StepGraphs:
@@ -260,8 +275,8 @@ class GraphBuilder:
         t0 = time.perf_counter()
         log.info("step graph %s (%s, batch %d-%d): none in the store for this machine class, building it",
                  gid, self.name, lo, hi)  # fmt: skip
-        fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=tmpdir)
-        os.close(fd)
+        _sweep(tmpdir)
+        tmp = os.path.join(tmpdir, f".{gid}.{os.getpid()}.building.pt2")  # a killed build leaves it: swept
         try:
             export_package(step, lo, hi, self.cache, sp["max_keys"], tmp)
             with open(tmp, "rb") as f:
@@ -274,7 +289,7 @@ class GraphBuilder:
 
     def _save(self, data: bytes, local: str | None, gid: str) -> str:
         path = local or os.path.join(tempfile.gettempdir(), f"pdserve-graph-{os.getpid()}-{gid}.pt2")
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = os.path.join(os.path.dirname(path), f".{gid}.{os.getpid()}.building.pt2")
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)  # never a half-written package under its name

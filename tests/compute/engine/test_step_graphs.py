@@ -120,3 +120,18 @@ def test_the_engine_runs_decodes_through_graphs_and_prefill_eagerly(model, built
     assert max(gaps) < 0.02, max(gaps)  # within rounding of the best: the same function, summed in another order
     assert sum(a == b for a, b in zip(out, ref)) >= 3, (out, ref)  # most streams token for token
 
+
+
+def test_a_killed_build_leaves_nothing_a_later_builder_keeps(tmp_path):
+    import subprocess
+    import sys
+
+    from compute.engine.step_graphs import _sweep
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale, live = tmp_path / f".0123456789abcdef.{int(dead.stdout)}.building.pt2", tmp_path / (
+        f".0123456789abcdef.{os.getpid()}.building.pt2")  # fmt: skip
+    for f in (stale, live, tmp_path / "0123456789abcdef.pt2"):
+        f.write_bytes(b"x")
+    _sweep(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "0123456789abcdef.pt2"])
