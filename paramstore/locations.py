@@ -4,6 +4,8 @@ Layout under every location root (each holds at most one fragment of any shard):
 
     <root>/models/<name>/v000001.json            manifest of name@v1 (replicated to every location)
     <root>/shards/<d[:2]>/<digest>.k<K>n<N>.f<I>  fragment I of the shard whose digest is <digest>
+    <root>/plans/<id>.json                        a kernel plan per machine class (``plans``; replicated)
+    <root>/graphs/<id>.pt2, <id>.json             a compiled decode step and its sealed index (``graphs``)
     <root>/tmp/<random>                           local backend only: staging before rename
 
 Fragments are content-addressed and immutable: a fragment is staged and then
