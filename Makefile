@@ -32,6 +32,8 @@ constraints: $(STAMP)
 PORT ?= 8000
 # how `make demo` imports MODEL when the store lacks it: int8 | int4 (opt-in) | bf16 | fp32
 DTYPE ?= int8
+# the nodes' decode steps: eager | graph (compiled ahead of time, built once per machine class after ready)
+STEP ?= eager
 PIDFILE := .pdserve/up.pid
 
 # set-up, import SmolLM2 (once), start the service in the background, ask one question
@@ -41,7 +43,7 @@ demo: $(STAMP)
 	$(VENV)/bin/paramstore show $(MODEL)
 	@mkdir -p .pdserve/logs
 	@if [ -f $(PIDFILE) ] && kill -0 $$(cat $(PIDFILE)) 2>/dev/null; then echo "service already running (pid $$(cat $(PIDFILE)))"; \
-	else nohup $(VENV)/bin/pdserve up --model $(MODEL) --port $(PORT) > .pdserve/logs/up.log 2>&1 & echo $$! > $(PIDFILE); fi
+	else nohup $(VENV)/bin/pdserve up --model $(MODEL) --port $(PORT) --step $(STEP) > .pdserve/logs/up.log 2>&1 & echo $$! > $(PIDFILE); fi
 	$(VENV)/bin/pdserve chat "What is the capital of France?" --url http://127.0.0.1:$(PORT) --model $(MODEL)
 	@echo "the service keeps running on http://127.0.0.1:$(PORT)/v1 (logs: .pdserve/logs/); stop it with: make stop"
 

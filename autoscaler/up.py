@@ -51,6 +51,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-transport", choices=["nixl", "tcp"], help="default: [node] kv_transport, else tcp")
     p.add_argument("--threads-per-node", type=int, help="default: [node] threads, else 1")
     p.add_argument("--kv-blocks", type=int, help="per node (default: [node] kv_blocks, else 1024)")
+    p.add_argument("--step", choices=["eager", "graph"], help="the nodes' decode steps (default: [node] step, else "
+                   "eager; graph: compiled ahead of time, built once per machine class after ready: docs/engine.md)")
     p.add_argument("--open-admin", action="store_true",
                    help="no admin key: leave /admin/* open to local processes (default: a key is generated)")
     p.add_argument("--autoscale", action="store_true", help="run the autoscaling loop (local actuator, [autoscaler])")
@@ -78,7 +80,7 @@ def local_service(args, token: str, admin_key: str | None = None):
                         threads=args.threads_per_node or node.get("threads") or 1,
                         kv_blocks=args.kv_blocks or node.get("kv_blocks", 1024), weights=node.get("weights", "int8"),
                         log_dir=args.log_dir, cache_dir=os.environ.get("PDSERVE_CACHE_DIR") or node.get("cache_dir"),
-                        extra_args=tuple(node_args(args, path)))  # fmt: skip
+                        extra_args=(*node_args(args, path), *(["--step", args.step] if args.step else [])))  # fmt: skip
     return gw, local, policy
 
 

@@ -125,8 +125,8 @@ def load_package(path: str, step: GraphStep) -> Callable:
     if unknown and (len(unknown) != int4s or not all(n.startswith("constant") for n in unknown)):
         raise ValueError(f"step graph package wants tensors this model does not have: {unknown[:3]}")
     group = torch.tensor(int4.GROUP, dtype=torch.int64)
-    fn.load_constants({**{k: consts[k] for k in fn.get_constant_fqns() if k in consts}, **dict.fromkeys(unknown, group)},
-                      check_full_update=True, user_managed=True)  # fmt: skip
+    bound = {k: consts[k] for k in fn.get_constant_fqns() if k in consts} | dict.fromkeys(unknown, group)
+    fn.load_constants(bound, check_full_update=True, user_managed=True)
     return fn
 
 

@@ -1,7 +1,7 @@
-"""The decode step compiled ahead of time (compute/engine/step_graphs.py) on tiny int8 and int4 models: packages built with
-AOTInductor for each range of batch sizes, loaded with the model's own tensors, run by the engine for pure-decode
-batches (prefill stays eager) with the eager step's numbers within rounding; a second builder on the same machine
-cache loads them and builds nothing."""
+"""The decode step compiled ahead of time (compute/engine/step_graphs.py) on tiny int8 and int4 models: packages
+built with AOTInductor for each range of batch sizes, loaded with the model's own tensors, run by the engine for
+pure-decode batches (prefill stays eager) with the eager step's numbers within rounding; a second builder on the
+same machine cache loads them and builds nothing."""
 
 from __future__ import annotations
 

@@ -75,3 +75,20 @@ def test_a_node_builds_publishes_and_a_later_node_loads_from_the_store(tmp_path,
         svc.stop_all()
     gone, alive = psutil.wait_procs(procs, timeout=15)
     assert not alive, [p.cmdline() for p in alive]
+
+
+def test_step_is_eager_by_default_graph_by_flag_or_file_and_refused_under_invariant(tmp_path):
+    from tests.autoscaler.test_config_file import PDSERVE, resolved, run
+
+    node, token = PDSERVE + ["node", "--role", "both", "--model", "m"], {"PDSERVE_INTERNAL_TOKEN": "t"}
+    assert resolved(node, token)["step"] == "eager"
+    assert resolved(node + ["--step", "graph"], token)["step"] == "graph"
+    path = tmp_path / "pdserve.toml"
+    path.write_text('[node]\nstep = "graph"\n')
+    assert resolved(node + ["--config", str(path)], token)["step"] == "graph"
+    for bad in (["--step", "graph", "--kernels", "invariant"], ["--config", str(path), "--device", "cuda"]):
+        r = run(node + [*bad, "--print-config"], token)
+        assert r.returncode == 2 and "step = graph" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    path.write_text('[node]\nstep = "compiled"\n')
+    r = run(node + ["--config", str(path), "--print-config"], token)
+    assert r.returncode == 2 and "invalid step 'compiled'" in r.stderr and "Traceback" not in r.stderr, r.stderr
