@@ -258,6 +258,12 @@ def _proc_memory(pid: int) -> dict | None:
         return None
 
 
+def _models(load: dict | None) -> dict:
+    """A node's /load as {model: its entry} ({} if it did not answer)."""
+    ms = (load or {}).get("models") or {}
+    return ms if isinstance(ms, dict) else {m.get("model"): m for m in ms}
+
+
 class ServedEngine:
     """``pdserve up`` with one ``both`` node, streamed through the ``openai`` client (token-id prompts): the
     served column of `pdserve bench engine` (decode rate between streamed tokens, time to first token)."""
@@ -287,8 +293,8 @@ class ServedEngine:
         """Until the node has taken its step graphs (from this machine or the store in seconds; built: minutes)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            loads = [self.up.load(url) for url in self.up.nodes()]
-            graphs = [((ld or {}).get("models", {}).get(self.model) or {}).get("graphs") for ld in loads]
+            models = [_models(self.up.load(url)) for url in self.up.nodes()]
+            graphs = [m[self.model].get("graphs") for m in models if self.model in m]  # not the pool's standby
             if graphs and all(g and g.get("idle") for g in graphs):
                 print(f"served step graphs: {graphs}", file=sys.stderr, flush=True)
                 return

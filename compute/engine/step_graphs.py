@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -39,6 +40,7 @@ from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
 
 log = logging.getLogger("pdserve.node")
+NICE = 19  # the builder thread's niceness (and its compiler's): serving threads come first
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "modeling", "graph_step.py")
 
 
@@ -130,6 +132,32 @@ def load_package(path: str, step: GraphStep) -> Callable:
     return fn
 
 
+COMPILERS = {"g++", "gcc", "c++", "cc", "cc1", "cc1plus", "as", "ld", "ld.bfd", "ld.gold", "collect2"}
+
+
+def kill_compilers() -> int:
+    """SIGKILL the compiler processes below this one (Linux ``/proc``): what a build cut short leaves running."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+            children.setdefault(int(tail.split()[1]), []).append((int(d), head.split("(", 1)[1]))
+        except (OSError, ValueError, IndexError):
+            continue
+    todo, killed = [os.getpid()], 0
+    while todo:
+        for pid, comm in children.get(todo.pop(), []):
+            todo.append(pid)
+            if comm in COMPILERS:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+    return killed
+
+
 def _sweep(folder: str) -> None:
     """Remove the partial files of builds whose process is gone (killed mid-build)."""
     for name in os.listdir(folder):
@@ -210,10 +238,15 @@ class GraphBuilder:
         self._again.set()
 
     def stop(self, timeout: float = 5.0) -> bool:
+        """End the thread after what it is doing; a build still running after ``timeout`` has its compiler killed
+        (the thread then ends with an error, a daemon of a process that is freeing the model or exiting)."""
         self._stop.set()
         self._again.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                n = kill_compilers()
+                log.info("step graphs of %s: stopped mid-build (%d compiler processes killed)", self.name, n)
         return self._thread is None or not self._thread.is_alive()
 
     def wait_idle(self, timeout: float) -> bool:
@@ -226,6 +259,8 @@ class GraphBuilder:
         return False
 
     def _run(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # this thread and the compiler it starts yield the CPU
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         while not self._stop.is_set():
             self._again.wait()
             if self._stop.is_set():

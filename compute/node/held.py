@@ -155,6 +155,12 @@ class Held:
                 q.put_nowait(StepOutput(a.seq_id, [], True, "abort", reason))
             svc.abort(rid)
 
+    def _graph_state(self, svc) -> dict | None:
+        builder, engine = self.graphs, svc.worker.engine if svc is not None else None
+        if builder is None:
+            return None
+        return builder.state(engine.runner.graphs if engine is not None else None)
+
     def view(self, cfg: NodeConfig, node_draining: bool) -> P.ModelLoad:
         """This model's entry in /load's ``models`` (contract A)."""
         state = "draining" if node_draining and self.state == "ready" else self.state
@@ -171,7 +177,7 @@ class Held:
             progress=self.progress.as_dict(), error=self.error, ready_s=self.ready_s,
             transient_bytes=self.transient_bytes if self.state == "loading" else 0, prefetch=self.prefetch,
             kernels=self.injector.kernel_state() if self.injector is not None else None,
-            graphs=self.graphs.state(svc.worker.engine.runner.graphs) if self.graphs is not None and svc else None,
+            graphs=self._graph_state(svc),
             capacity=meter.report() if meter is not None else CapacityMeter(cfg.tpot_target_s, 1).report(),
             **msgspec.structs.asdict(engine),
         )  # fmt: skip
@@ -222,9 +228,9 @@ def free(h: Held, wait_load_s: float = 30.0) -> None:
     with h._lock:
         svc, h.svc, h.meter, inj, h.injector = h.svc, None, None, h.injector, None
         graphs, h.graphs = h.graphs, None
+        h.weights_bytes = h.kv_bytes = 0
     if graphs is not None:
         graphs.stop()
-        h.weights_bytes = h.kv_bytes = 0
     if svc is not None:
         _close(svc)
     if inj is not None:

@@ -135,3 +135,53 @@ def test_a_killed_build_leaves_nothing_a_later_builder_keeps(tmp_path):
         f.write_bytes(b"x")
     _sweep(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "0123456789abcdef.pt2"])
+
+
+def _compilers() -> list[int]:
+    from compute.engine.step_graphs import COMPILERS
+
+    me, out = os.getpid(), []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        if head.split("(", 1)[1] in COMPILERS and _descends(int(d), me):
+            out.append(int(d))
+    return out
+
+
+def _descends(pid: int, root: int) -> bool:
+    for _ in range(64):  # bounded walk up the parents
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+        if pid == root:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
+def test_stopping_mid_build_leaves_no_compiler_running(tmp_path):
+    import time
+
+    model = _int8_tiny()
+    engine = _engine(model)
+    graphs = StepGraphs()
+    b = GraphBuilder(model, engine.runner.cache, STREAMS, cache_dir=str(tmp_path), model_key="int8",
+                     plan_final=lambda t: True, install=graphs.install, name="tiny").start()  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not _compilers() and time.monotonic() < deadline:  # the build reaches its C++ compiler
+        time.sleep(0.05)
+    assert _compilers(), "no compiler seen in 120 s"
+    b.stop(timeout=0.2)
+    deadline = time.monotonic() + 10
+    while _compilers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _compilers()
+    assert b.stop(timeout=30) and not graphs.graphs  # the thread ends; nothing half-built was installed
+    assert not [p for p in (tmp_path / "graphs").iterdir() if p.suffix == ".pt2" and not p.name.startswith(".")]

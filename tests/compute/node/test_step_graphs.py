@@ -31,6 +31,12 @@ def _graphs(node) -> dict:
     return node.load()["models"]["tiny"]["graphs"]
 
 
+def _settled(node) -> bool:
+    """Every package taken and handed to the engine thread, which installs it between two steps."""
+    g = _graphs(node)
+    return g["idle"] and len(g["installed"]) == len(g["sources"])
+
+
 def _generate(node, rid: str) -> list[int]:
     body = {"request_id": rid, "prompt_token_ids": [1, 2, 3, 4, 5], "params": {"max_tokens": 8, "temperature": 0}}
     r = httpx.post(node.url + "/internal/generate", json=body, auth=node.auth, timeout=60)
@@ -53,7 +59,7 @@ def test_a_node_builds_publishes_and_a_later_node_loads_from_the_store(tmp_path,
         first.wait_ready(120)
         eager = _generate(first, "before")  # ready before any graph: served eagerly at once
         assert len(eager) == 8
-        wait_for(lambda: _graphs(first)["idle"], 400, "the first node's graphs", every=1)
+        wait_for(lambda: _settled(first), 400, "the first node's graphs", every=1)
         g = _graphs(first)
         assert g["installed"] and g["installed"][0] == [1, 1] and g["installed"][-1][1] == SEQS, g
         assert set(g["sources"].values()) == {"built"}
@@ -65,7 +71,7 @@ def test_a_node_builds_publishes_and_a_later_node_loads_from_the_store(tmp_path,
 
         later = svc.node("both", kv_blocks=64, extra=(*flags, "--cache-dir", str(tmp_path / "machine-b")))
         later.wait_ready(120)
-        wait_for(lambda: _graphs(later)["idle"], 120, "the later node's graphs", every=0.5)
+        wait_for(lambda: _settled(later), 120, "the later node's graphs", every=0.5)
         g2 = _graphs(later)
         assert g2["sources"] == dict.fromkeys(g["sources"], "store") and g2["installed"] == g["installed"]
         assert "building it" not in later.log() and "from the store" in later.log()  # the load log: no compile
