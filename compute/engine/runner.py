@@ -13,6 +13,7 @@ from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
 from compute.engine.sampling import History, Sampler, TokenLogprobs, token_logprobs
 from compute.engine.scheduler import ScheduledBatch
+from compute.engine.cuda_graphs import CudaGraphs
 from compute.engine.step_graphs import StepGraphs
 from compute.engine.sequence import Sequence
 
@@ -27,7 +28,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, cache: KVCache, sampler: Sampler | None = None) -> None:
         self.model, self.cache = model, cache
         self.sampler = sampler or Sampler()
-        self.graphs: StepGraphs | None = None  # compiled decode steps (``[node] step = "graph"``), else eager
+        self.graphs: StepGraphs | CudaGraphs | None = None  # compiled/captured decode steps ([node] step = graph)
 
     def forward(self, batch: ScheduledBatch, scored: list[bool]):
         """Logits of ``batch``: a pure-decode batch through a compiled step graph where one covers it, else eager."""

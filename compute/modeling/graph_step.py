@@ -103,14 +103,18 @@ class GraphStep(nn.Module):
             self.kinds[name] = "float"
             self._keep(f"{name}_w", lin.w if hasattr(lin, "parts") else lin.weight)
             return
-        kernel = lin.plan[int8.bucket(m)] if lin.plan is not None else ("int8mm" if m <= lin.int8mm_max_m else "?")
-        if kernel not in ("int8mm", "bf16", "w8a16", "otf"):
-            raise ValueError(f"{name}: the graph step runs int8mm, w8a16, otf or a bf16 copy, the plan says "
-                             f"{kernel!r} at M = {m}")  # fmt: skip
+        if lin.plan is not None:
+            kernel = lin.plan[int8.bucket(m)]
+        else:  # the fixed rule (``compute.kernels.linear.matmul``): int8mm on the host, dequantized elsewhere
+            host = q8[0].device.type == "cpu" and q8[0].shape[1] % int8.INT8MM_K_MULTIPLE == 0
+            kernel = "int8mm" if host and m <= lin.int8mm_max_m else "dequant"
+        if kernel not in ("int8mm", "bf16", "w8a16", "otf", "dequant"):
+            raise ValueError(f"{name}: the graph step runs int8mm, w8a16, otf, dequant or a bf16 copy, the plan "
+                             f"says {kernel!r} at M = {m}")  # fmt: skip
         self.kinds[name] = kernel
         if kernel == "bf16":
             self._keep(f"{name}_w", lin.w_bf16)
-        elif kernel == "w8a16":
+        elif kernel in ("w8a16", "dequant"):
             self._keep(f"{name}_w", q8[0])
             self._keep(f"{name}_s", q8[1])  # fp32 [N]
         else:
@@ -130,6 +134,8 @@ class GraphStep(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w, self._t(f"{name}_s"))
         elif kind == "w8a16":  # fp32 out (``compute.kernels.nocopy``)
             y = w8a16(x, w, self._t(f"{name}_s"))
+        elif kind == "dequant":  # fp32 (``compute.kernels.int8.dequantize_scratch``): a device without int8mm
+            y = F.linear(x.to(torch.float32), w * self._t(f"{name}_s")[:, None])
         elif kind == "otf":  # the int8 weight as bf16 for this call only (``compute.kernels.nocopy.otf_weight``)
             y = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).mul_(self._t(f"{name}_s"))
         else:  # bf16 copy

@@ -50,7 +50,7 @@ class NodeConfig:
     # takes at most this share of the time while the engine has work (all of it while idle); niced either way
     step: str = "eager"  # decode steps: eager | graph (pure-decode batches through the step compiled ahead of time per
     # range of batch sizes, taken after ready from this machine, the store, or built once per machine class and
-    # published: compute/engine/step_graphs.py; CPU, kernels measured or fixed)
+    # published: compute/engine/step_graphs.py; on cuda captured as CUDA graphs: compute/engine/cuda_graphs.py)
     import_nice: int = 0  # heavy imports in a thread niced by this much (pool refill); serving threads are not
 
     def __post_init__(self) -> None:
@@ -81,9 +81,10 @@ class NodeConfig:
                              "measured plan picks), 0 (none: weights stay int8) or a budget in GiB > 0")
         if self.step not in ("eager", "graph"):
             raise ValueError(f"invalid step {self.step!r}: eager or graph")
-        if self.step == "graph" and (self.device != "cpu" or self.kernels == "invariant"):
-            raise ValueError("step = graph runs on device cpu with kernels measured or fixed (a compiled step sums in "
-                             "another order than the batch-invariant kernels): set step = eager")
+        if self.step == "graph" and (self.device.split(":")[0] not in ("cpu", "cuda") or self.kernels == "invariant"):
+            raise ValueError("step = graph runs on device cpu (compiled) or cuda (CUDA graphs) with kernels "
+                             "measured or fixed (a compiled step sums in another order than the batch-invariant "
+                             "kernels): set step = eager")  # fmt: skip
         if not 0 < self.measure_share <= 1:
             raise ValueError("measure_share must be in (0, 1]")
         if not 0 <= self.import_nice <= 19:

@@ -28,6 +28,7 @@ import torch
 
 from compute.modeling.config import ModelConfig
 from compute.engine.engine import Engine, StepOutput
+from compute.engine.cuda_graphs import CudaGraphs
 from compute.engine.step_graphs import GraphBuilder, StepGraphs
 from compute.modeling.graph_step import GraphStep
 from compute.modeling.kv_cache import KVCache, kv_dtype
@@ -121,14 +122,17 @@ class Held:
             self.weights_bytes = tensor_bytes(inj.model)
             worker = self.svc.worker
 
-            if cfg.step == "graph":
+            if cfg.step == "graph" and cfg.device.startswith("cuda"):  # captured on the engine thread as they come
+                worker.engine.runner.graphs = CudaGraphs(inj.model, worker.engine.runner.cache, cfg.max_num_seqs)
+            elif cfg.step == "graph":
                 self.graphs = start_graphs(cfg, self.name, inj, worker, store)
 
             def swapped() -> None:  # on the engine thread, between two steps
                 self.weights_bytes = tensor_bytes(inj.model)
                 worker.engine.clear_prefix_cache()  # cached KV was computed by the old kernels: other numbers
-                if self.graphs is not None:  # built for the old kernels: taken again for the new ones
+                if worker.engine.runner.graphs is not None:  # built for the old kernels: taken again for the new
                     worker.engine.runner.graphs.clear()
+                if self.graphs is not None:
                     self.graphs.again()
 
             inj.attach(post=lambda fn: worker.post(lambda engine: fn()), served=lambda: worker.steps > 0,

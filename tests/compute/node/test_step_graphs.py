@@ -92,7 +92,7 @@ def test_step_is_eager_by_default_graph_by_flag_or_file_and_refused_under_invari
     path = tmp_path / "pdserve.toml"
     path.write_text('[node]\nstep = "graph"\n')
     assert resolved(node + ["--config", str(path)], token)["step"] == "graph"
-    for bad in (["--step", "graph", "--kernels", "invariant"], ["--config", str(path), "--device", "cuda"]):
+    for bad in (["--step", "graph", "--kernels", "invariant"], ["--config", str(path), "--device", "mps"]):
         r = run(node + [*bad, "--print-config"], token)
         assert r.returncode == 2 and "step = graph" in r.stderr and "Traceback" not in r.stderr, r.stderr
     path.write_text('[node]\nstep = "compiled"\n')
