@@ -13,7 +13,7 @@ import torch
 from compute.engine.engine import Engine
 from compute.engine.sampling import SamplingParams
 from compute.engine.sequence import FinishReason, Sequence
-from tests.compute.tiny import tiny_model
+from tests.compute.tiny import invariant_tiny_model, tiny_model
 
 BS = 4
 
@@ -152,3 +152,50 @@ def test_copy_blocks_copies_every_layer_k_and_v(model):
     cache.copy_blocks([(1, 4), (2, 5)])
     assert torch.equal(cache.kv[:, :, 4], before[:, :, 1]) and torch.equal(cache.kv[:, :, 5], before[:, :, 2])
     assert torch.equal(cache.kv[:, :, :4], before[:, :, :4])
+
+
+@pytest.fixture(scope="module")
+def invariant_model():
+    return invariant_tiny_model()
+
+
+def _choices(eng: Engine, prompt: list[int], order: list[int], group: str | None, late: int | None = None) -> dict:
+    """A seeded n = 3 request's choices arriving in ``order`` (``late``: that one after the others finished), run
+    to completion: choice k -> (its tokens, their logprobs)."""
+    ids, out = {}, {}
+
+    def drain() -> None:
+        for _ in range(200):
+            if not eng.has_unfinished():
+                return
+            for o in eng.step():
+                out[o.seq_id][0].extend(o.new_token_ids)
+                out[o.seq_id][1].extend(lp.logprob for lp in o.logprobs)
+        raise AssertionError("the engine did not finish in 200 steps")
+
+    for k in [k for k in order if k != late] + ([late] if late is not None else []):
+        if k == late:
+            drain()
+        ids[k] = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=11 + k, ignore_eos=True,
+                                                        fork_group=group, logprobs=0))  # fmt: skip
+        out[ids[k]] = ([], [])
+    drain()
+    return {k: out[ids[k]] for k in sorted(order)}
+
+
+@pytest.mark.parametrize("prompt_len", [9, 10, 11, 33])  # shared parts ending on a block's edge and inside one
+def test_a_choice_is_the_same_whether_it_leads_forks_or_comes_late(invariant_model, prompt_len):
+    """Under kernels = invariant a seeded choice's tokens and logprobs are its seed's request alone, bit for bit,
+    whichever choice arrives first (the leader: the prompt by prefill), forks, or arrives after the leader
+    finished (a request of its own, from the cached prompt), the second time from the prefix cache too. The
+    gateway sends each choice as a request of its own: their order at the node is the network's. A fork that
+    computed its last prompt token alone ran the decode path (other numbers: its choice changed with the order,
+    tests/gateway/routes/test_openai_params.py::test_best_of_...)."""
+    prompt = _prompt(prompt_len)
+    alone = {k: _choices(_engine(invariant_model), prompt, [k], None)[k] for k in range(3)}
+    assert len({tuple(t) for t, _ in alone.values()}) == 3
+    eng = _engine(invariant_model)
+    for i, (order, late) in enumerate((([0, 1, 2], None), ([2, 0, 1], None), ([1, 2, 0], None), ([0, 1, 2], 2))):
+        got = _choices(eng, prompt, order, f"g{i}", late)
+        assert got == alone, (order, late, {k: got[k][1] for k in got}, {k: alone[k][1] for k in alone})
+    assert eng.scheduler.num_forked == 2 + 2 + 2 + 1 and eng.scheduler.blocks.num_free == 64

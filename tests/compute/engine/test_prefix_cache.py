@@ -18,7 +18,7 @@ from compute.engine.sampling import SamplingParams
 from compute.engine.scheduler import Scheduler, SchedulerConfig
 from compute.engine.sequence import Sequence
 from tests.compute.engine.test_scheduler import run_to_completion
-from tests.compute.tiny import tiny_model
+from tests.compute.tiny import invariant_tiny_model, tiny_model
 
 BS = 16
 EXTRA = extra_keys("tiny@v1/fp32", "float32", BS)
@@ -31,20 +31,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def invariant_model():
-    """The tiny model on int8 weights with one row-invariant kernel (int8mm) at every M and position-aligned
-    prefill queries: what ``kernels = invariant`` gives a node (tests/compute/test_engine.py)."""
-    from compute.modeling.model import Attention, Transformer
-    from tests.compute.modeling.test_model_parity import int8_state
-
-    host = tiny_model(seed=7)
-    m = Transformer.build(host.config, torch.float32)
-    m.load_weights(int8_state({n: b for n, b in host.named_buffers() if b is not None}))
-    for lin in m.kernel_modules():
-        lin.use_kernels(("int8mm",) * 4)
-    for a in m.modules():
-        if isinstance(a, Attention):
-            a.aligned = True
-    return m
+    """What ``kernels = invariant`` gives a node (tests/compute/tiny.py)."""
+    return invariant_tiny_model()
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
