@@ -35,7 +35,7 @@ def _params(k: int, group: str | None, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=8, temperature=1.0, seed=100 + k, ignore_eos=True, fork_group=group, **kw)
 
 
-@pytest.mark.parametrize("prompt_len", [9, 10, 13])  # shared 8 (a block edge), 9 and 12 tokens
+@pytest.mark.parametrize("prompt_len", [10, 11, 14])  # shared 8 (a block edge), 9 and 12 tokens
 def test_choices_share_one_prefill_and_are_what_they_would_be_alone(model, prompt_len):
     prompt, n = _prompt(prompt_len), 4
     forked = _engine(model)
@@ -44,14 +44,14 @@ def test_choices_share_one_prefill_and_are_what_they_would_be_alone(model, promp
     want = alone.generate([prompt] * n, [_params(k, None) for k in range(n)])
     assert got == want and len({tuple(t) for t in got}) == n  # each choice its own seed's tokens
     assert forked.scheduler.num_forked == n - 1 and alone.scheduler.num_forked == 0
-    # the prompt once, then each fork's last prompt token (its first token is sampled from its own logits)
-    assert forked.prompt_tokens_computed == prompt_len + n - 1
+    # the prompt once, then each fork's last 2 prompt tokens (by prefill: its first token from its own logits)
+    assert forked.prompt_tokens_computed == prompt_len + 2 * (n - 1)
     assert alone.prompt_tokens_computed == n * prompt_len
     assert forked.scheduler.blocks.num_free == 64  # every shared block went back once, when its last holder let go
 
 
 def test_a_forks_table_shares_the_full_prompt_blocks_and_owns_the_rest(model):
-    eng, prompt = _engine(model), _prompt(10)  # 9 shared tokens: 2 full blocks, 1 partial one copied
+    eng, prompt = _engine(model), _prompt(11)  # 9 shared tokens: 2 full blocks, 1 partial one copied
     ids = [eng.add_request(prompt, _params(k, "g")) for k in range(3)]
     eng.step()  # the leader's prefill; the others fork at its end
     seqs = [eng.scheduler.seqs[i] for i in ids]
@@ -61,7 +61,7 @@ def test_a_forks_table_shares_the_full_prompt_blocks_and_owns_the_rest(model):
         assert f.block_table[:2] == lead.block_table[:2] and f.num_computed == 9
         assert f.block_table[2] not in lead.block_table
     assert [eng.scheduler.blocks.refs(b) for b in lead.block_table[:2]] == [3, 3]
-    eng.step()  # the copies land before the forks write their own last prompt token
+    eng.step()  # the copies land before the forks write their own last 2 prompt tokens
     kv = eng.runner.cache.kv  # [L, 2, NB, BS, KVH, Dh]
     for f in forks:
         assert torch.equal(kv[:, :, f.block_table[2], :1], kv[:, :, lead.block_table[2], :1])  # position 8, copied
@@ -73,7 +73,7 @@ def test_a_late_choice_forks_at_once_and_one_after_the_leader_computes_its_own(m
     eng.step()
     eng.step()  # the leader decodes
     late = eng.add_request(prompt, _params(1, "g"))
-    assert eng.scheduler.num_forked == 1 and eng.scheduler.seqs[late].num_computed == 8
+    assert eng.scheduler.num_forked == 1 and eng.scheduler.seqs[late].num_computed == 7
     while eng.has_unfinished():
         eng.step()
     before = eng.prompt_tokens_computed

@@ -230,7 +230,7 @@ def test_forks_share_a_cached_prompt_and_are_what_they_would_be_alone(model):
     _run(eng, p, _greedy())  # the prompt's first two blocks cached
     before = eng.prompt_tokens_computed
     got = eng.generate([p] * n, params)
-    assert eng.prompt_tokens_computed - before == (41 - 32) + (n - 1)  # the leader's rest, each fork's last token
+    assert eng.prompt_tokens_computed - before == (41 - 32) + 2 * (n - 1)  # the leader's rest, each fork's last 2
     off = Engine.for_model(model, num_blocks=64, block_size=BS, prefix_cache=False)
     assert got == off.generate([p] * n, [SamplingParams(**{**_asdict(q), "fork_group": None}) for q in params])
     eng.scheduler.check_blocks()
