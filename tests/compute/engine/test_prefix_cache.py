@@ -182,6 +182,38 @@ def test_hit_equals_miss_bit_for_bit_in_invariant_mode(invariant_model, budget):
         assert got[:2] == want[:2], (n, cut)
 
 
+def test_requests_sharing_a_small_budget_are_what_they_are_alone_in_invariant_mode(invariant_model):
+    """Budget 16 above 4 seats, prompts of 2-40 tokens, seeded choices (forks) and requests of their own arriving
+    0-2 a step: a prefill the budget left one token of waits for the next step (else that token would run the decode
+    path); every request's tokens and logprobs are what it gets alone, bit for bit."""
+    import random
+
+    rng = random.Random(11)  # a workload whose budget leaves a prefill one token (at position 32)
+    kw = {"num_blocks": 128, "block_size": BS, "max_num_batched_tokens": 16, "max_num_seqs": 4}
+    reqs = []
+    for i in range(12):
+        same = i % 4 in (1, 2)  # choices 2 and 3 of a group of 3
+        prompt = reqs[-1][0] if same else _prompt(rng.randrange(2, 40), seed=i)
+        reqs.append((prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=i, ignore_eos=True, logprobs=0,
+                                            fork_group=f"g{i // 4}" if i % 4 < 3 else None)))  # fmt: skip
+    eng, ids, got = Engine.for_model(invariant_model, **kw), {}, {}
+    for step in range(500):
+        for _ in range(rng.randrange(0, 3)):  # 0-2 requests arrive before each step
+            if len(ids) < len(reqs):
+                prompt, p = reqs[len(ids)]
+                ids[eng.add_request(prompt, p)] = len(ids)
+        if len(ids) == len(reqs) and not eng.has_unfinished():
+            break
+        for o in eng.step():
+            t, lp = got.setdefault(ids[o.seq_id], ([], []))
+            t += o.new_token_ids
+            lp += [x.logprob for x in o.logprobs]
+    assert eng.scheduler.num_forked > 0
+    for i, (prompt, p) in enumerate(reqs):
+        alone = Engine.for_model(invariant_model, **kw)
+        assert got[i] == _run(alone, prompt, SamplingParams(**{**_asdict(p), "fork_group": None}))[:2], i
+
+
 def test_a_salted_request_shares_only_with_its_own_salt(model):
     eng = Engine.for_model(model, num_blocks=64, block_size=BS)
     p = _prompt(60)

@@ -166,7 +166,7 @@ def test_a_prefill_never_runs_a_one_token_piece_when_the_budget_allows(seed):
 
 def test_a_prompt_left_one_token_of_the_budget_waits_for_the_next_step():
     s = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16))
-    a, b = seq(15), seq(10)
+    a, b = seq(15), Sequence(list(range(50, 60)), SamplingParams(max_tokens=8, temperature=0))  # no shared prefix
     s.add(a)
     s.add(b)
     first = s.schedule()  # a takes 15 of the 16: b's prompt waits, whole, rather than run a token by the decode path
