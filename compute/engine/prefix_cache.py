@@ -27,10 +27,12 @@ boundary, with two exceptions this module closes:
 - a chunk of *one* token runs the decode path (``ForwardBatch.plan``: another attention kernel,
   other rounding). A hit that left only the last prompt token to compute would make that token's
   logits differ from a miss's: ``_usable`` leaves at least ``MIN_COMPUTED`` = 2 tokens (one block
-  less in the ``len % block_size == 1`` case).
+  less in the ``len % block_size == 1`` case). A fork (``n > 1``) computes its prompt's last
+  ``MIN_COMPUTED`` tokens itself for the same reason, and the scheduler never cuts a prefill to a
+  one-token chunk where its budget allows (``Scheduler._take``).
 - K/V computed one token a step (decode output — on a decode node too: its decoded answer is
-  never cached, the next turn pulls it from the prefill node, which recomputed it by prefill — a failover's replay, a fork's last prompt token, a
-  chunk the budget cut to one token) carry those other numbers: they are never published. Only
+  never cached, the next turn pulls it from the prefill node, which recomputed it by prefill — a failover's replay, a
+  chunk a small budget cut to one token) carry those other numbers: they are never published. Only
   prompt positions computed by a prefill chunk are (``cache_stop``). A multi-turn conversation so
   hits turn N-1's prompt and recomputes its (short) answer, which the next turn then hits.
 

@@ -24,8 +24,10 @@ Lifecycle of a request through the scheduler:
    to arrive leads; a later one with the same prompt waits (parked) until the leader has computed
    all but the prompt's last token, then *forks*: it shares the leader's full prompt blocks
    (reference-counted in the block manager), gets a copy of the partial one (``copies``, done by
-   the runner before the next forward: copy-on-write), and computes only the last prompt token
-   itself, so its first token is sampled from its own logits with its own seed. A prefill node's
+   the runner before the next forward: copy-on-write), and computes only the prompt's last
+   ``MIN_COMPUTED`` (2) tokens itself, by a prefill chunk, so its first token is sampled from its own
+   logits with its own seed, and they are the numbers its request alone gets (a one-token chunk would
+   run the decode path: other numbers, so a choice's text would depend on whether it arrived first). A prefill node's
    leader finishes at its first token: its blocks, held for the KV transfer, serve forks until
    released. The prompt is prefilled once; a choice that cannot fork (leader gone, prompt logprobs
    asked, a failover's replay, no free block) runs as a request of its own.
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field
 from compute.engine.block_manager import BlockManager
 from compute.errors import RequestTooLarge
 from compute.engine.peer_blocks import PeerBlocks, pin_keys
-from compute.engine.prefix_cache import PrefixCache
+from compute.engine.prefix_cache import MIN_COMPUTED, PrefixCache
 from compute.engine.sequence import FinishReason, Sequence, Status
 
 
@@ -197,7 +199,7 @@ class Scheduler(PeerBlocks):
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            budget -= self._take(seq, n, out)
+            budget -= self._take(seq, n, out)  # 0: a one-token piece of a prefill waits for the next step
             taken.add(seq.seq_id)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
@@ -205,8 +207,9 @@ class Scheduler(PeerBlocks):
             hit = self.cache.lookup(seq) if fresh else []
             start = len(hit) * self.config.block_size if fresh else seq.num_computed
             n = min(seq.num_tokens - start, budget)
-            if not self.blocks.can_allocate(seq, start + n, hit):
-                break
+            if (n == 1 < seq.num_tokens - start and self._waits_for_budget) or not self.blocks.can_allocate(
+                    seq, start + n, hit):  # fmt: skip
+                break  # (a prefill's one-token piece: the next step, see ``_take``)
             self.waiting.popleft()
             if fresh:
                 self.cache.take(seq, hit)
@@ -270,11 +273,19 @@ class Scheduler(PeerBlocks):
         if n > 1 and prefill_end - (seq.num_computed + n) == 1:
             n -= 1  # never leave one prefill token for a chunk of its own: it would run the decode path (other
             # numbers: a prompt's logits would depend on where the budget cut it; compute/engine/prefix_cache.py)
+        if n == 1 < prefill_end - seq.num_computed and self._waits_for_budget:
+            return 0  # nor take one of a longer prefill (a budget down to 1): the whole chunk next step
         end = seq.num_computed + n
         self.blocks.allocate(seq, end)
         chunk = seq.token_ids[seq.num_computed : end]
         out.seqs.append(ScheduledSeq(seq.seq_id, chunk, seq.num_computed, list(seq.block_table), end == seq.num_tokens))
         return n
+
+    @property
+    def _waits_for_budget(self) -> bool:
+        """A prefill left one token of the step's budget waits for the next step, where it gets two at least: the
+        decodes of the other seats leave that much (else it takes the one token: progress before numbers)."""
+        return self.config.max_num_batched_tokens > self.config.max_num_seqs
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -325,7 +336,8 @@ class Scheduler(PeerBlocks):
         """A fork group's member: fork from its leader now, or park until the leader's prompt is
         computed. False: it runs on its own (and leads its group if nobody does)."""
         group = seq.params.fork_group
-        if not group or seq.params.prompt_logprobs is not None or seq.replay_from is not None or seq.num_prompt_tokens < 2:
+        if (not group or seq.params.prompt_logprobs is not None or seq.replay_from is not None
+                or seq.num_prompt_tokens <= MIN_COMPUTED):  # nothing to share
             return False
         lead = self.leaders.get(group)
         if lead is None:
@@ -347,8 +359,10 @@ class Scheduler(PeerBlocks):
                 self.waiting.append(seq)
 
     def _fork(self, lead: Sequence, seq: Sequence, blocks: list[int]) -> bool:
-        """``seq`` shares ``blocks`` (``lead``'s prompt) but the last token's, which it computes itself."""
-        shared = seq.num_prompt_tokens - 1
+        """``seq`` shares ``blocks`` (``lead``'s prompt) but its last ``MIN_COMPUTED`` tokens', which it computes
+        itself by a prefill chunk (``_take`` never cuts it to one token): under ``kernels = invariant`` the numbers
+        of its request alone, whichever choice leads (compute/engine/prefix_cache.py, the same rule for a hit)."""
+        shared = seq.num_prompt_tokens - MIN_COMPUTED
         full, partial = divmod(shared, self.config.block_size)
         if partial and not self.blocks.num_free:
             return False

@@ -26,3 +26,21 @@ def tiny_model(seed: int = 0, std: float = 0.15, dtype=torch.float32, **override
     model.load_weights(tensors)
     assert model.ready
     return model
+
+
+def invariant_tiny_model(seed: int = 7) -> Transformer:
+    """The tiny model on int8 weights with one row-invariant kernel (int8mm) at every M and position-aligned
+    prefill queries: what ``kernels = invariant`` gives a node (a row's numbers independent of its batch and
+    of its prefill chunking; tests/compute/engine/test_engine.py)."""
+    from compute.modeling.model import Attention
+    from tests.compute.modeling.test_model_parity import int8_state
+
+    host = tiny_model(seed=seed)
+    m = Transformer.build(host.config, torch.float32)
+    m.load_weights(int8_state({n: b for n, b in host.named_buffers() if b is not None}))
+    for lin in m.kernel_modules():
+        lin.use_kernels(("int8mm",) * 4)
+    for a in m.modules():
+        if isinstance(a, Attention):
+            a.aligned = True
+    return m

@@ -13,7 +13,7 @@ import torch
 from compute.engine.engine import Engine
 from compute.engine.sampling import SamplingParams
 from compute.engine.sequence import FinishReason, Sequence
-from tests.compute.tiny import tiny_model
+from tests.compute.tiny import invariant_tiny_model, tiny_model
 
 BS = 4
 
@@ -35,7 +35,7 @@ def _params(k: int, group: str | None, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=8, temperature=1.0, seed=100 + k, ignore_eos=True, fork_group=group, **kw)
 
 
-@pytest.mark.parametrize("prompt_len", [9, 10, 13])  # shared 8 (a block edge), 9 and 12 tokens
+@pytest.mark.parametrize("prompt_len", [10, 11, 14])  # shared 8 (a block edge), 9 and 12 tokens
 def test_choices_share_one_prefill_and_are_what_they_would_be_alone(model, prompt_len):
     prompt, n = _prompt(prompt_len), 4
     forked = _engine(model)
@@ -44,14 +44,14 @@ def test_choices_share_one_prefill_and_are_what_they_would_be_alone(model, promp
     want = alone.generate([prompt] * n, [_params(k, None) for k in range(n)])
     assert got == want and len({tuple(t) for t in got}) == n  # each choice its own seed's tokens
     assert forked.scheduler.num_forked == n - 1 and alone.scheduler.num_forked == 0
-    # the prompt once, then each fork's last prompt token (its first token is sampled from its own logits)
-    assert forked.prompt_tokens_computed == prompt_len + n - 1
+    # the prompt once, then each fork's last 2 prompt tokens (by prefill: its first token from its own logits)
+    assert forked.prompt_tokens_computed == prompt_len + 2 * (n - 1)
     assert alone.prompt_tokens_computed == n * prompt_len
     assert forked.scheduler.blocks.num_free == 64  # every shared block went back once, when its last holder let go
 
 
 def test_a_forks_table_shares_the_full_prompt_blocks_and_owns_the_rest(model):
-    eng, prompt = _engine(model), _prompt(10)  # 9 shared tokens: 2 full blocks, 1 partial one copied
+    eng, prompt = _engine(model), _prompt(11)  # 9 shared tokens: 2 full blocks, 1 partial one copied
     ids = [eng.add_request(prompt, _params(k, "g")) for k in range(3)]
     eng.step()  # the leader's prefill; the others fork at its end
     seqs = [eng.scheduler.seqs[i] for i in ids]
@@ -61,7 +61,7 @@ def test_a_forks_table_shares_the_full_prompt_blocks_and_owns_the_rest(model):
         assert f.block_table[:2] == lead.block_table[:2] and f.num_computed == 9
         assert f.block_table[2] not in lead.block_table
     assert [eng.scheduler.blocks.refs(b) for b in lead.block_table[:2]] == [3, 3]
-    eng.step()  # the copies land before the forks write their own last prompt token
+    eng.step()  # the copies land before the forks write their own last 2 prompt tokens
     kv = eng.runner.cache.kv  # [L, 2, NB, BS, KVH, Dh]
     for f in forks:
         assert torch.equal(kv[:, :, f.block_table[2], :1], kv[:, :, lead.block_table[2], :1])  # position 8, copied
@@ -73,7 +73,7 @@ def test_a_late_choice_forks_at_once_and_one_after_the_leader_computes_its_own(m
     eng.step()
     eng.step()  # the leader decodes
     late = eng.add_request(prompt, _params(1, "g"))
-    assert eng.scheduler.num_forked == 1 and eng.scheduler.seqs[late].num_computed == 8
+    assert eng.scheduler.num_forked == 1 and eng.scheduler.seqs[late].num_computed == 7
     while eng.has_unfinished():
         eng.step()
     before = eng.prompt_tokens_computed
@@ -152,3 +152,50 @@ def test_copy_blocks_copies_every_layer_k_and_v(model):
     cache.copy_blocks([(1, 4), (2, 5)])
     assert torch.equal(cache.kv[:, :, 4], before[:, :, 1]) and torch.equal(cache.kv[:, :, 5], before[:, :, 2])
     assert torch.equal(cache.kv[:, :, :4], before[:, :, :4])
+
+
+@pytest.fixture(scope="module")
+def invariant_model():
+    return invariant_tiny_model()
+
+
+def _choices(eng: Engine, prompt: list[int], order: list[int], group: str | None, late: int | None = None) -> dict:
+    """A seeded n = 3 request's choices arriving in ``order`` (``late``: that one after the others finished), run
+    to completion: choice k -> (its tokens, their logprobs)."""
+    ids, out = {}, {}
+
+    def drain() -> None:
+        for _ in range(200):
+            if not eng.has_unfinished():
+                return
+            for o in eng.step():
+                out[o.seq_id][0].extend(o.new_token_ids)
+                out[o.seq_id][1].extend(lp.logprob for lp in o.logprobs)
+        raise AssertionError("the engine did not finish in 200 steps")
+
+    for k in [k for k in order if k != late] + ([late] if late is not None else []):
+        if k == late:
+            drain()
+        ids[k] = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=11 + k, ignore_eos=True,
+                                                        fork_group=group, logprobs=0))  # fmt: skip
+        out[ids[k]] = ([], [])
+    drain()
+    return {k: out[ids[k]] for k in sorted(order)}
+
+
+@pytest.mark.parametrize("prompt_len", [9, 10, 11, 33])  # shared parts ending on a block's edge and inside one
+def test_a_choice_is_the_same_whether_it_leads_forks_or_comes_late(invariant_model, prompt_len):
+    """Under kernels = invariant a seeded choice's tokens and logprobs are its seed's request alone, bit for bit,
+    whichever choice arrives first (the leader: the prompt by prefill), forks, or arrives after the leader
+    finished (a request of its own, from the cached prompt), the second time from the prefix cache too. The
+    gateway sends each choice as a request of its own: their order at the node is the network's. A fork that
+    computed its last prompt token alone ran the decode path (other numbers: its choice changed with the order,
+    tests/gateway/routes/test_openai_params.py::test_best_of_...)."""
+    prompt = _prompt(prompt_len)
+    alone = {k: _choices(_engine(invariant_model), prompt, [k], None)[k] for k in range(3)}
+    assert len({tuple(t) for t, _ in alone.values()}) == 3
+    eng = _engine(invariant_model)
+    for i, (order, late) in enumerate((([0, 1, 2], None), ([2, 0, 1], None), ([1, 2, 0], None), ([0, 1, 2], 2))):
+        got = _choices(eng, prompt, order, f"g{i}", late)
+        assert got == alone, (order, late, {k: got[k][1] for k in got}, {k: alone[k][1] for k in alone})
+    assert eng.scheduler.num_forked == 2 + 2 + 2 + 1 and eng.scheduler.blocks.num_free == 64

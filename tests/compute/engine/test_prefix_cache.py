@@ -18,7 +18,7 @@ from compute.engine.sampling import SamplingParams
 from compute.engine.scheduler import Scheduler, SchedulerConfig
 from compute.engine.sequence import Sequence
 from tests.compute.engine.test_scheduler import run_to_completion
-from tests.compute.tiny import tiny_model
+from tests.compute.tiny import invariant_tiny_model, tiny_model
 
 BS = 16
 EXTRA = extra_keys("tiny@v1/fp32", "float32", BS)
@@ -31,20 +31,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def invariant_model():
-    """The tiny model on int8 weights with one row-invariant kernel (int8mm) at every M and position-aligned
-    prefill queries: what ``kernels = invariant`` gives a node (tests/compute/test_engine.py)."""
-    from compute.modeling.model import Attention, Transformer
-    from tests.compute.modeling.test_model_parity import int8_state
-
-    host = tiny_model(seed=7)
-    m = Transformer.build(host.config, torch.float32)
-    m.load_weights(int8_state({n: b for n, b in host.named_buffers() if b is not None}))
-    for lin in m.kernel_modules():
-        lin.use_kernels(("int8mm",) * 4)
-    for a in m.modules():
-        if isinstance(a, Attention):
-            a.aligned = True
-    return m
+    """What ``kernels = invariant`` gives a node (tests/compute/tiny.py)."""
+    return invariant_tiny_model()
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -194,6 +182,38 @@ def test_hit_equals_miss_bit_for_bit_in_invariant_mode(invariant_model, budget):
         assert got[:2] == want[:2], (n, cut)
 
 
+def test_requests_sharing_a_small_budget_are_what_they_are_alone_in_invariant_mode(invariant_model):
+    """Budget 16 above 4 seats, prompts of 2-40 tokens, seeded choices (forks) and requests of their own arriving
+    0-2 a step: a prefill the budget left one token of waits for the next step (else that token would run the decode
+    path); every request's tokens and logprobs are what it gets alone, bit for bit."""
+    import random
+
+    rng = random.Random(11)  # a workload whose budget leaves a prefill one token (at position 32)
+    kw = {"num_blocks": 128, "block_size": BS, "max_num_batched_tokens": 16, "max_num_seqs": 4}
+    reqs = []
+    for i in range(12):
+        same = i % 4 in (1, 2)  # choices 2 and 3 of a group of 3
+        prompt = reqs[-1][0] if same else _prompt(rng.randrange(2, 40), seed=i)
+        reqs.append((prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=i, ignore_eos=True, logprobs=0,
+                                            fork_group=f"g{i // 4}" if i % 4 < 3 else None)))  # fmt: skip
+    eng, ids, got = Engine.for_model(invariant_model, **kw), {}, {}
+    for step in range(500):
+        for _ in range(rng.randrange(0, 3)):  # 0-2 requests arrive before each step
+            if len(ids) < len(reqs):
+                prompt, p = reqs[len(ids)]
+                ids[eng.add_request(prompt, p)] = len(ids)
+        if len(ids) == len(reqs) and not eng.has_unfinished():
+            break
+        for o in eng.step():
+            t, lp = got.setdefault(ids[o.seq_id], ([], []))
+            t += o.new_token_ids
+            lp += [x.logprob for x in o.logprobs]
+    assert eng.scheduler.num_forked > 0
+    for i, (prompt, p) in enumerate(reqs):
+        alone = Engine.for_model(invariant_model, **kw)
+        assert got[i] == _run(alone, prompt, SamplingParams(**{**_asdict(p), "fork_group": None}))[:2], i
+
+
 def test_a_salted_request_shares_only_with_its_own_salt(model):
     eng = Engine.for_model(model, num_blocks=64, block_size=BS)
     p = _prompt(60)
@@ -242,7 +262,7 @@ def test_forks_share_a_cached_prompt_and_are_what_they_would_be_alone(model):
     _run(eng, p, _greedy())  # the prompt's first two blocks cached
     before = eng.prompt_tokens_computed
     got = eng.generate([p] * n, params)
-    assert eng.prompt_tokens_computed - before == (41 - 32) + (n - 1)  # the leader's rest, each fork's last token
+    assert eng.prompt_tokens_computed - before == (41 - 32) + 2 * (n - 1)  # the leader's rest, each fork's last 2
     off = Engine.for_model(model, num_blocks=64, block_size=BS, prefix_cache=False)
     assert got == off.generate([p] * n, [SamplingParams(**{**_asdict(q), "fork_group": None}) for q in params])
     eng.scheduler.check_blocks()

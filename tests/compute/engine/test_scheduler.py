@@ -132,3 +132,44 @@ def test_stop_reasons():
     s.postprocess(s.schedule(), {c.seq_id: 2})
     assert c.finish_reason is FinishReason.LENGTH and c.output_token_ids == [2, 2]
     assert s.blocks.num_free == 16
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_prefill_never_runs_a_one_token_piece_when_the_budget_allows(seed):
+    """A one-token chunk runs the decode path (other numbers than a prefill's: under kernels = invariant a prompt's
+    logits would depend on what else took the step's budget). With a budget above the seats, a prefill left one
+    token of the budget waits for the next step: every one-token chunk is a decode (forks compute their last 2
+    prompt tokens), and every request still finishes. At a budget within the seats, progress first."""
+    rng = random.Random(seed)
+    for budget, seats, strict in ((16, 4, True), (4, 4, False)):
+        s = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=seats, max_num_batched_tokens=budget))
+        seqs = []
+        for i in range(24):  # groups of 3 choices (forks) and requests of their own
+            group = f"g{i // 3}" if i % 6 < 3 else None
+            same = group is not None and i % 3 and seqs
+            seqs.append(Sequence(list(seqs[-1].token_ids) if same else list(range(3, 3 + rng.randrange(2, 30))),
+                                 SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True, fork_group=group)))
+            s.add(seqs[-1])
+        pieces = 0
+        for _ in range(2_000):
+            if not s.has_unfinished():
+                break
+            b = s.schedule()
+            assert b, "no progress"
+            pieces += sum(len(x.token_ids) == 1 and not x.sample for x in b.seqs)
+            assert not (strict and pieces), (budget, b.seqs)
+            s.postprocess(b, {x.seq_id: rng.randrange(3, 99) for x in b.seqs if x.sample})
+            s.check_blocks()  # (check_invariants: a fork waits with its shared table)
+        assert not s.has_unfinished() and s.blocks.num_free == 64 and all(q.is_finished for q in seqs)
+        assert strict or s.num_forked > 0
+
+
+def test_a_prompt_left_one_token_of_the_budget_waits_for_the_next_step():
+    s = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16))
+    a, b = seq(15), Sequence(list(range(50, 60)), SamplingParams(max_tokens=8, temperature=0))  # no shared prefix
+    s.add(a)
+    s.add(b)
+    first = s.schedule()  # a takes 15 of the 16: b's prompt waits, whole, rather than run a token by the decode path
+    assert [(x.seq_id, len(x.token_ids)) for x in first.seqs] == [(a.seq_id, 15)] and b.status is Status.WAITING
+    s.postprocess(first, {a.seq_id: 50})
+    assert [(x.seq_id, len(x.token_ids)) for x in s.schedule().seqs] == [(a.seq_id, 1), (b.seq_id, 10)]
