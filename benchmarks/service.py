@@ -305,22 +305,28 @@ class ServedEngine:
     def stop(self) -> None:
         self.up.stop()
 
-    def _run(self, prompt, tokens: int, fresh: bool = False) -> list[float]:
-        """Stream one completion; its token stamps. ``fresh``: under a new ``cache_salt``, so no cached prefix of an
-        earlier call serves it (the node's prefix cache outlives a request; the in-process systems' does not)."""
+    def _run(self, prompt, tokens: int, fresh: bool = False) -> tuple[list[float], int]:
+        """Stream one completion -> (the request's start and each text chunk's arrival, tokens generated).
+        ``fresh``: under a new ``cache_salt``, so no cached prefix of an earlier call serves it (the node's prefix
+        cache outlives a request; the in-process systems' does not). A chunk may carry several tokens (the text of
+        a token that ends inside a UTF-8 character waits for the next), so tokens are counted by the usage."""
         body = {"ignore_eos": True} | ({"cache_salt": uuid.uuid4().hex} if fresh else {})
-        stamps = [time.perf_counter()]
+        stamps, used = [time.perf_counter()], 0
         stream = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=tokens, temperature=0,
-                                                stream=True, extra_body=body)  # fmt: skip
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body=body)  # fmt: skip
         for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 stamps.append(time.perf_counter())
-        return stamps
+            if chunk.usage is not None:
+                used = chunk.usage.completion_tokens
+        return stamps, used
 
     def decode_rate(self, prompt, tokens: int) -> float:
-        s = self._run(prompt, tokens)
-        return (len(s) - 2) / (s[-1] - s[1])
+        """Tokens after the first one over the time from the first text chunk to the last."""
+        s, used = self._run(prompt, tokens)
+        return (used - 1) / (s[-1] - s[1])
 
     def prefill_time(self, prompt) -> float:
-        s = self._run(prompt, 1, fresh=True)
+        s, _ = self._run(prompt, 1, fresh=True)
         return s[1] - s[0]
