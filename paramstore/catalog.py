@@ -147,3 +147,11 @@ def try_put(loc: Location, rel: str, raw: bytes) -> bool:
         return True
     except OSError:
         return False
+
+
+def listed(loc: Location, prefix: str) -> list[str]:
+    """The paths under ``prefix`` of one location; [] if it cannot be listed (a replicated object's other copies)."""
+    try:
+        return loc.list(prefix)
+    except OSError:
+        return []

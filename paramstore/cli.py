@@ -186,61 +186,49 @@ def cmd_stats(store, args) -> int:
     return 0
 
 
-def cmd_plans(store, args) -> int:
+def _objects(args, noun: str, label: str, objects, empty: str, header: str, row, show) -> int:
+    """``paramstore plans|graphs [ls | show ID | rm ID]``: the store's replicated objects of one kind."""
     if args.action == "ls":
         if args.id:
-            return _fail("plans ls takes no ID (plans show ID: one plan)")
-        rows = store.plans.list()
+            return _fail(f"{noun} ls takes no ID ({noun} show ID: one {label})")
+        rows = objects.list()
         if args.json:
             print(json.dumps(rows, indent=1))
         elif not rows:
-            print("(no kernel plans: a node publishes its machine's after it measures)")
+            print(empty)
         else:
-            print(f"{'ID':16} {'REV':>3} {'SHAPES':>6}  MACHINE")
+            print(header)
             for r in rows:
-                if not r["valid"]:
-                    print(f"{r['id']:16} {'-':>3} {'-':>6}  INVALID: {r['error']}")
-                else:
-                    print(f"{r['id']:16} {r['revision']:>3} {r['shapes']:>6}  {str(r['key']).split(' ', 1)[-1]}")
+                print(row(r) if r["valid"] else f"{r['id']:16} {'-':>3} {'-':>6}  INVALID: {r['error']}")
         return 0
     if not args.id:
-        return _fail(f"plans {args.action} needs a plan ID (paramstore plans: the list)")
+        return _fail(f"{noun} {args.action} needs a {label} ID (paramstore {noun}: the list)")
     if args.action == "rm":
-        pid = store.plans.delete(args.id)
-        print(json.dumps({"removed": pid}) if args.json else f"removed kernel plan {pid}")
+        oid = objects.delete(args.id)
+        print(json.dumps({"removed": oid}) if args.json else f"removed {label} {oid}")
         return 0
-    print(json.dumps(store.plans.get(args.id), indent=1))
+    print(json.dumps(show(args.id), indent=1))
     return 0
+
+
+def cmd_plans(store, args) -> int:
+    return _objects(args, "plans", "kernel plan", store.plans,
+                    "(no kernel plans: a node publishes its machine's after it measures)",
+                    f"{'ID':16} {'REV':>3} {'SHAPES':>6}  MACHINE",
+                    lambda r: f"{r['id']:16} {r['revision']:>3} {r['shapes']:>6}  {str(r['key']).split(' ', 1)[-1]}",
+                    store.plans.get)  # fmt: skip
 
 
 def cmd_graphs(store, args) -> int:
-    if args.action == "ls":
-        if args.id:
-            return _fail("graphs ls takes no ID (graphs show ID: one step graph)")
-        rows = store.graphs.list()
-        if args.json:
-            print(json.dumps(rows, indent=1))
-        elif not rows:
-            print("(no step graphs: a node publishes its compiled decode step after it builds one)")
-        else:
-            print(f"{'ID':16} {'REV':>3} {'SIZE':>10}  {'BY':20} META")
-            for r in rows:
-                if not r["valid"]:
-                    print(f"{r['id']:16} {'-':>3} {'-':>10}  INVALID: {r['error']}")
-                else:
-                    meta = json.dumps(r["meta"], sort_keys=True)
-                    meta = meta if len(meta) <= 60 else meta[:59] + "…"
-                    print(f"{r['id']:16} {r['revision']:>3} {_human(r['size']):>10}  {str(r['by'])[:20]:20} {meta}")
-        return 0
-    if not args.id:
-        return _fail(f"graphs {args.action} needs a step graph ID (paramstore graphs: the list)")
-    if args.action == "rm":
-        gid = store.graphs.delete(args.id)
-        print(json.dumps({"removed": gid}) if args.json else f"removed step graph {gid}")
-        return 0
-    body, _ = store.graphs.get(args.id)  # verified: show says so only for a package that would load
-    print(json.dumps(body, indent=1))
-    return 0
+    def row(r: dict) -> str:
+        meta = json.dumps(r["meta"], sort_keys=True)
+        meta = meta if len(meta) <= 60 else meta[:59] + "…"
+        return f"{r['id']:16} {r['revision']:>3} {_human(r['size']):>10}  {str(r['by'])[:20]:20} {meta}"
+
+    return _objects(args, "graphs", "step graph", store.graphs,
+                    "(no step graphs: a node publishes its compiled decode step after it builds one)",
+                    f"{'ID':16} {'REV':>3} {'SIZE':>10}  {'BY':20} META", row,
+                    lambda gid: store.graphs.get(gid)[0])  # verified: shown only for a package that would load
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ import re
 import socket
 import time
 
-from .catalog import first_valid, try_put
+from .catalog import first_valid, listed, try_put
 from .errors import IntegrityError, InvalidRequest, LocationUnavailable, NotFound
 from .integrity import check_seal, seal
 from .locations import Location
@@ -114,7 +114,7 @@ class Graphs:
         """One row per id (an index or a package without one): id, meta, size, revision, published, by,
         signed, valid (and ``error``: why not). Reads and checks every package, as ``get`` does."""
         ids: set[str] = set()
-        for rels in self.pool.map(_ls, self.locations):
+        for rels in self.pool.map(lambda loc: listed(loc, PREFIX), self.locations):
             ids.update(rel.split("/")[-1].rsplit(".", 1)[0] for rel in rels if rel.endswith((".json", ".pt2")))
         rows = []
         for gid in sorted(i for i in ids if _ID.match(i)):
@@ -188,10 +188,3 @@ def _read_package(loc: Location, gid: str, body: dict) -> bytes:
     if len(data) != body["size"] or hashlib.sha256(data).hexdigest() != body["sha256"]:
         raise IntegrityError(f"step graph {gid}: package does not match its index's sha256 (corrupt or replaced)")
     return data
-
-
-def _ls(loc: Location) -> list[str]:
-    try:
-        return loc.list(PREFIX)
-    except OSError:
-        return []

@@ -23,7 +23,7 @@ import re
 import socket
 import time
 
-from .catalog import first_valid, try_put
+from .catalog import first_valid, listed, try_put
 from .errors import IntegrityError, InvalidRequest, LocationUnavailable, NotFound
 from .integrity import check_seal, seal
 from .locations import Location
@@ -90,7 +90,7 @@ class Plans:
     def list(self) -> list[dict]:
         """One row per plan id: key, revision, shapes, published, signed, valid (and why not)."""
         ids: set[str] = set()
-        for _, rels in self.pool.map(lambda loc: (loc, _ls(loc)), self.locations):
+        for _, rels in self.pool.map(lambda loc: (loc, listed(loc, PREFIX)), self.locations):
             ids.update(rel.split("/")[-1][:-5] for rel in rels if rel.endswith(".json"))
         rows = []
         for pid in sorted(i for i in ids if _ID.match(i)):
@@ -122,10 +122,3 @@ class Plans:
         if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(body.get("table"), dict):
             raise IntegrityError(f"kernel plan {pid} has unknown format {body.get('format')!r}")
         return body
-
-
-def _ls(loc: Location) -> list[str]:
-    try:
-        return loc.list(PREFIX)
-    except OSError:
-        return []
