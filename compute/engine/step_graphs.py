@@ -198,7 +198,13 @@ class StepGraphs:
         if g is None or n > g.max_keys or n < 2:
             return None
         ids, pos, slots, ctx_slots, ctx_lens = step_inputs(tokens, positions, tables, bs, n)
-        logits, fresh = g.fn(ids, pos, ctx_slots, ctx_lens, cache.kv)
+        try:
+            logits, fresh = g.fn(ids, pos, ctx_slots, ctx_lens, cache.kv)
+        except Exception as e:  # noqa: BLE001 - the graph only read the cache: this step runs eagerly instead
+            log.error("step graph %s (batch %d-%d) failed and is dropped, eager from now: %s: %s", g.gid, g.lo, g.hi,
+                      type(e).__name__, e)  # fmt: skip
+            self.graphs = [x for x in self.graphs if x is not g]
+            return None
         g.step.write(cache.kv, slots, fresh)
         self.steps += 1
         return logits

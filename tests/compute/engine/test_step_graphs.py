@@ -185,3 +185,17 @@ def test_stopping_mid_build_leaves_no_compiler_running(tmp_path):
     assert not _compilers()
     assert b.stop(timeout=30) and not graphs.graphs  # the thread ends; nothing half-built was installed
     assert not [p for p in (tmp_path / "graphs").iterdir() if p.suffix == ".pt2" and not p.name.startswith(".")]
+
+
+def test_a_failing_graph_is_dropped_and_the_step_runs_eagerly(model):
+    from compute.engine.step_graphs import Graph
+
+    def broken(*args):
+        raise RuntimeError("a shape the package does not take")
+
+    graphs = StepGraphs()
+    graphs.install(Graph(1, STREAMS, 256, None, broken, "0123456789abcdef"))
+    engine = _engine(model, graphs)
+    out = engine.generate(_prompts(2), SamplingParams(max_tokens=4, temperature=0))
+    assert all(len(o) == 4 for o in out) and graphs.graphs == [] and graphs.steps == 0
+    assert out == _engine(model).generate(_prompts(2), SamplingParams(max_tokens=4, temperature=0))
