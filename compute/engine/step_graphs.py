@@ -21,6 +21,7 @@ the source of ``compute/modeling/graph_step.py``: 16 hex digits. The graph only 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -304,12 +305,21 @@ class GraphBuilder:
             self.install(Graph(lo, hi, sp["max_keys"], step, fn, gid))
 
     def _package(self, gid: str, step: GraphStep, lo: int, hi: int, sp: dict, mk: str) -> tuple[str, str]:
-        """(path of the package's file, where it came from)."""
+        """(path of the package's file, where it came from). One process of this machine builds a package at a time
+        (a lock beside it); the others wait for it and then find it here."""
         local = os.path.join(self.dir, f"{gid}.pt2") if self.dir else None
         if local and os.path.exists(local):
             return local, "local"
         tmpdir = self.dir or tempfile.gettempdir()
         os.makedirs(tmpdir, exist_ok=True)
+        with open(os.path.join(tmpdir, f".{gid}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process ends
+            if local and os.path.exists(local):
+                return local, "local"
+            return self._fetch_or_build(gid, step, lo, hi, sp, mk, local, tmpdir)
+
+    def _fetch_or_build(self, gid: str, step: GraphStep, lo: int, hi: int, sp: dict, mk: str, local: str | None,
+                        tmpdir: str) -> tuple[str, str]:  # fmt: skip
         got = self._from_store(gid)
         if got is not None:
             return self._save(got, local, gid), "store"

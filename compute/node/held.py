@@ -124,7 +124,7 @@ class Held:
 
             if cfg.step == "graph" and cfg.device.startswith("cuda"):  # captured on the engine thread as they come
                 worker.engine.runner.graphs = CudaGraphs(inj.model, worker.engine.runner.cache, cfg.max_num_seqs)
-            elif cfg.step == "graph":
+            elif cfg.step == "graph" and cfg.role != "prefill":  # a prefill node decodes nothing
                 self.graphs = start_graphs(cfg, self.name, inj, worker, store)
 
             def swapped() -> None:  # on the engine thread, between two steps

@@ -199,3 +199,21 @@ def test_a_failing_graph_is_dropped_and_the_step_runs_eagerly(model):
     out = engine.generate(_prompts(2), SamplingParams(max_tokens=4, temperature=0))
     assert all(len(o) == 4 for o in out) and graphs.graphs == [] and graphs.steps == 0
     assert out == _engine(model).generate(_prompts(2), SamplingParams(max_tokens=4, temperature=0))
+
+
+def test_two_builders_on_one_machine_build_each_package_once(tmp_path):
+    """Two nodes of one machine (here two builders of one process: a lock per package beside it) start together:
+    each package is built by one of them, and the other takes it from the machine's cache."""
+    model = _int8_tiny()
+    graphs, builders = [StepGraphs(), StepGraphs()], []
+    for g in graphs:
+        builders.append(GraphBuilder(model, _engine(model).runner.cache, STREAMS, cache_dir=str(tmp_path),
+                                     model_key="int8", plan_final=lambda t: True, install=g.install,
+                                     name="tiny").start())  # fmt: skip
+    try:
+        assert all(b.wait_idle(400) for b in builders)
+    finally:
+        assert all(b.stop() for b in builders)
+    a, b = (bl.sources for bl in builders)
+    assert set(a) == set(b) and len(a) == 2 and all(sorted((a[g], b[g])) == ["built", "local"] for g in a), (a, b)
+    assert all(len(g.graphs) == 2 for g in graphs)
