@@ -30,6 +30,7 @@ import signal
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -159,6 +160,20 @@ def kill_compilers() -> int:
     return killed
 
 
+_BUILDERS: weakref.WeakSet = weakref.WeakSet()  # this process's builders
+
+
+def exit_if_building(code: int = 0) -> None:
+    """The last step of a process that stopped its builders: if a build thread is still inside the compiler's
+    tracing, kill the compilers it may have started since and end the process now (``os._exit``: a thread inside a
+    torch op at interpreter teardown aborts it), so that nothing it started outlives it."""
+    if any(b._thread is not None and b._thread.is_alive() for b in list(_BUILDERS)):
+        kill_compilers()
+        log.info("exiting with a step-graph build cut short")
+        logging.shutdown()
+        os._exit(code)
+
+
 def _sweep(folder: str) -> None:
     """Remove the partial files of builds whose process is gone (killed mid-build)."""
     for name in os.listdir(folder):
@@ -230,6 +245,7 @@ class GraphBuilder:
     def start(self) -> GraphBuilder:
         self._again.set()
         self._thread = threading.Thread(target=self._run, name=f"graphs-{self.name}", daemon=True)
+        _BUILDERS.add(self)
         self._thread.start()
         return self
 
@@ -244,17 +260,23 @@ class GraphBuilder:
         """The kernels changed (a plan swap): take the graphs again."""
         self._again.set()
 
-    def stop(self, timeout: float = 5.0) -> bool:
-        """End the thread after what it is doing; a build still running after ``timeout`` has its compiler killed
-        (the thread then ends with an error, a daemon of a process that is freeing the model or exiting)."""
+    def stop(self, timeout: float = 5.0, kill_s: float = 3.0) -> bool:
+        """End the thread after what it is doing; a build still running after ``timeout`` has its compiler processes
+        killed as they appear, for up to ``kill_s`` more, so that the build fails and the thread ends (else it is a
+        daemon of a process that is exiting: nothing it started outlives it but a compiler started in the last ms)."""
         self._stop.set()
         self._again.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                n = kill_compilers()
-                log.info("step graphs of %s: stopped mid-build (%d compiler processes killed)", self.name, n)
-        return self._thread is None or not self._thread.is_alive()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        killed, deadline = 0, time.monotonic() + kill_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            killed += kill_compilers()
+            self._thread.join(0.05)
+        if killed or self._thread.is_alive():
+            log.info("step graphs of %s: stopped mid-build (%d compiler processes killed%s)", self.name, killed,
+                     "" if not self._thread.is_alive() else "; the build thread is still in its tracing")  # fmt: skip
+        return not self._thread.is_alive()
 
     def wait_idle(self, timeout: float) -> bool:
         """True once every graph of the current kernels has been taken (tests, benchmarks)."""

@@ -234,7 +234,7 @@ def free(h: Held, wait_load_s: float = 30.0) -> None:
         graphs, h.graphs = h.graphs, None
         h.weights_bytes = h.kv_bytes = 0
     if graphs is not None:
-        graphs.stop()
+        graphs.stop(timeout=2.0)  # then its compiler killed: the launcher SIGKILLs at 10 s
     if svc is not None:
         _close(svc)
     if inj is not None:

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 
 
@@ -245,8 +246,18 @@ def main(args) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", loop="asyncio"))
     print(f"pdserve node: role={cfg.role} model={cfg.model or '(standby)'} listening on http://{cfg.host}:{cfg.port}",
           file=sys.stderr, flush=True)  # fmt: skip
+    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal it stopped on, with the handler it
+        signal.signal(sig, _stopping)  # found: this one, so that the close below runs (the default would end us first)
     try:
         loop.run_until_complete(server.serve())
     finally:
-        host.close()
+        host.close()  # engine threads, KV endpoints, a step-graph build (and its compiler) stopped
+    from compute.engine.step_graphs import exit_if_building
+
+    exit_if_building()
     return 0
+
+
+def _stopping(signum: int, frame) -> None:
+    """The stop signal again, after uvicorn's graceful shutdown: the node is closing already (a close that hangs is
+    ended by the launcher's SIGKILL)."""

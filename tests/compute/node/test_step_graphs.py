@@ -98,3 +98,31 @@ def test_step_is_eager_by_default_graph_by_flag_or_file_and_refused_under_invari
     path.write_text('[node]\nstep = "compiled"\n')
     r = run(node + ["--config", str(path), "--print-config"], token)
     assert r.returncode == 2 and "invalid step 'compiled'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_sigterm_mid_build_closes_the_node_and_leaves_no_compiler(tmp_path, int8_store):
+    import signal
+    import time
+
+    with ParamStore(int8_store) as store:  # none in the store: this node builds
+        for row in store.graphs.list():
+            store.graphs.delete(row["id"])
+    svc = Services(int8_store.locations, "tiny", str(tmp_path), TOKEN)
+    try:
+        node = svc.node("both", kv_blocks=64, extra=("--step", "graph", "--max-num-seqs", str(SEQS), "--log-level",
+                                                     "info", "--cache-dir", str(tmp_path / "machine")))  # fmt: skip
+        node.wait_ready(120)
+        wait_for(lambda: "building it" in node.log(), 120, "a build", every=0.2)
+        time.sleep(2)
+        procs = [psutil.Process(node.p.pid), *_descendants(node)]
+        node.p.send_signal(signal.SIGTERM)
+        assert node.p.wait(30) == 0, node.log()[-2000:]  # closed (not killed by the signal's default action)
+        assert "mid-build" in node.log()
+    finally:
+        svc.stop_all()
+    gone, alive = psutil.wait_procs(procs, timeout=10)
+    assert not alive, [p.cmdline()[:2] for p in alive]
+    time.sleep(1)
+    leftovers = [p for p in psutil.process_iter(["name", "ppid", "status"]) if p.info["name"] in ("cc1plus", "g++")
+                 and p.info["ppid"] == 1 and p.info["status"] != psutil.STATUS_ZOMBIE]  # killed: a zombie until reaped
+    assert not leftovers, leftovers
