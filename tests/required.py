@@ -35,6 +35,7 @@ REQUIRED: dict[str, str] = {  # component -> regex searched in a skip's reason (
     "prometheus (Debian package: server + promtool; .ci/run installs it)": r"\bprometheus\b|promtool",
     "alluxiofs (extra 'alluxio')": r"alluxio",
     "transformers": r"\btransformers\b|\baccelerate\b",
+    "pdserve's native kernels (make venv builds them)": r"native kernels",
     "a Python package": r"could not import",
 }
 _PATTERNS = [(name, re.compile(rx, re.IGNORECASE)) for name, rx in REQUIRED.items()]

@@ -43,7 +43,12 @@ Candidates (``KERNELS``), all taking x in any float dtype and returning y in ``o
   (``compute.kernels.budget``);
 - ``otf``: the int8 weight converted to bf16 per call into a reused 16 MiB buffer (weights up to 8M parameters),
   bf16 ``F.linear``, the scale applied to the output: no resident copy; 1.1-1.4x the copy at M = 32, ~1.0-1.1x
-  at M = 512 (the conversion amortised: prefill).
+  at M = 512 (the conversion amortised: prefill);
+- ``native``: pdserve's own C++ kernel (``compute.kernels.native``, built at install): each weight byte read once
+  and widened to fp32 in registers, fp32 sums (error ~1e-7: no activation rounding at all), AVX-512 / AVX2 / scalar
+  bodies by the CPU; row-invariant by construction (every output's K loop is the same at any M). At M = 1 it runs at
+  the memory bandwidth where ATen's int8mm does not (AVX2: int8mm converts per 4x4 tile); it is the rule's kernel
+  up to M = ``RULE_NATIVE_MAX_M`` wherever it is built.
 """
 
 from __future__ import annotations
@@ -64,25 +69,29 @@ import torch.nn.functional as F
 from paramstore.buffers import (
     ALIGN,  # the int8 kernel needs aligned inputs (see ``aligned``)
 )
+from compute.kernels import native
 from compute.kernels.nocopy import _OTF_MAX, SCRATCH_BYTES, W8A16_LO, otf_weight, scratch, w8a16  # noqa: F401 - some re-exported
 from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
 
 BUCKETS = (1, 8, 64, None)  # upper bounds of M per bucket: 1 | 2-8 | 9-64 | 65+
 PROBE_M = (1, 8, 32, 256)  # the M each bucket is timed at
-KERNELS = ("int8mm", "dequant", "bf16", "w8a8", "w8a16", "otf")
+KERNELS = ("int8mm", "dequant", "bf16", "w8a8", "w8a16", "otf", "native")
 ERROR_GATE = 0.01  # relative RMS error vs fp32 on outlier activations: ~3x bf16 rounding (int8mm, bf16: 0.3%; w8a8: 1.8-4.4%)
+SHAPE_BUDGET_S = 4.0  # kernel time spent timing one shape's candidates, at most: then the best so far stands
 INT8MM_K_MULTIPLE = 16  # the int8 kernel only for K % 16 == 0 (AVX-512 needs it, AVX2 K % 8: compute/kernels/linear.py)
-TABLE_VERSION = 9  # 8: w8a16; 9: otf; invariant only from INVARIANT_BY_CONSTRUCTION
+TABLE_VERSION = 10  # 8: w8a16; 9: otf; invariant only from INVARIANT_BY_CONSTRUCTION; 10: native
 # measured: the fastest per M bucket; invariant: one batch-invariant kernel per shape;
 # fixed: int8mm up to M = 64, dequant beyond, on every CPU (the rule before this)
 MODES = ("measured", "invariant", "fixed")
-INVARIANCE_M = (*range(2, 66), 96, 128, 200, 256, 300, 384, 420, 512)  # every row at these M as in the largest, whose rows are as alone
+# every row at these M as in the largest, whose rows are as alone: each tile edge of the kernels probed (only those
+# row-invariant by construction are: 4, 8, 16 rows and their neighbours) and a few prefill sizes
+INVARIANCE_M = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 200, 256)
 INVARIANCE_ROWS = 8  # rows of the largest M compared with each computed alone
 # the kernels ``invariant`` may name: row-invariant by construction (int8mm: each output tile's K loop is the same at
 # any M; w8a16: integer-exact products, a scale per row), and then by the probe (a CPU can break the construction:
 # _int_mm without VNNI). oneDNN's bf16 GEMM passed the probe on the Zen 4 box yet SmolLM2's greedy output under it
 # differed alone vs in a batch of 16 (tests/compute/modeling/test_realmodel.py): a probe alone is not trusted
-INVARIANT_BY_CONSTRUCTION = ("int8mm", "w8a16")
+INVARIANT_BY_CONSTRUCTION = ("int8mm", "w8a16", "native")
 # one per machine (per user): $XDG_CACHE_HOME/pdserve/kernels.json, else ~/.cache/pdserve/kernels.json
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
                              "pdserve", "kernels.json")  # fmt: skip
@@ -137,6 +146,8 @@ def bucket(m: int) -> int:
 
 
 def usable(name: str, n: int, k: int) -> bool:
+    if name == "native":
+        return native.available()
     if name == "otf":
         return n * k <= _OTF_MAX
     return name != "int8mm" or k % INT8MM_K_MULTIPLE == 0
@@ -161,6 +172,8 @@ def run(name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_
         return w8a16(x, q, scale)
     if name == "otf":
         return F.linear(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), otf_weight(q)).mul_(scale_bf16)
+    if name == "native":
+        return native.int8_linear(x, q, scale)
     raise ValueError(f"unknown kernel {name!r}: one of {', '.join(KERNELS)}")
 
 
@@ -252,17 +265,30 @@ def _outlier_input(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def measure(shapes: Iterable[tuple[int, int]], threads: int, repeats: int = 7,
-            kernels: Iterable[str] = KERNELS) -> dict:  # fmt: skip
+            kernels: Iterable[str] = KERNELS, budget_s: float = SHAPE_BUDGET_S) -> dict:  # fmt: skip
     """Time and check every usable kernel on each [N, K] at ``PROBE_M``; -> the table (see the module doc)."""
-    return _drain(measure_steps(shapes, threads, repeats, kernels))
+    return _drain(measure_steps(shapes, threads, repeats, kernels, budget_s=budget_s))
+
+
+def candidates(kernels: Iterable[str] = KERNELS, flags: str | None = None) -> list[str]:
+    """The kernels worth measuring on this CPU: a bf16 GEMM (``bf16``, ``otf``) only where the CPU has bf16
+    arithmetic (avx512_bf16, AMX), an int8 GEMM (``w8a8``, ``w8a16``) only where it has VNNI or AMX-int8 (elsewhere
+    oneDNN emulates them: 3-10x behind, or inexact, on the AVX2 box; FIELD-NOTES)."""
+    have = set((machine().split("|")[1] if flags is None else flags).split())
+    bf16 = bool(have & {"avx512_bf16", "amx_bf16"})
+    vnni = bool(have & {"avx512_vnni", "avx_vnni", "amx_int8"})
+    return [c for c in kernels if (c not in ("bf16", "otf") or bf16) and (c not in ("w8a8", "w8a16") or vnni)]
 
 
 def measure_steps(shapes: Iterable[tuple[int, int]], threads: int, repeats: int = 7, kernels: Iterable[str] = KERNELS,
-                  on_shape=None):  # fmt: skip
+                  on_shape=None, budget_s: float = SHAPE_BUDGET_S):  # fmt: skip
     """``measure`` in slices: a generator that yields between small pieces of work (one candidate's timing
     round at one M, one invariance probe: milliseconds to ~0.1 s) so that a caller can pace it off the request
     path (``compute.kernels.plans``), and returns the table. ``on_shape(table)`` gets the table so far after each
-    shape (progress that survives the process)."""
+    shape (progress that survives the process). Bounded: only ``candidates`` this CPU can win with are timed,
+    a candidate 4x behind is dropped after one run, and a shape's timing stops repeating once its runs have taken
+    ``budget_s`` (each candidate still timed at least twice at every M)."""
+    kernels = candidates(kernels)
     gen = torch.Generator().manual_seed(0)
     out: dict[str, dict] = {}
 
@@ -287,28 +313,35 @@ def measure_steps(shapes: Iterable[tuple[int, int]], threads: int, repeats: int 
                 err[c] = f"{type(e).__name__}: {str(e)[:80]}"
         ok = [c for c in names if isinstance(err[c], float) and err[c] <= ERROR_GATE]
         yield
+        spent = 0.0  # seconds of kernel runs for this shape (the budget)
         for m in PROBE_M:
             x = torch.randn(m, k, generator=gen)
             t = {}
             for c in ok:  # warm-up, timed: a candidate 4x behind the best here is not timed again
-                run(c, x, q, scale, sb, wb)
                 t0 = time.perf_counter()
                 run(c, x, q, scale, sb, wb)
-                t[c] = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                run(c, x, q, scale, sb, wb)
+                t[c] = time.perf_counter() - t1
+                spent += time.perf_counter() - t0
             close = [c for c in ok if t[c] <= 4 * min(t.values())]
             for _ in range(repeats):  # interleaved: a noisy neighbour hits every candidate alike
+                if spent > budget_s:
+                    break
                 yield
                 for c in close:
                     t0 = time.perf_counter()
                     run(c, x, q, scale, sb, wb)
-                    t[c] = min(t[c], time.perf_counter() - t0)
+                    dt = time.perf_counter() - t0
+                    t[c], spent = min(t[c], dt), spent + dt
             us[str(m)] = {c: round(v * 1e6, 1) for c, v in t.items()}
         choice = [min(us[str(m)], key=us[str(m)].get) if ok else "dequant" for m in PROBE_M]
         inv = {}
-        for c in ok:
-            inv[c] = yield from _row_invariant_steps(c, q, scale, sb, wb, gen)
+        for c in ok:  # only a kernel invariant by construction may be named invariant: the others are not probed
+            if c in INVARIANT_BY_CONSTRUCTION:
+                inv[c] = yield from _row_invariant_steps(c, q, scale, sb, wb, gen)
         total = {c: sum(us[str(m)].get(c, float("inf")) for m in PROBE_M) for c in ok
-                 if inv[c] and c in INVARIANT_BY_CONSTRUCTION}
+                 if inv.get(c)}
         out[f"{n}x{k}"] = {"choice": choice, "us": us, "error": err, "row_invariant": inv,
                            "invariant": min(total, key=total.get) if total else None}  # fmt: skip
         if on_shape is not None:

@@ -108,13 +108,13 @@ class GraphStep(nn.Module):
         else:  # the fixed rule (``compute.kernels.linear.matmul``): int8mm on the host, dequantized elsewhere
             host = q8[0].device.type == "cpu" and q8[0].shape[1] % int8.INT8MM_K_MULTIPLE == 0
             kernel = "int8mm" if host and m <= lin.int8mm_max_m else "dequant"
-        if kernel not in ("int8mm", "bf16", "w8a16", "otf", "dequant"):
-            raise ValueError(f"{name}: the graph step runs int8mm, w8a16, otf, dequant or a bf16 copy, the plan "
+        if kernel not in ("int8mm", "bf16", "w8a16", "otf", "dequant", "native"):
+            raise ValueError(f"{name}: the graph step runs int8mm, w8a16, otf, dequant, native or a bf16 copy, the plan "
                              f"says {kernel!r} at M = {m}")  # fmt: skip
         self.kinds[name] = kernel
         if kernel == "bf16":
             self._keep(f"{name}_w", lin.w_bf16)
-        elif kernel in ("w8a16", "dequant"):
+        elif kernel in ("w8a16", "dequant", "native"):
             self._keep(f"{name}_w", q8[0])
             self._keep(f"{name}_s", q8[1])  # fp32 [N]
         else:
@@ -132,6 +132,8 @@ class GraphStep(nn.Module):
                                                            self._t(f"{name}_s"))  # fmt: skip
         elif kind == "int8mm":
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), w, self._t(f"{name}_s"))
+        elif kind == "native":  # fp32 out (``compute.kernels.native``: a registered op, traced by its fake kernel)
+            y = torch.ops.pdserve.int8_linear(x, w, self._t(f"{name}_s"))
         elif kind == "w8a16":  # fp32 out (``compute.kernels.nocopy``)
             y = w8a16(x, w, self._t(f"{name}_s"))
         elif kind == "dequant":  # fp32 (``compute.kernels.int8.dequantize_scratch``): a device without int8mm

@@ -72,7 +72,9 @@ def test_measure_chooses_the_fastest_within_the_gate_and_keeps_w8a8_out_on_outli
     assert table["key"] == int8.machine_key(torch.get_num_threads())
     for n, k in SHAPES:
         e = table["shapes"][f"{n}x{k}"]
-        assert e["error"]["dequant"] < 1e-5 and e["error"]["w8a8"] > int8.ERROR_GATE  # outliers: per-row int8 fails
+        assert e["error"]["dequant"] < 1e-5
+        if "w8a8" in int8.candidates():  # measured only where the CPU has VNNI / AMX-int8
+            assert e["error"]["w8a8"] > int8.ERROR_GATE  # outliers: per-row int8 fails
         for m, choice in zip(int8.PROBE_M, e["choice"]):
             times = e["us"][str(m)]
             assert "w8a8" not in times and choice == min(times, key=times.get)
@@ -194,7 +196,7 @@ def test_invariant_keeps_its_plan_once_it_has_served(tmp_path, tiny_hf):
                 store.plans.delete(row["id"])
             inj = WeightInjector(store, "tiny", "int8", kernels="invariant", kernel_cache=None).start()
             assert inj.wait(60) and inj.kernel_source == "rule"
-            assert all(m.plan == ("int8mm",) * 4 for m in inj.model.kernel_modules())  # the rule's invariant kernel
+            assert all(m.plan == ("native",) * 4 for m in inj.model.kernel_modules())  # the rule's invariant kernel
             posted = []
             inj.attach(post=posted.append, served=lambda s=served: s, busy=lambda: False)
             assert inj.planner.wait(120) and inj.planner.state == "done" and len(posted) == 1

@@ -1,0 +1,5 @@
+import sys
+
+from compute.kernels.native import main
+
+sys.exit(main())
