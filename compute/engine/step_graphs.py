@@ -1,12 +1,13 @@
 """The decode step compiled ahead of time, per range of batch sizes: which graphs, where they come from, the swap.
 
-Lifecycle of one model's graphs on one node (``[node] step = "graph"``; issue 28):
+Lifecycle of one model's graphs on one node (``[node] step = "graph"``, the default on the CPU):
  1. the node serves eagerly from ready: nothing is compiled on the request path;
  2. a ``GraphBuilder`` thread waits for the model's final kernel plan (a measurement in progress ends first), then,
     for every range of batch sizes over which each linear runs the same kernel (``ranges``), takes the graph's
     package: this machine's file (``<cache_dir>/graphs/<id>.pt2``), else the store's (``store.graphs``), else it
-    builds one (``torch.export`` + AOTInductor, without the weights: ~1-2 min for SmolLM2 on 2 cores) and
-    publishes it, so that no other node of this machine class compiles;
+    builds one in a builder process (``compute.engine.graph_build``: ``torch.export`` + AOTInductor, without the
+    weights, niced, its own process group killed at stop: ~1 min a range for SmolLM2 on 2 cores) and publishes it,
+    so that no other node of this machine class compiles;
  3. a package is loaded (dlopen: no compile) with the model's own tensors bound as its constants (no copy) and
     posted to the engine thread, which installs it only if the model still runs the kernels it was built for;
  4. ``StepGraphs.decode`` runs a pure-decode batch whose size an installed graph covers; prefill, mixed batches,
@@ -26,16 +27,15 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from compute.engine import graph_build
 from compute.kernels import int4, int8
 from compute.modeling.graph_step import GraphStep, step_inputs
 from compute.modeling.kv_cache import KVCache
@@ -78,7 +78,7 @@ def spec(model: Transformer, lo: int, hi: int, cache: KVCache) -> dict:
     c, step = model.config, GraphStep(model, lo)
     tensors = {k: [list(t.shape), str(t.dtype)] for k, t in step.named_buffers()}
     return {"batch": [lo, hi], "kinds": step.kinds, "tensors": tensors, "alias": step.alias,
-            "kv_dtype": str(cache.dtype),
+            "absent": sorted(step.absent), "eps": c.rms_norm_eps, "kv_dtype": str(cache.dtype),
             "block_size": cache.block_size, "max_keys": max_keys(model, cache),
             "dims": [c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size,
                      c.vocab_size]}  # fmt: skip
@@ -96,26 +96,7 @@ def graph_id(machine_key: str, model_key: str, sp: dict) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def export_package(step: GraphStep, lo: int, hi: int, cache: KVCache, keys: int, path: str) -> str:
-    """Trace ``step`` for batches lo..hi, any number of keys (a multiple of the block size, 2..keys) and any cache
-    size, and compile it with AOTInductor into ``path`` without its weights (bound at load)."""
-    from torch.export import Dim
-
-    bs = cache.block_size
-    b = lo if lo == hi else max(lo, 2)
-    n = max(2 * bs, 32) if keys >= max(2 * bs, 32) else keys
-    blocks = cache.num_blocks
-    tables = [[(j * (n // bs) + i) % blocks for i in range(n // bs)] for j in range(b)]
-    ids, pos, _, ctx_slots, ctx_lens = step_inputs([1] * b, [n - 1] * b, tables, bs, n)
-    B = None if lo == hi else Dim("B", min=lo, max=hi)
-    L = Dim("L", min=2, max=keys)
-    NB = Dim("NB", min=2, max=2**31 - 1)
-    dyn = ({0: B} if B else None, {0: B} if B else None, {0: B, 1: L} if B else {1: L}, {0: B} if B else None,
-           {2: NB})  # fmt: skip
-    with torch.no_grad():
-        ep = torch.export.export(step, (ids, pos, ctx_slots, ctx_lens, cache.kv), dynamic_shapes=dyn, strict=False)
-        return torch._inductor.aoti_compile_and_package(
-            ep, package_path=path, inductor_configs={"aot_inductor.package_constants_in_so": False})
+FOLDED = "_FOLDED_CONST_"  # a constant the package computes from the bound ones at load (runtime constant folding)
 
 
 def load_package(path: str, step: GraphStep) -> Callable:
@@ -124,54 +105,15 @@ def load_package(path: str, step: GraphStep) -> Callable:
     (``_weight_int4pack_mm_cpu_tensor`` takes it as a tensor); any other unknown constant refuses the package."""
     fn = torch._inductor.aoti_load_package(path)
     consts = dict(step.named_buffers())
-    unknown = sorted(set(fn.get_constant_fqns()) - set(consts))
+    wanted = [n for n in fn.get_constant_fqns() if not n.startswith(FOLDED)]
+    unknown = sorted(set(wanted) - set(consts))
     int4s = sum(k == "int4" for k in step.kinds.values())
     if unknown and (len(unknown) != int4s or not all(n.startswith("constant") for n in unknown)):
         raise ValueError(f"step graph package wants tensors this model does not have: {unknown[:3]}")
     group = torch.tensor(int4.GROUP, dtype=torch.int64)
-    bound = {k: consts[k] for k in fn.get_constant_fqns() if k in consts} | dict.fromkeys(unknown, group)
+    bound = {k: consts[k] for k in wanted if k in consts} | dict.fromkeys(unknown, group)
     fn.load_constants(bound, check_full_update=True, user_managed=True)
     return fn
-
-
-COMPILERS = {"g++", "gcc", "c++", "cc", "cc1", "cc1plus", "as", "ld", "ld.bfd", "ld.gold", "collect2"}
-
-
-def kill_compilers() -> int:
-    """SIGKILL the compiler processes below this one (Linux ``/proc``): what a build cut short leaves running."""
-    children: dict[int, list[tuple[int, str]]] = {}
-    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                head, tail = f.read().rsplit(")", 1)
-            children.setdefault(int(tail.split()[1]), []).append((int(d), head.split("(", 1)[1]))
-        except (OSError, ValueError, IndexError):
-            continue
-    todo, killed = [os.getpid()], 0
-    while todo:
-        for pid, comm in children.get(todo.pop(), []):
-            todo.append(pid)
-            if comm in COMPILERS:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-                    killed += 1
-    return killed
-
-
-_BUILDERS: weakref.WeakSet = weakref.WeakSet()  # this process's builders
-
-
-def exit_if_building(code: int = 0) -> None:
-    """The last step of a process that stopped its builders: if a build thread is still inside the compiler's
-    tracing, kill the compilers it may have started since and end the process now (``os._exit``: a thread inside a
-    torch op at interpreter teardown aborts it), so that nothing it started outlives it."""
-    if any(b._thread is not None and b._thread.is_alive() for b in list(_BUILDERS)):
-        kill_compilers()
-        log.info("exiting with a step-graph build cut short")
-        logging.shutdown()
-        os._exit(code)
 
 
 def _sweep(folder: str) -> None:
@@ -241,11 +183,11 @@ class GraphBuilder:
         self._stop, self._again = threading.Event(), threading.Event()
         self._idle = False  # every graph of the current kernels taken (or given up)
         self._thread: threading.Thread | None = None
+        self._child = None  # the builder process of the package being built (``compute.engine.graph_build``)
 
     def start(self) -> GraphBuilder:
         self._again.set()
         self._thread = threading.Thread(target=self._run, name=f"graphs-{self.name}", daemon=True)
-        _BUILDERS.add(self)
         self._thread.start()
         return self
 
@@ -260,22 +202,19 @@ class GraphBuilder:
         """The kernels changed (a plan swap): take the graphs again."""
         self._again.set()
 
-    def stop(self, timeout: float = 5.0, kill_s: float = 3.0) -> bool:
-        """End the thread after what it is doing; a build still running after ``timeout`` has its compiler processes
-        killed as they appear, for up to ``kill_s`` more, so that the build fails and the thread ends (else it is a
-        daemon of a process that is exiting: nothing it started outlives it but a compiler started in the last ms)."""
+    def stop(self, timeout: float = 5.0) -> bool:
+        """End the thread after what it is doing; a build in progress is cut short: its process group (the builder
+        process and every compiler it started) is killed at once (``compute.engine.graph_build``)."""
         self._stop.set()
         self._again.set()
+        child = self._child
+        if child is not None:
+            graph_build.kill(child)
         if self._thread is None:
             return True
         self._thread.join(timeout)
-        killed, deadline = 0, time.monotonic() + kill_s
-        while self._thread.is_alive() and time.monotonic() < deadline:
-            killed += kill_compilers()
-            self._thread.join(0.05)
-        if killed or self._thread.is_alive():
-            log.info("step graphs of %s: stopped mid-build (%d compiler processes killed%s)", self.name, killed,
-                     "" if not self._thread.is_alive() else "; the build thread is still in its tracing")  # fmt: skip
+        if child is not None:
+            log.info("step graphs of %s: stopped mid-build (its builder process group killed)", self.name)
         return not self._thread.is_alive()
 
     def wait_idle(self, timeout: float) -> bool:
@@ -301,6 +240,8 @@ class GraphBuilder:
                     return
             try:
                 self._take_all()
+            except graph_build.BuildStopped as e:
+                log.info("step graphs of %s: %s", self.name, e)
             except Exception as e:  # noqa: BLE001 - the node serves eagerly; one log line
                 log.error("step graphs of %s not taken: %s: %s (serving eagerly)", self.name, type(e).__name__, e)
             self._idle = True
@@ -351,14 +292,21 @@ class GraphBuilder:
         _sweep(tmpdir)
         tmp = os.path.join(tmpdir, f".{gid}.{os.getpid()}.building.pt2")  # a killed build leaves it: swept
         try:
-            export_package(step, lo, hi, self.cache, sp["max_keys"], tmp)
+            graph_build.build(sp, lo, hi, tmp, self._stop, on_start=self._started)
             with open(tmp, "rb") as f:
                 data = f.read()
         finally:
-            os.unlink(tmp)
+            self._child = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         log.info("step graph %s built in %.1f s (%.1f MiB)", gid, time.perf_counter() - t0, len(data) / 2**20)
         self._publish(gid, {"machine_key": mk, "model": self.model_key, "spec": sp}, data)
         return self._save(data, local, gid), "built"
+
+    def _started(self, child) -> None:
+        self._child = child
+        if self._stop.is_set():  # a stop between the check and the start
+            graph_build.kill(child)
 
     def _save(self, data: bytes, local: str | None, gid: str) -> str:
         path = local or os.path.join(tempfile.gettempdir(), f"pdserve-graph-{os.getpid()}-{gid}.pt2")

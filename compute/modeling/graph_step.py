@@ -71,6 +71,29 @@ class GraphStep(nn.Module):
         self._keep("n_final", model.model.norm.weight)
         self._linear("head", model.lm_head, streams)
 
+    @classmethod
+    def skeleton(cls, spec: dict) -> GraphStep:
+        """A step of random tensors with ``spec``'s names, shapes, dtypes, aliases, absent tensors and kernels
+        (``compute.engine.step_graphs.spec``): what a builder process traces. A package holds no weights (a node
+        binds its own tensors at load), but inductor folds a constant whose elements are all equal into the code
+        (``constant_fold_uniform_value``): zeros would be compiled in, so no two elements are alike here."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.nl, self.h, self.kvh, self.dh, _, self.f, _ = spec["dims"]
+        self.eps, self.scale = spec["eps"], self.dh**-0.5
+        self.exact = math.frexp(self.scale)[0] == 0.5
+        self.kinds, self.alias, self.absent = dict(spec["kinds"]), dict(spec["alias"]), set(spec["absent"])
+        gen = torch.Generator().manual_seed(0)
+        for name, (shape, dtype) in spec["tensors"].items():
+            dt = getattr(torch, dtype.removeprefix("torch."))
+            if dt.is_floating_point:
+                t = (torch.rand(shape, generator=gen) + 0.5).to(dt)
+            else:
+                info = torch.iinfo(dt)
+                t = torch.randint(max(info.min, -127), min(info.max, 127) + 1, shape, generator=gen, dtype=dt)
+            self.register_buffer(name, t, persistent=False)
+        return self
+
     def _keep(self, name: str, t: torch.Tensor | None) -> None:
         """Register ``t`` as a buffer by reference, once (``torch.export`` rejects one tensor under two names)."""
         if t is None:

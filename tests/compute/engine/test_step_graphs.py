@@ -138,17 +138,19 @@ def test_a_killed_build_leaves_nothing_a_later_builder_keeps(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "0123456789abcdef.pt2"])
 
 
-def _compilers() -> list[int]:
-    from compute.engine.step_graphs import COMPILERS
-
+def _builders() -> list[int]:
+    """Live processes below this one that a build started: the builder process and its compilers."""
     me, out = os.getpid(), []
     for d in filter(str.isdigit, os.listdir("/proc")):
         try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
             with open(f"/proc/{d}/stat") as f:
-                head, tail = f.read().rsplit(")", 1)
+                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if head.split("(", 1)[1] in COMPILERS and _descends(int(d), me):
+        if state != "Z" and int(d) != me and _descends(int(d), me) and (
+                "compute.engine.graph_build" in cmd or any(c in cmd for c in ("cc1plus", "g++", " ld "))):
             out.append(int(d))
     return out
 
@@ -167,7 +169,9 @@ def _descends(pid: int, root: int) -> bool:
     return False
 
 
-def test_stopping_mid_build_leaves_no_compiler_running(tmp_path):
+def test_stopping_mid_build_kills_the_builder_process_group(tmp_path):
+    """The build runs in a process of its own (compute/engine/graph_build.py), niced, its own process group: a stop
+    kills the group at once, builder and compilers, and nothing half-built is installed or left under its name."""
     import time
 
     model = _int8_tiny()
@@ -176,16 +180,22 @@ def test_stopping_mid_build_leaves_no_compiler_running(tmp_path):
     b = GraphBuilder(model, engine.runner.cache, STREAMS, cache_dir=str(tmp_path), model_key="int8",
                      plan_final=lambda t: True, install=graphs.install, name="tiny").start()  # fmt: skip
     deadline = time.monotonic() + 120
-    while not _compilers() and time.monotonic() < deadline:  # the build reaches its C++ compiler
+    while b._child is None and time.monotonic() < deadline:  # the build reaches its builder process
         time.sleep(0.05)
-    assert _compilers(), "no compiler seen in 120 s"
-    b.stop(timeout=0.2)
-    deadline = time.monotonic() + 10
-    while _compilers() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _compilers()
+    child = b._child
+    assert child is not None, "no builder process in 120 s"
+    assert os.getpgid(child.pid) == child.pid != os.getpgid(0)  # a process group of its own
+    time.sleep(3)  # into the trace / the compiler
+    with open(f"/proc/{child.pid}/stat") as f:
+        assert int(f.read().rsplit(")", 1)[1].split()[16]) == 19  # niced
+    t0 = time.monotonic()
     assert b.stop(timeout=30) and not graphs.graphs  # the thread ends; nothing half-built was installed
-    assert not [p for p in (tmp_path / "graphs").iterdir() if p.suffix == ".pt2" and not p.name.startswith(".")]
+    assert time.monotonic() - t0 < 5 and child.poll() is not None
+    deadline = time.monotonic() + 10
+    while _builders() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _builders()
+    assert not [p for p in (tmp_path / "graphs").iterdir() if p.suffix == ".pt2"]
 
 
 def test_a_failing_graph_is_dropped_and_the_step_runs_eagerly(model):
