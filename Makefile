@@ -34,8 +34,9 @@ constraints: $(STAMP)
 PORT ?= 8000
 # how `make demo` imports MODEL when the store lacks it: int8 | int4 (opt-in) | bf16 | fp32
 DTYPE ?= int8
-# the nodes' decode steps: eager | graph (compiled ahead of time, built once per machine class after ready)
-STEP ?= eager
+# the nodes' decode steps: auto (graph on the CPU) | eager | graph (compiled ahead of time, built once per machine
+# class after ready, in a builder process)
+STEP ?= auto
 PIDFILE := .pdserve/up.pid
 
 # set-up, import SmolLM2 (once), start the service in the background, ask one question

@@ -51,8 +51,9 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-transport", choices=["nixl", "tcp"], help="default: [node] kv_transport, else tcp")
     p.add_argument("--threads-per-node", type=int, help="default: [node] threads, else 1")
     p.add_argument("--kv-blocks", type=int, help="per node (default: [node] kv_blocks, else 1024)")
-    p.add_argument("--step", choices=["eager", "graph"], help="the nodes' decode steps (default: [node] step, else "
-                   "eager; graph: compiled ahead of time, built once per machine class after ready: docs/engine.md)")
+    p.add_argument("--step", choices=["auto", "eager", "graph"], help="the nodes' decode steps (default: [node] step, "
+                   "else auto: graph on the CPU, compiled ahead of time, built once per machine class after ready in a "
+                   "builder process: docs/engine.md)")
     p.add_argument("--open-admin", action="store_true",
                    help="no admin key: leave /admin/* open to local processes (default: a key is generated)")
     p.add_argument("--autoscale", action="store_true", help="run the autoscaling loop (local actuator, [autoscaler])")

@@ -19,6 +19,9 @@ os.environ.update(HOME=_HOME, XDG_CACHE_HOME=os.path.join(_HOME, ".cache"),
                   PDSERVE_RUN_DIR=os.path.join(_HOME, "run"))  # `pdserve up`'s admin key files (gateway/keyfile.py)
 for _var in ("PDSERVE_CACHE_DIR", "PDSERVE_CONFIG", "PARAMSTORE_CONFIG"):
     os.environ.pop(_var, None)
+# nodes a test starts decode eagerly unless it asks for the compiled step (--step graph / auto, or a [node] step in a
+# config passed with the flag): a step-graph build per test node would be minutes of compiling beside every test
+os.environ["PDSERVE_STEP"] = "eager"
 
 import pytest
 import torch

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from compute.engine import graph_build
-from compute.kernels import int4, int8
+from compute.kernels import int4, int8, native
 from compute.modeling.graph_step import GraphStep, step_inputs
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
@@ -103,6 +103,7 @@ def load_package(path: str, step: GraphStep) -> Callable:
     """The package at ``path`` as a callable over ``step``'s tensors (bound by reference: no copy). Besides them it
     wants one 0-d int64 constant per int4 linear, named ``constantN`` by the compiler: the kernel's group size
     (``_weight_int4pack_mm_cpu_tensor`` takes it as a tensor); any other unknown constant refuses the package."""
+    native.available()  # a package that runs the native kernel calls its registered op
     fn = torch._inductor.aoti_load_package(path)
     consts = dict(step.named_buffers())
     wanted = [n for n in fn.get_constant_fqns() if not n.startswith(FOLDED)]

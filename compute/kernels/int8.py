@@ -192,8 +192,10 @@ def bf16_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def machine() -> str:
-    """This CPU as its kernels see it: model name, the ISA flags that decide kernel speed, and the
-    level torch dispatches at (``ATEN_CPU_CAPABILITY`` can lower it below what the flags allow)."""
+    """This CPU as its kernels see it: model name, the ISA flags that decide kernel speed, the level torch
+    dispatches at (``ATEN_CPU_CAPABILITY`` can lower it below what the flags allow), and the native kernels' body
+    (none where they are not built: a plan naming them is then another machine class's, never run here; asking
+    loads the library, so a plan from the store or the cache that names them finds their op registered)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -205,7 +207,7 @@ def machine() -> str:
     except OSError:
         pass
     have = " ".join(f for f in ISA_FLAGS if f in flags)
-    return f"{model}|{have}|dispatch {torch.backends.cpu.get_cpu_capability()}"
+    return f"{model}|{have}|dispatch {torch.backends.cpu.get_cpu_capability()}|native {native.isa() or 'none'}"
 
 
 def machine_key(threads: int) -> str:

@@ -43,15 +43,24 @@ class NodeConfig:
     device: str = "cpu"  # torch device of weights, KV cache and sampling (cpu | cuda | cuda:N ...)
     kernels: str = "measured"  # int8 kernels, per machine class: from the store's plan, the machine's cache
     # (cache_dir or ~/.cache/pdserve), else the safe rule until measured off the request path: measured (the fastest per M bucket) | invariant (one batch-invariant kernel per shape) | fixed (the old rule)
-    weight_copies_gb: float = -1.0  # bf16 copies of int8 weights the kernel plan may keep per model, GiB: -1 = no limit
-    # (each linear whose measured plan runs bf16 keeps one: SmolLM2 3.0x its int8 size), 0 = none (runtime weights = the
-    # int8 size; batched steps run w8a16/int8mm instead), else the copies that save the most time per byte (compute/kernels/budget.py)
+    weight_copies_gb: float = 0.0  # bf16 copies of int8 weights the kernel plan may keep per model, GiB: 0 = none (the
+    # default: runtime weights = the int8 size; batched steps run native/w8a16/otf instead, 0.95x the copies' rate at 32
+    # streams on the Zen 4 box), -1 = no limit (each linear whose measured plan runs bf16 keeps one: SmolLM2 3.0x its int8
+    # size), else the copies that save the most time per byte (compute/kernels/budget.py)
     measure_share: float = 0.25  # a kernel measurement after ready (no plan in the store or the machine's cache)
     # takes at most this share of the time while the engine has work (all of it while idle); niced either way
-    step: str = "eager"  # decode steps: eager | graph (pure-decode batches through the step compiled ahead of time per
-    # range of batch sizes, taken after ready from this machine, the store, or built once per machine class and
-    # published: compute/engine/step_graphs.py; on cuda captured as CUDA graphs: compute/engine/cuda_graphs.py)
+    step: str = "auto"  # decode steps: eager | graph (pure-decode batches through the step compiled ahead of time per
+    # range of batch sizes, taken after ready from this machine, the store, or built once per machine class in a
+    # builder process and published: compute/engine/step_graphs.py; on cuda captured as CUDA graphs:
+    # compute/engine/cuda_graphs.py) | auto (graph on the CPU where it may run: kernels measured or fixed; else eager)
     import_nice: int = 0  # heavy imports in a thread niced by this much (pool refill); serving threads are not
+
+    @property
+    def compiled_step(self) -> bool:
+        """Whether decode steps run compiled (``step``: graph, or auto on the CPU without ``invariant`` kernels; a
+        prefill node decodes nothing)."""
+        auto = self.step == "auto" and self.device == "cpu" and self.kernels != "invariant"
+        return (self.step == "graph" or auto) and self.role != "prefill"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -79,8 +88,8 @@ class NodeConfig:
         if not (self.weight_copies_gb == -1 or self.weight_copies_gb >= 0):
             raise ValueError(f"invalid weight_copies_gb {self.weight_copies_gb!r}: -1 (no limit: the bf16 copies the "
                              "measured plan picks), 0 (none: weights stay int8) or a budget in GiB > 0")
-        if self.step not in ("eager", "graph"):
-            raise ValueError(f"invalid step {self.step!r}: eager or graph")
+        if self.step not in ("eager", "graph", "auto"):
+            raise ValueError(f"invalid step {self.step!r}: eager, graph or auto")
         if self.step == "graph" and (self.device.split(":")[0] not in ("cpu", "cuda") or self.kernels == "invariant"):
             raise ValueError("step = graph runs on device cpu (compiled) or cuda (CUDA graphs) with kernels "
                              "measured or fixed (a compiled step sums in another order than the batch-invariant "

@@ -122,9 +122,9 @@ class Held:
             self.weights_bytes = tensor_bytes(inj.model)
             worker = self.svc.worker
 
-            if cfg.step == "graph" and cfg.device.startswith("cuda"):  # captured on the engine thread as they come
+            if cfg.compiled_step and cfg.device.startswith("cuda"):  # captured on the engine thread as they come
                 worker.engine.runner.graphs = CudaGraphs(inj.model, worker.engine.runner.cache, cfg.max_num_seqs)
-            elif cfg.step == "graph" and cfg.role != "prefill":  # a prefill node decodes nothing
+            elif cfg.compiled_step and inj.model.dtype == torch.float32:  # (GraphStep mirrors the int8/int4 runtime)
                 self.graphs = start_graphs(cfg, self.name, inj, worker, store)
 
             def swapped() -> None:  # on the engine thread, between two steps

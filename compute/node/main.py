@@ -5,7 +5,7 @@ by --import-nice when the pool refills in the background), HTTP API up, the KV-t
 process-wide part (the NIXL agent) created, /ready 200 at once; models are loaded through
 /internal/models/load. With --model it loads that one at start and is ready once it is.
 
-Settings: flags > environment ($PDSERVE_INTERNAL_TOKEN[_FILE], $PDSERVE_CACHE_DIR, $PDSERVE_ADVERTISE_URL) > the config
+Settings: flags > environment ($PDSERVE_INTERNAL_TOKEN[_FILE], $PDSERVE_CACHE_DIR, $PDSERVE_ADVERTISE_URL, $PDSERVE_STEP) > the config
 file's [node] and [store] tables (--config, $PDSERVE_CONFIG) > NodeConfig's defaults. The store is
 opened with [store]'s HMAC key when one is set: a manifest with a wrong or missing signature is
 refused before the node listens (one line, exit 2), so it never becomes ready.
@@ -60,12 +60,13 @@ def add_arguments(p) -> None:
                         "safe rule until measured in the background): the fastest per batch size (measured, "
                         "default), one batch-invariant kernel per shape (invariant), or the fixed rule")  # fmt: skip
     p.add_argument("--weight-copies-gb", type=float,
-                   help="bf16 copies of int8 weights the kernel plan may keep per model, GiB: -1 no limit (default: "
-                        "the fastest plan, ~3x the int8 size), 0 none (weights stay int8), else the copies that save "
-                        "the most time per byte")  # fmt: skip
-    p.add_argument("--step", choices=("eager", "graph"),
-                   help="decode steps: eager (default) or graph (the step compiled ahead of time per range of batch "
-                        "sizes, from this machine, the store, or built once per machine class after ready)")
+                   help="bf16 copies of int8 weights the kernel plan may keep per model, GiB: 0 none (default: "
+                        "weights stay int8), -1 no limit (the fastest batched plan, ~3x the int8 size), else the "
+                        "copies that save the most time per byte")  # fmt: skip
+    p.add_argument("--step", choices=("auto", "eager", "graph"),
+                   help="decode steps: graph (the step compiled ahead of time per range of batch sizes, from this "
+                        "machine, the store, or built once per machine class after ready, in a builder process), eager, "
+                        "or auto (default: graph on the CPU unless kernels = invariant; $PDSERVE_STEP)")
     p.add_argument("--measure-share", type=float,
                    help="a kernel measurement after ready takes at most this share of the time while serving (0.25)")
     p.add_argument("--advertise-url", help="the URL callers reach this node by, the only one it proves "
@@ -108,7 +109,7 @@ def node_config(args):
              "advertise_url": args.advertise_url}  # fmt: skip
     token = env_secret("PDSERVE_INTERNAL_TOKEN", args.token_file)  # --token-file, else $PDSERVE_INTERNAL_TOKEN[_FILE]
     env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None, "internal_token": token or None,
-           "advertise_url": os.environ.get("PDSERVE_ADVERTISE_URL") or None}
+           "advertise_url": os.environ.get("PDSERVE_ADVERTISE_URL") or None, "step": os.environ.get("PDSERVE_STEP") or None}
     kw = resolve(NodeConfig, "node", tables, path, flags, env, hints=_SECRETS)
     if "role" not in kw:
         raise ConfigError("no role: pass --role or set role in [node] of the config file")

@@ -18,7 +18,7 @@ PDSERVE = [sys.executable, "-m", "autoscaler.cli"]
 PARAMSTORE = [sys.executable, "-m", "paramstore.cli"]
 _VARS = ("PDSERVE_CONFIG", "PARAMSTORE_CONFIG", "PDSERVE_CACHE_DIR", "PDSERVE_INTERNAL_TOKEN", "PDSERVE_API_KEYS",
          "PDSERVE_ADMIN_KEY", "PDSERVE_INTERNAL_TOKEN_FILE", "PDSERVE_API_KEYS_FILE", "PDSERVE_ADMIN_KEY_FILE",
-         "PDSERVE_DEBUG")  # fmt: skip
+         "PDSERVE_DEBUG", "PDSERVE_STEP")  # fmt: skip
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: float = 60, cwd=None) -> subprocess.CompletedProcess:

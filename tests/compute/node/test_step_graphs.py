@@ -83,18 +83,25 @@ def test_a_node_builds_publishes_and_a_later_node_loads_from_the_store(tmp_path,
     assert not alive, [p.cmdline() for p in alive]
 
 
-def test_step_is_eager_by_default_graph_by_flag_or_file_and_refused_under_invariant(tmp_path):
+def test_step_is_auto_by_default_graph_by_flag_file_or_env_and_refused_under_invariant(tmp_path):
+    from compute.node.config import NodeConfig
     from tests.autoscaler.test_config_file import PDSERVE, resolved, run
 
     node, token = PDSERVE + ["node", "--role", "both", "--model", "m"], {"PDSERVE_INTERNAL_TOKEN": "t"}
-    assert resolved(node, token)["step"] == "eager"
+    assert resolved(node, token)["step"] == "auto"  # (the suite's own $PDSERVE_STEP=eager is not passed here)
     assert resolved(node + ["--step", "graph"], token)["step"] == "graph"
+    assert resolved(node, {**token, "PDSERVE_STEP": "eager"})["step"] == "eager"
     path = tmp_path / "pdserve.toml"
     path.write_text('[node]\nstep = "graph"\n')
     assert resolved(node + ["--config", str(path)], token)["step"] == "graph"
+    assert resolved(node + ["--config", str(path), "--step", "eager"], token)["step"] == "eager"
     for bad in (["--step", "graph", "--kernels", "invariant"], ["--config", str(path), "--device", "mps"]):
         r = run(node + [*bad, "--print-config"], token)
         assert r.returncode == 2 and "step = graph" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    auto = {"role": "both", "internal_token": "t"}
+    assert NodeConfig(**auto).compiled_step and not NodeConfig(**auto, kernels="invariant").compiled_step
+    assert not NodeConfig(**{**auto, "role": "prefill"}).compiled_step  # a prefill node decodes nothing
+    assert not NodeConfig(**auto, step="eager").compiled_step
     path.write_text('[node]\nstep = "compiled"\n')
     r = run(node + ["--config", str(path), "--print-config"], token)
     assert r.returncode == 2 and "invalid step 'compiled'" in r.stderr and "Traceback" not in r.stderr, r.stderr

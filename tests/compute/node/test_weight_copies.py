@@ -1,4 +1,4 @@
-"""The node's ``weight_copies_gb`` as a user sets it (compute/node/config.py): -1 (no limit) by default, a budget by
+"""The node's ``weight_copies_gb`` as a user sets it (compute/node/config.py): 0 (none) by default, a budget by
 flag or ``[node]``, and a bad value refused with a message that names the field and what to set."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ def test_a_bad_budget_is_refused_with_what_to_set(bad):
         NodeConfig(role="both", internal_token="t", weight_copies_gb=bad)
 
 
-def test_no_limit_by_default_a_budget_by_flag_or_file(tmp_path):
-    assert resolved(NODE, TOKEN)["weight_copies_gb"] == -1
-    assert resolved(NODE + ["--weight-copies-gb", "0"], TOKEN)["weight_copies_gb"] == 0
+def test_no_copies_by_default_a_budget_by_flag_or_file(tmp_path):
+    assert resolved(NODE, TOKEN)["weight_copies_gb"] == 0
+    assert resolved(NODE + ["--weight-copies-gb", "-1"], TOKEN)["weight_copies_gb"] == -1
     path = tmp_path / "pdserve.toml"
     path.write_text("[node]\nweight_copies_gb = 1\n")
     assert resolved(NODE + ["--config", str(path)], TOKEN)["weight_copies_gb"] == 1.0
