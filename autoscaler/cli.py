@@ -51,6 +51,8 @@ BENCHES = {
     "grammar": ("benchmarks.grammar", "structured output's cost per decode step (JSON schema, regex, tool call) vs free"),
     "weight-copies": ("benchmarks.weight_copies", "batched int8-weight matmuls without a resident bf16 copy vs the copy"),
     "prefix": ("benchmarks.prefix", "prefix cache: TTFT of a repeated prefix hit vs miss, cost at 0% hits, multi-turn TTFT"),
+    "kernels": ("benchmarks.kernels", "int8 linears vs this machine's memory bandwidth: the native kernel vs ATen's"),
+    "served": ("benchmarks.served", "pdserve's defaults vs llama.cpp's llama-server (Q4_1, Q8_0) on the same GGUF, served"),
 }
 
 

@@ -11,7 +11,9 @@ Layout: one module per thing measured, each a `pdserve bench NAME` command with
     burst.py         pdserve bench burst     a burst sized from measured capacity: warm pool vs cold process
     first_start.py   pdserve bench first-start  launch -> answer with empty HOME and caches vs a warm start
     swap.py          pdserve bench swap      many models on one pool: cold-model first token, from zero
+    kernels.py       pdserve bench kernels   int8 linears vs the measured memory bandwidth, native vs ATen's kernels
     weight_copies.py  pdserve bench weight-copies  int8-weight matmuls without a bf16 copy vs with one, per shape
+    served.py        pdserve bench served    pdserve's defaults vs llama.cpp's llama-server on the same GGUF, served
     graph_step.py    python -m benchmarks.graph_step  the decode step compiled whole (torch.compile, AOTInductor) vs eager
   and what they share:
     service.py       `pdserve up` in a process of its own, observed from outside (used by burst.py, swap.py)

@@ -32,6 +32,18 @@ def loadavg() -> float | None:
         return None
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("?" where unavailable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
 def cpu_flags() -> list[str]:
     """The CPU's vector extensions that decide kernel speed (avx2, avx512*, amx*), from /proc/cpuinfo."""
     try:

@@ -91,8 +91,10 @@ class UpService:
     """One `pdserve up` process and what the benchmark reads from it."""
 
     def __init__(self, models: list[str], store: list[str], log_dir: str, tables: dict[str, dict],
-                 plan: dict[str, int], autoscale: bool = True, stop_timeout_s: float = 60.0):  # fmt: skip
+                 plan: dict[str, int], autoscale: bool = True, stop_timeout_s: float = 60.0,
+                 env: dict[str, str] | None = None):  # fmt: skip
         self.models, self.store, self.log_dir, self.plan = models, store, log_dir, plan
+        self.env = dict(env or {})  # on top of this process's environment (e.g. a HOME of the benchmark's own)
         self.token = secrets.token_urlsafe(24)
         self.auth = SignedAuth(self.token)  # signs /internal/status and the nodes' /load
         self.admin_key = secrets.token_urlsafe(24)  # given to `pdserve up`: it writes no key file then
@@ -122,7 +124,7 @@ class UpService:
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> UpService:
         self._log = open(os.path.join(self.log_dir, "up.log"), "wb")  # noqa: SIM115 - closed by stop()
-        env = service_env(self.token, PDSERVE_ADMIN_KEY=self.admin_key)
+        env = service_env(self.token, **{**self.env, "PDSERVE_ADMIN_KEY": self.admin_key})
         self.p = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                   **spawn_kwargs(env, pdeathsig=threading.current_thread() is threading.main_thread()))  # fmt: skip
         self.started = time.monotonic()

@@ -75,7 +75,7 @@ def kill(child: subprocess.Popen) -> None:
         child.wait(10)
 
 
-def export_package(step, lo: int, hi: int, cache: KVCache, keys: int, path: str) -> str:
+def export_package(step, lo: int, hi: int, cache, keys: int, path: str) -> str:
     """Trace ``step`` for batches lo..hi, any number of keys (a multiple of the block size, 2..keys) and any cache
     size, and compile it with AOTInductor into ``path`` without its weights (bound at load)."""
     from torch.export import Dim

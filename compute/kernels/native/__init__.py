@@ -71,7 +71,7 @@ def build(force: bool = False) -> str:
     fd, tmp = tempfile.mkstemp(dir=BUILD_DIR, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run(_command(tmp), capture_output=True, text=True, timeout=600)
+        done = subprocess.run(_command(tmp), capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
             raise NativeBuildFailed(f"g++ failed ({done.returncode}): {done.stderr.strip()[-400:]}")
         os.replace(tmp, path)
