@@ -1,4 +1,5 @@
-"""`pdserve chat "question"`: one chat request through the gateway, the answer streamed to stdout."""
+"""`pdserve chat "question"`: one chat request through the gateway, the answer streamed to stdout; on stderr, the
+speed it got (tokens from the stream's usage, time to the first token, tokens per second after it)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def main(args) -> int:
     if key:
         headers["Authorization"] = f"Bearer {key}"
     body = {"model": args.model, "messages": [{"role": "user", "content": args.question}],
-            "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True}  # fmt: skip
+            "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     deadline = time.monotonic() + args.wait
     for attempt in range(MAX_ATTEMPTS):
         rc = _ask(args.url, body, headers, deadline, attempt)
@@ -68,6 +70,7 @@ def _ask(url: str, body: dict, headers: dict, deadline: float, attempt: int) -> 
     """One try: the exit code, or None to retry (a 503/429 with Retry-After that fits before the deadline)."""
     import httpx
 
+    t0, first, last, tokens = time.monotonic(), None, None, None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
         if r.status_code != 200:
             r.read()
@@ -92,7 +95,13 @@ def _ask(url: str, body: dict, headers: dict, deadline: float, attempt: int) -> 
                 print(f"\npdserve chat: error: {chunk['error']['message']}", file=sys.stderr)
                 return 1
             for ch in chunk.get("choices", []):
+                if ch.get("delta", {}).get("content"):
+                    first, last = first or time.monotonic(), time.monotonic()
                 sys.stdout.write(ch.get("delta", {}).get("content") or "")
                 sys.stdout.flush()
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
     print()
+    if tokens and first is not None:
+        rate = f", {(tokens - 1) / (last - first):.1f} tok/s after it" if tokens > 1 and last > first else ""
+        print(f"pdserve chat: {tokens} tokens, the first after {first - t0:.2f} s{rate}", file=sys.stderr)
     return 0

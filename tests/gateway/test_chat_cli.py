@@ -30,12 +30,15 @@ class _Twin(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         step = type(self).plan[min(type(self).posts, len(type(self).plan) - 1)]
         type(self).posts += 1
-        if step == "stream":
+        if step in ("stream", "stream+usage"):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             for word in ("Paris", "."):
                 self.wfile.write(f"data: {json.dumps({'choices': [{'delta': {'content': word}}]})}\n\n".encode())
+            if step == "stream+usage":  # stream_options.include_usage: the last chunk
+                usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}}
+                self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
             return
         status, headers = step
@@ -64,6 +67,13 @@ def twin():
 def _chat(url: str, wait: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "autoscaler.cli", "chat", "Capital of France?", "--url", url,
                            "--wait", str(wait)], capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_the_answer_then_the_speed_it_got_from_the_streams_usage(twin):
+    _Twin.plan, _Twin.posts = ["stream+usage"], 0
+    r = _chat(twin[1])
+    assert r.returncode == 0 and r.stdout.strip() == "Paris.", r.stderr
+    assert r.stderr.startswith("pdserve chat: 2 tokens, the first after ") and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_a_503_with_retry_after_is_waited_through_with_one_line(twin):

@@ -45,6 +45,16 @@ void rows_scalar(const float* x, const int8_t* q, const float* scale, float* y, 
     for (int64_t r = 0; r < m; ++r) y[r * ldy + n] = dot_tail(x + r * k, q + n * k, 0, k) * scale[n];
 }
 
+// A body for MB activation rows; ``rows_by_four`` runs the rows four at a time, then the 1-3 left
+using RowsBody = void (*)(const float*, const int8_t*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+
+void rows_by_four(const RowsBody* bodies, const float* x, const int8_t* q, const float* scale, float* y, int64_t m,
+                  int64_t n0, int64_t n1, int64_t k, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4) bodies[4](x + r * k, q, scale, y + r * ldy, n0, n1, k, ldy);
+  if (m > r) bodies[m - r](x + r * k, q, scale, y + r * ldy, n0, n1, k, ldy);
+}
+
 // ---- AVX2 + FMA: 8 lanes; tile NB = 2 output rows x MB = 4 activation rows (8 accumulators) ----
 __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -104,14 +114,9 @@ __attribute__((target("avx2,fma"))) void rows_avx2_mb(const float* x, const int8
 
 void rows_avx2(const float* x, const int8_t* q, const float* scale, float* y, int64_t m, int64_t n0, int64_t n1,
                int64_t k, int64_t ldy) {
-  int64_t r = 0;
-  for (; r + 4 <= m; r += 4) rows_avx2_mb<4>(x + r * k, q, scale, y + r * ldy, n0, n1, k, ldy);
-  switch (m - r) {
-    case 3: rows_avx2_mb<3>(x + r * k, q, scale, y + r * ldy, n0, n1, k, ldy); break;
-    case 2: rows_avx2_mb<2>(x + r * k, q, scale, y + r * ldy, n0, n1, k, ldy); break;
-    case 1: rows_avx2_mb<1>(x + r * k, q, scale, y + r * ldy, n0, n1, k, ldy); break;
-    default: break;
-  }
+  static constexpr RowsBody kBodies[5] = {nullptr, rows_avx2_mb<1>, rows_avx2_mb<2>, rows_avx2_mb<3>,
+                                          rows_avx2_mb<4>};
+  rows_by_four(kBodies, x, q, scale, y, m, n0, n1, k, ldy);
 }
 
 // ---- AVX-512F: 16 lanes; tile NB = 4 output rows x MB = 4 activation rows (16 accumulators) ----
@@ -151,14 +156,9 @@ __attribute__((target("avx512f,avx512bw"))) void rows_avx512_mb(const float* x, 
 
 void rows_avx512(const float* x, const int8_t* q, const float* scale, float* y, int64_t m, int64_t n0, int64_t n1,
                  int64_t k, int64_t ldy) {
-  int64_t r = 0;
-  for (; r + 4 <= m; r += 4) rows_avx512_mb<4>(x + r * k, q, scale, y + r * ldy, n0, n1, k, ldy);
-  switch (m - r) {
-    case 3: rows_avx512_mb<3>(x + r * k, q, scale, y + r * ldy, n0, n1, k, ldy); break;
-    case 2: rows_avx512_mb<2>(x + r * k, q, scale, y + r * ldy, n0, n1, k, ldy); break;
-    case 1: rows_avx512_mb<1>(x + r * k, q, scale, y + r * ldy, n0, n1, k, ldy); break;
-    default: break;
-  }
+  static constexpr RowsBody kBodies[5] = {nullptr, rows_avx512_mb<1>, rows_avx512_mb<2>, rows_avx512_mb<3>,
+                                          rows_avx512_mb<4>};
+  rows_by_four(kBodies, x, q, scale, y, m, n0, n1, k, ldy);
 }
 
 constexpr int64_t kRowBlock = 16;  // output rows per parallel task (a multiple of every tile's NB)
