@@ -16,6 +16,7 @@ Layout: one module per thing measured, each a `pdserve bench NAME` command with
     served.py        pdserve bench served    pdserve's defaults vs llama.cpp's llama-server on the same GGUF, served
     graph_step.py    python -m benchmarks.graph_step  the decode step compiled whole (torch.compile, AOTInductor) vs eager
   and what they share:
+    served_systems.py  llama-server and `pdserve up` as servers started, settled and stopped (used by served.py)
     service.py       `pdserve up` in a process of its own, observed from outside (used by burst.py, swap.py)
     observe.py       its timeline: a /load sampler thread and the /load readers (used by burst.py, swap.py)
     synthetic.py     a ~1 GiB Llama-shaped model of random weights, cached (used by swap.py)

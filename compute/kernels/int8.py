@@ -55,10 +55,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
-import platform
 import tempfile
 import time
 from collections.abc import Iterable
@@ -70,6 +68,7 @@ from paramstore.buffers import (
     ALIGN,  # the int8 kernel needs aligned inputs (see ``aligned``)
 )
 from compute.kernels import native
+from compute.kernels.machine import ISA_FLAGS, machine, machine_key  # noqa: F401 - re-exported (plans, tests)
 from compute.kernels.nocopy import _OTF_MAX, SCRATCH_BYTES, W8A16_LO, otf_weight, scratch, w8a16  # noqa: F401 - some re-exported
 from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
 
@@ -95,9 +94,6 @@ INVARIANT_BY_CONSTRUCTION = ("int8mm", "w8a16", "native")
 # one per machine (per user): $XDG_CACHE_HOME/pdserve/kernels.json, else ~/.cache/pdserve/kernels.json
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
                              "pdserve", "kernels.json")  # fmt: skip
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
-             "amx_bf16", "amx_int8", "amx_tile")  # fmt: skip
-
 
 _SCRATCH_MAX = SCRATCH_BYTES // 4  # fp32 elements (16 MiB): the largest weight dequantized into the scratch
 
@@ -191,31 +187,6 @@ def bf16_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def machine() -> str:
-    """This CPU as its kernels see it: model name, the ISA flags that decide kernel speed, the level torch
-    dispatches at (``ATEN_CPU_CAPABILITY`` can lower it below what the flags allow), and the native kernels' body
-    (none where they are not built: a plan naming them is then another machine class's, never run here; asking
-    loads the library, so a plan from the store or the cache that names them finds their op registered)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("", platform.machine()):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    have = " ".join(f for f in ISA_FLAGS if f in flags)
-    return f"{model}|{have}|dispatch {torch.backends.cpu.get_cpu_capability()}|native {native.isa() or 'none'}"
-
-
-def machine_key(threads: int) -> str:
-    """``machine()`` + torch version + threads: a table is valid only where all of them match."""
-    raw = f"{machine()}|torch {torch.__version__}|{threads} threads"
-    return f"{hashlib.sha256(raw.encode()).hexdigest()[:16]} {raw}"
-
-
 def plan_of(entry: dict, mode: str) -> tuple[str, ...]:
     """The kernel per M bucket a shape's table ``entry`` gives under ``mode`` (measured | invariant)."""
     if mode == "invariant" and entry.get("invariant"):
@@ -276,7 +247,7 @@ def candidates(kernels: Iterable[str] = KERNELS, flags: str | None = None) -> li
     """The kernels worth measuring on this CPU: a bf16 GEMM (``bf16``, ``otf``) only where the CPU has bf16
     arithmetic (avx512_bf16, AMX), an int8 GEMM (``w8a8``, ``w8a16``) only where it has VNNI or AMX-int8 (elsewhere
     oneDNN emulates them: 3-10x behind, or inexact, on the AVX2 box; FIELD-NOTES)."""
-    have = set((machine().split("|")[1] if flags is None else flags).split())
+    have = set((machine().split("|")[1] if flags is None else flags).split())  # the ISA flags that decide speed
     bf16 = bool(have & {"avx512_bf16", "amx_bf16"})
     vnni = bool(have & {"avx512_vnni", "avx_vnni", "amx_int8"})
     return [c for c in kernels if (c not in ("bf16", "otf") or bf16) and (c not in ("w8a8", "w8a16") or vnni)]
