@@ -5,8 +5,9 @@ Lifecycle (``GraphBuilder`` in ``compute.engine.step_graphs`` runs ``build``, un
     the request on its stdin as JSON: the graph's spec (``step_graphs.spec``: kernel per linear, every bound
     tensor's name, shape and dtype, aliases, dims), the batch range, torch's threads, the output path;
  2. the child nices itself to 19 (the compiler processes it starts inherit it), asks the kernel to SIGTERM it if
-    its parent dies (it then kills its whole group), builds a ``GraphStep`` skeleton of zero tensors with those
-    shapes — a package holds no weights: the node binds its own at load — traces and compiles it with AOTInductor
+    its parent dies (it then kills its whole group), builds a ``GraphStep`` skeleton of random tensors with those
+    shapes (``GraphStep.skeleton``: a package holds no weights, the node binds its own at load, and what inductor
+    folds from them is folded at load) — traces and compiles it with AOTInductor
     (``export_package``) into the output path, and exits 0; on failure it writes one line on stderr and exits 1;
  3. ``build`` polls it: a stop (the node closing, a plan swap) or the time limit SIGKILLs the group — the child and
     every compiler below it — and raises ``BuildStopped``. Serving threads share no interpreter (no GIL) with the
@@ -32,7 +33,7 @@ import torch
 from compute.modeling.graph_step import GraphStep, step_inputs
 
 BUILD_LIMIT_S = 1800.0  # one package's build, at most (SmolLM2 on 2 niced cores: ~1 min)
-KV_BLOCKS = 8  # the traced cache's blocks (the package takes any number: the dimension is dynamic)
+KV_BLOCKS = 8  # the traced cache's blocks (zeros: an input, never folded) (the package takes any number: the dimension is dynamic)
 PR_SET_PDEATHSIG = 1
 
 
