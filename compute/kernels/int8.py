@@ -68,7 +68,7 @@ from paramstore.buffers import (
     ALIGN,  # the int8 kernel needs aligned inputs (see ``aligned``)
 )
 from compute.kernels import native
-from compute.kernels.machine import ISA_FLAGS, machine, machine_key  # noqa: F401 - re-exported (plans, tests)
+from compute.kernels.machine import ISA_FLAGS, cpu, machine, machine_key  # noqa: F401 - re-exported (plans, tests)
 from compute.kernels.nocopy import _OTF_MAX, SCRATCH_BYTES, W8A16_LO, otf_weight, scratch, w8a16  # noqa: F401 - some re-exported
 from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
 
@@ -247,7 +247,7 @@ def candidates(kernels: Iterable[str] = KERNELS, flags: str | None = None) -> li
     """The kernels worth measuring on this CPU: a bf16 GEMM (``bf16``, ``otf``) only where the CPU has bf16
     arithmetic (avx512_bf16, AMX), an int8 GEMM (``w8a8``, ``w8a16``) only where it has VNNI or AMX-int8 (elsewhere
     oneDNN emulates them: 3-10x behind, or inexact, on the AVX2 box; FIELD-NOTES)."""
-    have = set((machine().split("|")[1] if flags is None else flags).split())  # the ISA flags that decide speed
+    have = cpu()[1] if flags is None else set(flags.split())
     bf16 = bool(have & {"avx512_bf16", "amx_bf16"})
     vnni = bool(have & {"avx512_vnni", "avx_vnni", "amx_int8"})
     return [c for c in kernels if (c not in ("bf16", "otf") or bf16) and (c not in ("w8a8", "w8a16") or vnni)]

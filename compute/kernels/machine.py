@@ -16,11 +16,8 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "a
              "amx_bf16", "amx_int8", "amx_tile")  # fmt: skip
 
 
-def machine() -> str:
-    """This CPU as its kernels see it: model name, the ISA flags that decide kernel speed, the level torch
-    dispatches at (``ATEN_CPU_CAPABILITY`` can lower it below what the flags allow), and the native kernels' body
-    (none where they are not built: a plan naming them is then another machine class's, never run here; asking
-    loads the library, so a plan from the store or the cache that names them finds their op registered)."""
+def cpu() -> tuple[str, set[str]]:
+    """(CPU model name, this CPU's ``ISA_FLAGS``) from /proc/cpuinfo (the platform's name and no flags elsewhere)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -31,6 +28,15 @@ def machine() -> str:
                     flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return model, flags & set(ISA_FLAGS)
+
+
+def machine() -> str:
+    """This CPU as its kernels see it: model name, the ISA flags that decide kernel speed, the level torch
+    dispatches at (``ATEN_CPU_CAPABILITY`` can lower it below what the flags allow), and the native kernels' body
+    (none where they are not built: a plan naming them is then another machine class's, never run here; asking
+    loads the library, so a plan from the store or the cache that names them finds their op registered)."""
+    model, flags = cpu()
     have = " ".join(f for f in ISA_FLAGS if f in flags)
     return f"{model}|{have}|dispatch {torch.backends.cpu.get_cpu_capability()}|native {native.isa() or 'none'}"
 
