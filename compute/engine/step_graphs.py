@@ -180,7 +180,7 @@ class GraphBuilder:
         self.model, self.cache, self.max_streams, self.store = model, cache, max_streams, store
         self.dir = os.path.join(cache_dir, "graphs") if cache_dir else None
         self.model_key, self.plan_final, self.install, self.name = model_key, plan_final, install, name
-        self.sources: dict[str, str] = {}  # graph id -> local | store | built (the load log, for /load and tests)
+        self.sources: dict[str, str] = {}  # graph id -> local | store | built, where this process first took it
         self._stop, self._again = threading.Event(), threading.Event()
         self._idle = False  # every graph of the current kernels taken (or given up)
         self._thread: threading.Thread | None = None
@@ -262,7 +262,7 @@ class GraphBuilder:
             t0 = time.perf_counter()
             path, source = self._package(gid, step, lo, hi, sp, mk)
             fn = load_package(path, step)
-            self.sources[gid] = source
+            self.sources.setdefault(gid, source)  # where it came from first: a re-take after a swap finds it here
             log.info("step graph %s (%s, batch %d-%d) %s, loaded in %.2f s", gid, self.name, lo, hi,
                      {"local": "from this machine", "store": "from the store", "built": "built"}[source],
                      time.perf_counter() - t0)  # fmt: skip

@@ -151,6 +151,7 @@ class WeightInjector:
         self._engine_hooks: dict | None = None  # attach(): how a measured plan reaches a serving model
         self._plan_lock = threading.Lock()
         self._pending: tuple[dict, str] | None = None  # a planner result that came before ``attach``
+        self._swapping = 0  # swaps posted to the engine thread and not run yet (``plan_settled``)
         self.t0 = time.perf_counter()
         self.store, self.reader_config, self.cache = store, reader_config, cache
         self.manifest = manifest if manifest is not None else store.manifest(ref)
@@ -263,6 +264,12 @@ class WeightInjector:
         if pending is not None:  # the planner finished before the engine existed
             self._measured(*pending)
 
+    def plan_settled(self, timeout: float) -> bool:
+        """True once the kernel plan will not change: no measurement running and its swap, if any, applied on
+        the engine thread (what the step graphs wait for: they compile the kernels the model runs)."""
+        pl = self.planner
+        return (pl is None or pl.wait(timeout)) and self._swapping == 0 and self._pending is None
+
     def kernel_state(self) -> dict:
         pl = self.planner
         return {"mode": self.kernels, "source": self.kernel_source,
@@ -287,6 +294,13 @@ class WeightInjector:
             return
 
         def swap() -> None:
+            try:
+                _swap()
+            finally:
+                with self._plan_lock:
+                    self._swapping -= 1
+
+        def _swap() -> None:
             if mode == "invariant" and hooks["served"]():
                 log.info("kernel plan (%s) kept for the next start: under kernels = invariant a node that has "
                          "served keeps its plan", source)  # fmt: skip
@@ -300,6 +314,8 @@ class WeightInjector:
 
         if mode != "invariant":
             model.prepare_kernels(table, mode, self.copy_budget)  # bf16 copies made here, not on the engine thread
+        with self._plan_lock:
+            self._swapping += 1
         hooks["post"](swap)
 
     def _convert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -258,13 +258,9 @@ def start_graphs(cfg: NodeConfig, name: str, inj: WeightInjector, worker: Engine
             return
         runner.graphs.install(g)
 
-    def plan_final(timeout: float) -> bool:
-        pl = inj.planner
-        return pl is None or pl.wait(timeout)
-
     builder = GraphBuilder(inj.model, runner.cache, cfg.max_num_seqs, store=store,
                            cache_dir=os.path.dirname(kernel_cache(cfg)), model_key=inj.weights,
-                           plan_final=plan_final, install=lambda g: worker.post(lambda engine: install(g)),
+                           plan_final=inj.plan_settled, install=lambda g: worker.post(lambda engine: install(g)),
                            name=name)  # fmt: skip
     return builder.start()
 
