@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-ROLES = ("prefill", "decode")  # the roles the autoscaler sizes, each independently
+ROLES = ("prefill", "decode")  # a split deployment's roles, each sized independently (Kubernetes, `--prefill N`)
+SIZED = (*ROLES, "both")  # every role the policy sizes: "both" nodes prefill and decode (`pdserve up`'s default)
 
 
 @dataclass(slots=True)
@@ -66,6 +67,8 @@ class AutoscalerConfig:
     prefill_max_replicas: int = 8  # never more prefill replicas than this
     decode_min_replicas: int = 1  # never fewer decode replicas than this
     decode_max_replicas: int = 8  # never more decode replicas than this
+    both_min_replicas: int = 1  # colocated nodes (prefill and decode in one): never fewer than this
+    both_max_replicas: int = 8  # never more colocated nodes than this
 
     # --- windows (Knative KPA) ---
     stable_window_s: float = 60.0  # load is averaged over this window for normal decisions
@@ -97,7 +100,7 @@ class AutoscalerConfig:
                  f"{name}={v!r} must be a number >= 0 (0 disables)")  # fmt: skip
         need(isinstance(self.pool_size, int) and not isinstance(self.pool_size, bool) and self.pool_size >= 0,
              f"pool_size={self.pool_size!r} must be an int >= 0")  # fmt: skip
-        for role in ROLES:
+        for role in SIZED:
             lo, hi = self.bounds(role)
             need(isinstance(lo, int) and lo >= 0, f"{role}_min_replicas={lo} must be an int >= 0")
             need(isinstance(hi, int) and hi >= 1, f"{role}_max_replicas={hi} must be an int >= 1")
@@ -113,8 +116,8 @@ class AutoscalerConfig:
 
     def bounds(self, role: str) -> tuple[int, int]:
         """(min, max) replicas of `role`."""
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+        if role not in SIZED:
+            raise ValueError(f"unknown role {role!r}: one of {', '.join(SIZED)}")
         return getattr(self, f"{role}_min_replicas"), getattr(self, f"{role}_max_replicas")
 
     @classmethod

@@ -255,9 +255,6 @@ class GatewayClient:
 def control_loop(config: AutoscalerConfig, status: Status, publish: Callable[[dict], None], actuator,
                  kind: str, roles: Sequence[str] = ROLES) -> ControlLoop:  # fmt: skip
     """A ControlLoop (not started) observing `status()` and publishing each tick's report with `publish`."""
-    if "both" in roles:
-        raise ValueError("autoscaling sizes prefill and decode independently: use --prefill N --decode M")
-
     def pub(report: TickReport, nodes: Mapping[Key, list[NodeInfo]]) -> None:
         publish(report_body(report, nodes, kind))
 

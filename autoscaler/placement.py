@@ -123,10 +123,7 @@ def pool_config(config, roles: tuple[str, ...], floors: Mapping[str, int] | None
     size = int(getattr(config, "pool_size", 1))
     caps, lows = {}, {}
     for role in roles:
-        try:
-            lo, hi = config.bounds(role)
-        except ValueError:  # a role the policy does not size ("both"): its runtimes as asked, plus the pool
-            lo, hi = 0, 8 + size
+        lo, hi = config.bounds(role)
         lows[role] = max(int(lo), int((floors or {}).get(role, 0)))
         caps[role] = max(int(hi), lows[role], 1)
         if int(lo) == int(hi) and (floors or {}).get(role, hi) == hi:  # a fixed count (`pdserve up` without

@@ -61,7 +61,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from .capacity import CapacityBound
-from .config import ROLES, AutoscalerConfig
+from .config import SIZED, AutoscalerConfig
 from .slo import Breach, breaches, busy, core_load
 
 __all__ = ["AutoscalerConfig", "Decision", "Key", "PolicyContext", "PolicyState", "RoleDecision", "RoleLoad",
@@ -350,7 +350,7 @@ def held_back(bound: CapacityBound, decisions: dict, states: dict, before: Mappi
 
 
 def _order(model: str, role: str) -> tuple:
-    return model, ROLES.index(role) if role in ROLES else len(ROLES), role
+    return model, SIZED.index(role) if role in SIZED else len(SIZED), role
 
 
 def _decide_key(key: Key, load: RoleLoad, rs: RoleState | None, cfg: AutoscalerConfig, now: float, wake: bool,

@@ -9,6 +9,8 @@ Stage 1, `core_load` — replicas the observed load of one (model, role) needs n
   prefill  queued prompt tokens / the tokens one replica prefills within the TTFT SLO, i.e.
            `prefill_tokens_per_s` (measured, mean over the ready replicas) x `slo_ttft_s`, at
            most one replica per prompt there (a prompt is prefilled on one replica).
+  both     a colocated node does both: the larger of the two (its own measured rates: a both node
+           reports prefill tokens/s and decode streams alike).
   The configured per-replica targets (`target_*_per_replica`) are used only while no node has
   measured anything yet; the reason says which figure was used.
   demand   (config demand_signal; Dynamo's SLA planner) what arrives, against what a replica
@@ -27,6 +29,7 @@ Stage 3, `breaches` — the gateway-observed p99s over their SLOs, per role:
            SLO, `capacity_streams` or the fallback target: below that a long TPOT is the prefill ->
            decode handoff or the CPU's other tenants, and another replica does not shorten it),
            queue wait (only vetoes scale-down: more decoders do not admit faster)
+  both     TTFT, TPOT and queue wait, each as above (queue wait pushes: a both node admits)
 A breach that pushes raises the desired count to at least current + 1 (see policy.slo_push);
 any breach holds scale-down. A p99 is a lagging signal: it sizes nothing on its own.
 """
@@ -54,12 +57,17 @@ class Breach(NamedTuple):
 _SIGNALS = {
     "prefill": (("TTFT", "ttft_p99_s", "slo_ttft_s", True), ("queue wait", "queue_wait_p99_s", "slo_queue_wait_s", True)),
     "decode": (("TPOT", "tpot_p99_s", "slo_tpot_s", True), ("queue wait", "queue_wait_p99_s", "slo_queue_wait_s", False)),
+    "both": (("TTFT", "ttft_p99_s", "slo_ttft_s", True), ("TPOT", "tpot_p99_s", "slo_tpot_s", True),
+             ("queue wait", "queue_wait_p99_s", "slo_queue_wait_s", True)),
 }  # fmt: skip
 
 
 def core_load(role: str, load: RoleLoad, cfg: AutoscalerConfig) -> tuple[float, str, float]:
     """Replicas the observed load needs now, the signal that said so (the largest), and the demand signal's
     replicas alone (0.0 when off or not measured: panic reads it as it is, see policy.windows)."""
+    if role == "both":  # a colocated node prefills and decodes: whichever needs more replicas
+        (n, name, d), (n2, name2, d2) = core_load("prefill", load, cfg), core_load("decode", load, cfg)
+        return (n, name, max(d, d2)) if n >= n2 else (n2, name2, max(d, d2))
     signals: dict[str, float] = {}
     demand = demand_load(role, load, cfg)
     if demand is not None:

@@ -34,6 +34,7 @@ import time
 IMPORT_NICE = 10  # the runtimes' heavy imports yield the CPU to the nodes that serve (a refill under load)
 STOP_GRACE_S = 30.0  # on SIGTERM/SIGINT: the gateway's open requests may finish for this long
 NODE_DRAIN_S = 10.0  # then each node may drain for this long before SIGTERM (stop_timeout_s, then SIGKILL)
+MAX_THREADS = 4  # a colocated node's default threads: the usable cores up to this (measured on 2 cores only)
 
 
 def add_arguments(p) -> None:
@@ -45,11 +46,13 @@ def add_arguments(p) -> None:
     add_store_arguments(p)
     p.add_argument("--host", help="gateway bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gateway port (default 8000)")
-    p.add_argument("--prefill", type=int, default=None, help="prefill nodes (default 1)")
-    p.add_argument("--decode", type=int, default=None, help="decode nodes (default 1)")
-    p.add_argument("--both", type=int, default=None, help="colocated nodes (instead of a prefill/decode split)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill nodes: a prefill/decode split (with --decode)")
+    p.add_argument("--decode", type=int, default=None, help="decode nodes: a prefill/decode split (with --prefill)")
+    p.add_argument("--both", type=int, default=None, help="colocated nodes, prefill and decode in one (default 1: "
+                   "on one machine it serves 1.35-1.5x the 1 + 1 split's tokens/s, docs/benchmarks.md)")
     p.add_argument("--kv-transport", choices=["nixl", "tcp"], help="default: [node] kv_transport, else tcp")
-    p.add_argument("--threads-per-node", type=int, help="default: [node] threads, else 1")
+    p.add_argument("--threads-per-node", type=int, help="default: [node] threads, else the usable cores (at most "
+                   f"{MAX_THREADS}) for colocated nodes, 1 for a split")
     p.add_argument("--kv-blocks", type=int, help="per node (default: [node] kv_blocks, else 1024)")
     p.add_argument("--step", choices=["auto", "eager", "graph"], help="the nodes' decode steps (default: [node] step, "
                    "else auto: graph on the CPU, compiled ahead of time, built once per machine class after ready in a "
@@ -61,7 +64,18 @@ def add_arguments(p) -> None:
     p.add_argument("--log-level", default="info")
 
 
-def local_service(args, token: str, admin_key: str | None = None):
+def default_threads(roles: dict[str, int]) -> int:
+    """Threads per node where neither the flag nor [node] threads says: a colocated node takes the usable cores
+    (at most MAX_THREADS: a small model's step gains little past them, and a bigger machine runs more nodes);
+    a split's nodes take one each (its 1 + 1 on 2 cores)."""
+    from .capacity import machine
+
+    if "both" not in roles:
+        return 1
+    return max(1, min(MAX_THREADS, int(machine().cores + 1e-9)))
+
+
+def local_service(args, token: str, admin_key: str | None = None, roles: dict[str, int] | None = None):
     """(gateway, LocalConfig, AutoscalerConfig) from flags > environment > the config file > defaults."""
     from gateway.main import gateway_config, open_gateway
     from paramstore.config import config_path, read_config, store_config
@@ -78,7 +92,7 @@ def local_service(args, token: str, admin_key: str | None = None):
     node = tables.get("node", {})
     local = LocalConfig(model=None, store=list(store_cfg.locations), internal_token=token, import_nice=IMPORT_NICE,
                         kv_transport=args.kv_transport or node.get("kv_transport", "tcp"),
-                        threads=args.threads_per_node or node.get("threads") or 1,
+                        threads=args.threads_per_node or node.get("threads") or default_threads(roles or {}),
                         kv_blocks=args.kv_blocks or node.get("kv_blocks", 1024), weights=node.get("weights", "int8"),
                         log_dir=args.log_dir, cache_dir=os.environ.get("PDSERVE_CACHE_DIR") or node.get("cache_dir"),
                         extra_args=(*node_args(args, path), *(["--step", args.step] if args.step else [])))  # fmt: skip
@@ -95,16 +109,16 @@ def fixed_bounds(config, roles: dict[str, int]):
     """Without --autoscale: the policy keeps each model at the plan's counts (min = max = the plan)."""
     kw = {}
     for role, n in roles.items():
-        if role in ("prefill", "decode"):
-            kw |= {f"{role}_min_replicas": n, f"{role}_max_replicas": max(n, 1)}
+        kw |= {f"{role}_min_replicas": n, f"{role}_max_replicas": max(n, 1)}
     return dataclasses.replace(config, **kw)
 
 
 def plan(args) -> dict[str, int]:
-    if args.both is not None and (args.prefill or args.decode):
+    """The runtimes per role: one colocated node by default, a split when --prefill or --decode is given."""
+    if args.both is not None and (args.prefill is not None or args.decode is not None):
         raise ValueError("use either --both N or --prefill N --decode M")
-    if args.both is not None:
-        return {"both": args.both}
+    if args.prefill is None and args.decode is None:
+        return {"both": 1 if args.both is None else args.both}
     return {"prefill": 1 if args.prefill is None else args.prefill, "decode": 1 if args.decode is None else args.decode}
 
 
@@ -125,12 +139,10 @@ def main(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     roles = plan(args)
-    if args.autoscale and "both" in roles:
-        raise ValueError("autoscaling sizes prefill and decode independently: use --prefill N --decode M")
     token = env_secret("PDSERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)  # or $PDSERVE_INTERNAL_TOKEN_FILE
     os.environ["PDSERVE_INTERNAL_TOKEN"] = token
     made_key = None if env_secret("PDSERVE_ADMIN_KEY") or args.open_admin else secrets.token_urlsafe(24)
-    gw, local, auto = local_service(args, token, made_key)
+    gw, local, auto = local_service(args, token, made_key, roles)
     if made_key:
         print(f"pdserve up: admin key in {keyfile.write(gw.config.port, made_key)} (for `pdserve status`)",
               file=sys.stderr, flush=True)  # fmt: skip
@@ -249,56 +261,16 @@ def autoscale_in_process(gw, actuator, roles: dict[str, int], config=None):
     """The control loop in a thread of this process over `actuator` (the warm pool): the same observer as
     `pdserve autoscale` (autoscaler/observer.py), fed the gateway's status snapshot in-process; each report
     is stored where `pdserve status` reads it; the gateway's activator (a request held for a model no node
-    holds) wakes it. Roles the policy does not size ("both") get a Keeper instead (below)."""
+    holds) wakes it."""
     from gateway.routes.internal import snapshot
 
     from . import AutoscalerConfig
     from .observer import control_loop
+
     def publish(body: dict) -> None:
         gw.autoscaler_status = body  # one assignment: the gateway's loop reads it without a lock
 
     config = config or AutoscalerConfig()
-    if "both" in roles:
-        control = Keeper(actuator, roles, config.tick_s)
-        gw.activate = control.wake
-    else:
-        control = control_loop(config, lambda: snapshot(gw), publish, actuator, "local", roles=tuple(roles))
-        gw.activate = lambda model=None: control.wake()
+    control = control_loop(config, lambda: snapshot(gw), publish, actuator, "local", roles=tuple(roles))
+    gw.activate = lambda model=None: control.wake()
     return control.start()
-
-
-class Keeper:
-    """For colocated (`--both`) runtimes, which the policy does not size: the pool reconciled every tick, and a
-    model the activator asks for placed on one runtime (its count then stays as placed)."""
-
-    def __init__(self, pool, roles: dict[str, int], tick_s: float):
-        self.pool, self.roles, self.tick_s = pool, tuple(roles), tick_s
-        self._stop, self._wake = threading.Event(), threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def wake(self, model: str | None = None) -> None:
-        if model:
-            for role in self.roles:
-                if self.pool.replicas((model, role)) == 0:
-                    self.pool.place([model], {role: 1})
-        self._wake.set()
-
-    def run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.pool.current()
-            except Exception as e:  # noqa: BLE001 - the next tick tries again
-                logging.getLogger("pdserve.autoscaler").warning("pool: tick failed: %s", e)
-            self._wake.wait(self.tick_s)
-            self._wake.clear()
-
-    def start(self) -> Keeper:
-        self._thread = threading.Thread(target=self.run, name="pdserve-pool", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float | None = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)

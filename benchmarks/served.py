@@ -10,13 +10,15 @@ wait, SIGKILL to its process group) before the next, on every exit path:
 - ``llama-q4``: `llama-server` (built by `make llama-server`) on the GGUF as shipped (Q4_1 linears, Q8_0 embedding);
 - ``llama-q8``: `llama-server` on its Q8_0 twin (made once with the build's `llama-quantize --allow-requantize`,
   cached beside the binary's tree under .pdserve/gguf/): the equal-bits baseline of pdserve's int8;
-- ``pdserve``: `pdserve up --model NAME --port P` with no config of its own (its defaults: 1 prefill + 1 decode node,
-  1 thread each, int8, the decode step the tree defaults to) on a store where the real model was imported with
+- ``pdserve``: `pdserve up --model NAME --port P` with no config of its own (its defaults: one colocated node with
+  the usable cores as threads, int8, the decode step the tree defaults to) on a store where the real model was imported with
   ``--dtype int8``; the store and HOME are the benchmark's own temporary folders unless ``--store`` is given. A
   first start on an empty HOME measures the kernel plan in the background, and builds compiled decode steps where
   the step is graph (or auto on the CPU): the run waits until every node has finished both (``--settle-s``) before
   it measures, so the figures are a user's steady state, not its first minutes. The JSON keeps each node's
   kernels and graphs state.
+- ``pdserve-split``: the same with `--prefill 1 --decode 1` (one thread each): the split a multi-machine deployment
+  runs, on one machine.
 
 Both llama-server runs use ``-np 16 -c 16*PER_SLOT --threads <nproc> --cont-batching`` (PER_SLOT covers the chat
 prompt + ``--tokens``). At 32 streams only 16 of them decode at once there (the others queue for a slot: TTFT
@@ -60,7 +62,7 @@ SYSTEMS = {  # key -> label in the table
     "llama-q4": "llama-server Q4_1",
     "llama-q8": "llama-server Q8_0",
     "pdserve": "pdserve int8 (defaults)",
-    "pdserve-both": "pdserve int8, 1 both node, nproc threads",
+    "pdserve-split": "pdserve int8, 1 prefill + 1 decode node, 1 thread each",
 }
 TOPICS = ["the moon", "rivers", "bread", "owls", "volcanoes", "chess", "the ocean", "bicycles", "honey bees",
           "glaciers", "tea", "lighthouses", "deserts", "violins", "maple trees", "comets", "salt", "trains",
@@ -179,8 +181,8 @@ def ratios(med: dict) -> dict:
     out = {}
     for s in (x for x in med if not x.startswith("pdserve")):
         out[s] = {n: {m: _ratio(med["pdserve"][n][m], row[m]) for m in METRICS} for n, row in med[s].items()}
-        if "pdserve-both" in med:  # the colocated variant against the same row
-            out[f"pdserve-both/{s}"] = {n: {m: _ratio(med["pdserve-both"][n][m], row[m]) for m in METRICS}
+        if "pdserve-split" in med:  # the split against the same row
+            out[f"pdserve-split/{s}"] = {n: {m: _ratio(med["pdserve-split"][n][m], row[m]) for m in METRICS}
                                         for n, row in med[s].items()}  # fmt: skip
     return out
 
@@ -211,11 +213,11 @@ def table(report: dict) -> str:
         head = ", ".join(f"{n} streams {x(rat['llama-q8'][n]['tok_per_s'])} (decode per stream "
                          f"{x(rat['llama-q8'][n]['decode_tok_s_p50'])})" for n in report["concurrency"])  # fmt: skip
         lines += ["", f"equal bits, pdserve int8 / llama-server Q8_0, output tok/s: {head}"]
-    if "pdserve-both/llama-q8" in rat:
-        q8 = rat["pdserve-both/llama-q8"]
+    if "pdserve-split/llama-q8" in rat:
+        q8 = rat["pdserve-split/llama-q8"]
         head = ", ".join(f"{n} streams {x(q8[n]['tok_per_s'])} (decode per stream {x(q8[n]['decode_tok_s_p50'])})"
                          for n in report["concurrency"])  # fmt: skip
-        lines += [f"equal bits, pdserve one both node / llama-server Q8_0, output tok/s: {head}"]
+        lines += [f"equal bits, pdserve 1 prefill + 1 decode / llama-server Q8_0, output tok/s: {head}"]
     return "\n".join(lines)
 
 
@@ -264,7 +266,7 @@ def main(args: argparse.Namespace) -> int:
             for s in systems:
                 log_dir = tempfile.mkdtemp(dir=tmp, prefix=f"{s}-")
                 if s.startswith("pdserve"):
-                    system = PdServe(args.model, locations, home, log_dir, threads if s == "pdserve-both" else 0)
+                    system = PdServe(args.model, locations, home, log_dir, split=s == "pdserve-split")
                 else:
                     system = LlamaServer(args.llama_server, ggufs[s], args.tokens, threads, log_dir)
                 report["commands"][s] = system.cmd

@@ -93,15 +93,16 @@ class LlamaServer:
 
 
 class PdServe:
-    """`pdserve up --model NAME --port P`, defaults otherwise (benchmarks/service.py: its own process group)."""
+    """`pdserve up --model NAME --port P`, defaults otherwise (benchmarks/service.py: its own process group);
+    ``split``: `--prefill 1 --decode 1` (one thread each, the split's default)."""
 
-    def __init__(self, model: str, locations: list[str], home: str, log_dir: str, both_threads: int = 0) -> None:
+    def __init__(self, model: str, locations: list[str], home: str, log_dir: str, split: bool = False) -> None:
         from benchmarks.service import UpService
 
         self.model = model
         env = {"HOME": home, "XDG_CACHE_HOME": os.path.join(home, ".cache")}
-        plan, tables = ({"both": 1}, {"node": {"threads": both_threads}}) if both_threads else ({}, {})
-        self.up = UpService([model], locations, log_dir, tables, plan, autoscale=False, stop_timeout_s=60.0, env=env)
+        plan = {"prefill": 1, "decode": 1} if split else {}
+        self.up = UpService([model], locations, log_dir, {}, plan, autoscale=False, stop_timeout_s=60.0, env=env)
         self.url, self.cmd = self.up.url, self.up.cmd
 
     def start(self) -> PdServe:

@@ -227,7 +227,7 @@ gateway_service = "pdserve-gateway"
 
 
 def test_up_autoscale_runs_the_same_observer_in_process(tmp_path, real_model_store):
-    """`pdserve up --autoscale`: the loop observes the gateway's own snapshot; `pdserve status` shows each tick."""
+    """`pdserve up --autoscale` (one colocated node, the default): the loop observes the gateway's own snapshot; `pdserve status` shows each tick."""
     locations, model = real_model_store
     port = free_port()
     cfg = write_config(tmp_path, locations, model, port)
@@ -235,7 +235,7 @@ def test_up_autoscale_runs_the_same_observer_in_process(tmp_path, real_model_sto
     up = ServiceProc("up", PDSERVE + ["up", "--autoscale", "--log-dir", str(tmp_path / "up-nodes")],
                      f"http://127.0.0.1:{port}", str(tmp_path), env)  # fmt: skip
     try:
-        up.wait_ready(240)  # a prefill and a decode node, registered
+        up.wait_ready(240)  # the default's one colocated node, registered
 
         def published():
             r = subprocess.run(PDSERVE + ["status", "--json"], env=env, capture_output=True, text=True, timeout=30)
@@ -244,9 +244,9 @@ def test_up_autoscale_runs_the_same_observer_in_process(tmp_path, real_model_sto
 
         first = wait_for(published, 30, "an autoscaler report", every=0.25)
         assert first["actuator"] == "local" and first["reason"], first
-        assert set(by_role(first["decision"])) == {"prefill", "decode"}
+        assert set(by_role(first["decision"])) == {"both"}  # the default topology, sized like a split's roles
         later = wait_for(lambda: (a := published()) and a["t"] > first["t"] and a, 30, "a later tick's report", every=0.25)
-        assert {r: d["replicas"] for r, d in by_role(later["decision"]).items()} == {"prefill": 1, "decode": 1}
+        assert {r: d["replicas"] for r, d in by_role(later["decision"]).items()} == {"both": 1}
         held = {n["url"] for ns in later["nodes"].values() for n in ns}  # the pool's replicas: runtimes holding it
         assert held and held <= {n["url"] for n in status(up.url)["nodes"]}  # every one registered with the gateway
     finally:

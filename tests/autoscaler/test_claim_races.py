@@ -1,6 +1,6 @@
 """Races around scale from zero and the warm pool's claims, on real processes.
 
-`pdserve up --both 1` (the pool reconciled by its Keeper, the gateway's activator waking it) serving every
+`pdserve up --both 1 --autoscale` (both_max_replicas 4; the gateway's activator waking the loop) serving every
 model of a store of four tiny chat models, each runtime's memory budget holding one model only; tiny-a
 asked for first (placed on the plan's runtime; the pool then starts one standby runtime beside it):
 - two requests held at once for two models at zero with one standby runtime: one model claims the
@@ -128,8 +128,9 @@ def test_held_requests_for_models_at_zero_claim_once_each_and_are_answered(tmp_p
     locations, budget_gb = four_models
     conf = tmp_path / "pdserve.toml"
     conf.write_text(f'[node]\nmemory_gb = {budget_gb:.6f}\nkernels = "fixed"\n[autoscaler]\npool_size = 1\n'
-                    "tick_s = 0.2\n[gateway]\nqueue_timeout_s = 90\n")  # fmt: skip
-    up = Up(tmp_path, locations, "--both", "1", "--kv-blocks", str(KV_BLOCKS), "--config", str(conf))  # every model
+                    "tick_s = 0.2\nboth_max_replicas = 4\n[gateway]\nqueue_timeout_s = 90\n")  # fmt: skip
+    up = Up(tmp_path, locations, "--both", "1", "--autoscale", "--kv-blocks", str(KV_BLOCKS), "--config",
+            str(conf))  # room for a runtime per model: each held request claims a runtime, never evicts another's
     try:
         up.proc.wait_ready(240, path="/health")
         _answered_or_clear_503(_ask_all(up.url, ["tiny-a"], 90))  # placed on the first runtime; a standby follows

@@ -217,13 +217,13 @@ def test_an_idle_model_goes_to_zero_and_the_next_request_brings_it_back(tmp_path
         up.wait_ready(240)
         answer = client.chat.completions.create(model=model, messages=q, max_tokens=12, temperature=0)
         assert "Paris" in answer.choices[0].message.content
-        assert len(holding(pool())) == 2  # a prefill and a decode runtime hold it
+        assert len(holding(pool())) == 1  # the default's one colocated runtime holds it
 
-        # idle for 4 s: the model goes to zero; its runtimes return to standby with the weights freed, and the
-        # pool keeps one standby runtime per role (the warm ones: a refill still starting goes first)
-        # (the plan's count is fixed, so its standby runtimes were kept on top: those two leave, then are gone)
-        p = wait_for(lambda: (p := pool()) and not holding(p) and len(p["runtimes"]) == 2
-                     and all(r["state"] == "standby" for r in p["runtimes"]) and len(children(up.p.pid)) == 2 and p,
+        # idle for 4 s: the model goes to zero; its runtime returns to standby with the weights freed, and the
+        # pool keeps one standby runtime per role (the warm one: a refill still starting goes first)
+        # (the plan's count is fixed, so its standby runtime was kept on top: one leaves, then is gone)
+        p = wait_for(lambda: (p := pool()) and not holding(p) and len(p["runtimes"]) == 1
+                     and all(r["state"] == "standby" for r in p["runtimes"]) and len(children(up.p.pid)) == 1 and p,
                      60, "the idle model at zero replicas", every=0.25)  # fmt: skip
         urls = {r["url"] for r in p["runtimes"]}
         for url in urls:
@@ -238,7 +238,7 @@ def test_an_idle_model_goes_to_zero_and_the_next_request_brings_it_back(tmp_path
         back_s = time.monotonic() - t0
         assert "Paris" in answer.choices[0].message.content
         p = pool()
-        assert p["claims_done"] >= claims + 2 and set(holding(p)) <= urls, p  # claimed, not started
+        assert p["claims_done"] >= claims + 1 and set(holding(p)) <= urls, p  # claimed, not started
         assert pids <= set(children(up.p.pid))
         print(f"\nscale from zero: first request -> answer {back_s:.2f} s (12 tokens)")
         out = subprocess.run([sys.executable, "-m", "autoscaler.cli", "status", "--url", up.url], capture_output=True,

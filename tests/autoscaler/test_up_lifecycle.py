@@ -78,7 +78,7 @@ def chat(url: str, **kw):
 def up(tmp_path_factory, real_model_store):
     """`pdserve up` with 1 prefill + 1 decode node, ready."""
     locations, name = real_model_store
-    u = Up(tmp_path_factory.mktemp("up"), list(locations), name)
+    u = Up(tmp_path_factory.mktemp("up"), list(locations), name, "--prefill", "1", "--decode", "1")
     try:
         u.proc.wait_ready(timeout=180)
         u.wait_nodes(2, 10)

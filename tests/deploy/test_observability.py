@@ -152,14 +152,16 @@ def test_each_alert_fires_and_stays_silent_under_promtool(tmp_path):
 
 
 class Up:
-    """`pdserve up` with the real model: one prefill and one decode runtime, no standby ones (a fixed target set)."""
+    """`pdserve up --prefill 1 --decode 1` (the split, as on Kubernetes) with the real model, no standby runtimes
+    (a fixed target set)."""
 
     def __init__(self, tmp: Path, store: list[str], model: str):
         (tmp / "logs").mkdir()
         (tmp / "pdserve.toml").write_text("[autoscaler]\npool_size = 0\n")
         self.model, self.seen = model, {}
         self.proc = Services(store, model, str(tmp), TOKEN).start(
-            "up", ["up", "--log-dir", str(tmp / "logs"), "--config", str(tmp / "pdserve.toml")])  # fmt: skip
+            "up", ["up", "--prefill", "1", "--decode", "1", "--log-dir", str(tmp / "logs"), "--config",
+                   str(tmp / "pdserve.toml")])  # fmt: skip
         self.url = self.proc.url
 
     def runtimes(self) -> list[dict]:
