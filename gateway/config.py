@@ -45,6 +45,7 @@ class GatewayConfig:
     node_timeout_s: float = 60.0  # longest silence from a node mid-request
     max_model_len: int | None = None  # context limit (default: the model's)
     max_tokens_limit: int | None = None  # most tokens one request may generate: max_tokens' maximum and default
+    max_body_bytes: int = 8 << 20  # largest request body on the public API (413 before it is read past this)
 
     def __post_init__(self) -> None:
         from paramstore.config import parse_ref
@@ -58,6 +59,8 @@ class GatewayConfig:
             self.model = self.models[0]  # older readers of `model`: the first served model
         if self.models_refresh_s <= 0:
             raise ValueError("models_refresh_s must be > 0")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes!r} must be an int >= 1024")
         if not 0 < self.port < 65536 and self.port != 0:
             raise ValueError(f"invalid port {self.port}")
         for name in ("max_running", "max_queue"):

@@ -7,10 +7,17 @@ can replay or use elsewhere.
 1. Every request to a node (and to the gateway's /internal/*) is signed (``SignedAuth``, an httpx.Auth
    that every client uses; ``signed_headers`` for a caller without httpx):
        X-Pdserve-Time: unix seconds          X-Pdserve-Nonce: 128 random bits, hex
-       X-Pdserve-Signature: hex HMAC(token, "pdserve-request-v1" LF METHOD LF PATH[?QUERY] LF sha256(body) LF time LF nonce)
-   The receiver (``SignedOnly``, an ASGI middleware) refuses with 401 a missing or wrong signature, a
-   time outside +-window_s of its clock, and a nonce it has already accepted within the window (a
-   captured request replayed).
+       X-Pdserve-To: the receiver's origin as the caller addressed it (http://host:port)
+       X-Pdserve-Signature: hex HMAC(token, "pdserve-request-v2" LF METHOD LF PATH[?QUERY] LF sha256(body) LF time
+                                     LF nonce LF to)
+   The receiver (``SignedOnly``, an ASGI middleware) checks, in this order and before it reads a byte of
+   the body: the headers are there, ``Content-Length`` (if sent) is within ``max_body``, the time is
+   within +-window_s of its clock and not before this process started (a request captured before a
+   restart is not taken by the restarted process, whose nonce memory is new), the ``to`` origin names
+   this receiver (``Identity``; a request signed for another node is refused by this one: a captured
+   drain or unload cannot be replayed across the fleet), and the nonce is new. Then it reads the body,
+   bounded by ``max_body``, and checks the MAC; only then is the nonce remembered. Any failure: 401
+   (413 for a body over the cap), never a read of what follows.
 2. A node proves it holds the token before anything is sent to it (``prove`` / ``check_proof``): the
    gateway POSTs /prove {"nonce", "url"} (unsigned, a fresh random nonce) and the node answers
    {"proof": hex HMAC(token, "pdserve-node-proof-v1" LF nonce LF url)} only for a URL that names it
@@ -40,10 +47,12 @@ from urllib.parse import urlsplit
 
 import httpx
 
-TIME, NONCE, SIGNATURE = "x-pdserve-time", "x-pdserve-nonce", "x-pdserve-signature"
-_REQUEST, _PROOF = b"pdserve-request-v1", b"pdserve-node-proof-v1"
+TIME, NONCE, SIGNATURE, TO = "x-pdserve-time", "x-pdserve-nonce", "x-pdserve-signature", "x-pdserve-to"
+_REQUEST, _PROOF = b"pdserve-request-v2", b"pdserve-node-proof-v1"
 WINDOW_S = 30.0  # a signed request is accepted this long either side of the receiver's clock
-MAX_BODY = 64 << 20  # bytes a signed request may carry (a prompt of a long context is a few MB of JSON)
+MAX_BODY = 16 << 20  # bytes a signed request may carry (a 128k-token prompt's ids are ~1 MB of JSON)
+START_SLACK_S = 1.0  # a signature this much older than the verifier is still taken (clock rounding; a restart
+#   takes longer than this from the old process's last request to the new one's verifier)
 MAX_NONCES = 1 << 20  # accepted nonces remembered within the window; beyond: 503 until they expire
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 WILDCARD = {"0.0.0.0", "::", ""}
@@ -53,35 +62,43 @@ def _mac(token: str, *parts: bytes) -> str:
     return hmac.new(token.encode(), b"\n".join(parts), hashlib.sha256).hexdigest()
 
 
-def signature(token: str, method: str, target: str | bytes, body: bytes, at: str, nonce: str) -> str:
-    """The request signature over method, target (path and query, as sent), body digest, time, nonce."""
+def signature(token: str, method: str, target: str | bytes, body: bytes, at: str, nonce: str, to: str) -> str:
+    """The request signature over method, target (path and query, as sent), body digest, time, nonce and the
+    receiver's origin (``to``)."""
     target = target if isinstance(target, bytes) else target.encode()
     return _mac(token, _REQUEST, method.upper().encode(), target, hashlib.sha256(body).hexdigest().encode(),
-                at.encode(), nonce.encode())  # fmt: skip
+                at.encode(), nonce.encode(), to.encode())  # fmt: skip
 
 
-def signed_headers(token: str, method: str, target: str | bytes, body: bytes = b"") -> dict[str, str]:
-    """The three headers that sign one request (a caller without httpx: a preStop hook, curl)."""
-    at, nonce = f"{time.time():.3f}", secrets.token_hex(16)
-    return {TIME: at, NONCE: nonce, SIGNATURE: signature(token, method, target, body, at, nonce)}
+def origin(url: str) -> str:
+    """``http://host:port`` of a URL (the port always written): what ``X-Pdserve-To`` carries."""
+    u = httpx.URL(url)
+    return f"{u.scheme}://{u.host if ':' not in u.host else f'[{u.host}]'}:{u.port or {'https': 443}.get(u.scheme, 80)}"
 
 
-def _sign(token: str, request) -> None:
-    request.headers.update(signed_headers(token, request.method, request.url.raw_path, request.content))
+def signed_headers(token: str, method: str, url: str, body: bytes = b"", to: str | None = None) -> dict[str, str]:
+    """The headers that sign one request to ``url`` (its origin is the receiver unless ``to`` names it; its path
+    and query are the target), for a caller without httpx: a preStop hook, curl."""
+    u = httpx.URL(url)
+    at, nonce, to = f"{time.time():.3f}", secrets.token_hex(16), origin(to or url)
+    return {TIME: at, NONCE: nonce, TO: to, SIGNATURE: signature(token, method, u.raw_path, body, at, nonce, to)}
 
 
 class SignedAuth(httpx.Auth):
-    """An httpx.Auth that signs every request with the internal token (sync and async clients alike)."""
+    """An httpx.Auth that signs every request with the internal token (sync and async clients alike), each for
+    the origin it is sent to; ``to``: the receiver's own origin instead, where it is reached through a
+    forwarded port (``kubectl port-forward``, a published container port)."""
 
     requires_request_body = True  # the body's digest is signed
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, to: str | None = None):
         if not token:
             raise ValueError("no internal token: set $PDSERVE_INTERNAL_TOKEN")
-        self._token = token
+        self._token, self._to = token, to
 
     def auth_flow(self, request):
-        _sign(self._token, request)
+        request.headers.update(signed_headers(self._token, request.method, str(request.url), request.content,
+                                              self._to))  # fmt: skip
         yield request
 
 
@@ -142,34 +159,54 @@ class Identity:
 
 
 class Verifier:
-    """Checks a signed request: the signature, the time window, the nonce seen once."""
+    """Checks a signed request (the module doc's order): ``precheck`` on the headers alone, ``check`` with the
+    body; a nonce is remembered only once the whole request passed."""
 
-    def __init__(self, token: str, window_s: float = WINDOW_S, clock: Callable[[], float] = time.time):
+    def __init__(self, token: str, window_s: float = WINDOW_S, clock: Callable[[], float] = time.time,
+                 names: Callable[[str, bool], bool] = lambda to, local: True):  # fmt: skip
+        """``names(origin, local)``: whether a request signed for that origin is for this receiver (``local``: the
+        caller is on this host's loopback)."""
         if not token:
             raise ValueError("no internal token: every signed route would refuse every request")
-        self.token, self.window_s, self.clock = token, window_s, clock
+        self.token, self.window_s, self.clock, self.names = token, window_s, clock, names
+        self.started = clock()  # a signature made before this is not for this process
         self._seen: dict[str, float] = {}  # nonce -> when it expires (insertion order is time order)
 
-    def check(self, method: str, target: bytes, body: bytes, headers: dict[str, str]) -> tuple[int, str] | None:
-        """None if the request is signed, fresh and new; else (status, why)."""
-        at, nonce, sig = headers.get(TIME), headers.get(NONCE), headers.get(SIGNATURE)
-        if not (at and nonce and sig):
+    def precheck(self, headers: dict[str, str], local: bool = False) -> tuple[int, str] | None:
+        """Before the body is read: None if the headers may belong to a fresh request for this receiver."""
+        at, nonce, sig, to = headers.get(TIME), headers.get(NONCE), headers.get(SIGNATURE), headers.get(TO)
+        if not (at and nonce and sig and to):
             return 401, "unsigned request: the internal API takes requests signed with the internal token"
         try:
             t = float(at)
         except ValueError:
             return 401, "bad X-Pdserve-Time"
-        if t != t or not hmac.compare_digest(sig.encode(), signature(self.token, method, target, body, at, nonce).encode()):
-            return 401, "invalid signature: not signed with this deployment's internal token"
         now = self.clock()
-        if abs(now - t) > self.window_s:
+        if not abs(now - t) <= self.window_s:
             return 401, f"expired signature: signed {now - t:+.0f} s from now, outside the {self.window_s:g} s window"
+        if t < self.started - START_SLACK_S:
+            return 401, "signed before this process started: a request for an earlier run of this receiver"
+        if not self.names(to, local):
+            return 401, f"signed for another receiver ({to[:200]}): a request is taken only by the one it names"
         self._expire(now)
         if nonce in self._seen:
             return 401, "replayed request: this signature was already used"
         if len(self._seen) >= MAX_NONCES:
             return 503, "too many signed requests in the window: retry shortly"
-        self._seen[nonce] = t + self.window_s
+        return None
+
+    def check(self, method: str, target: bytes, body: bytes, headers: dict[str, str],
+              local: bool = False) -> tuple[int, str] | None:  # fmt: skip
+        """None if the request is signed, fresh, for this receiver and new (its nonce is then remembered)."""
+        why = self.precheck(headers, local)
+        if why is not None:
+            return why
+        at, nonce, sig, to = headers[TIME], headers[NONCE], headers[SIGNATURE], headers[TO]
+        if not hmac.compare_digest(sig.encode(), signature(self.token, method, target, body, at, nonce, to).encode()):
+            return 401, "invalid signature: not signed with this deployment's internal token"
+        if nonce in self._seen:  # (another request with it passed while this body was read)
+            return 401, "replayed request: this signature was already used"
+        self._seen[nonce] = float(at) + self.window_s
         return None
 
     def _expire(self, now: float) -> None:
@@ -185,47 +222,92 @@ def _json_refusal(status: int, message: str) -> bytes:
 
 
 class SignedOnly:
-    """ASGI middleware: requests to a path `protected(path)` must pass ``Verifier.check``; the body is
-    read (bounded), checked, and handed on unchanged. Others pass through untouched (streams too)."""
+    """ASGI middleware: requests to a path `protected(path)` must pass the ``Verifier`` (headers first, then the
+    body read up to ``max_body`` and checked) and are handed on with the body unchanged. Others pass through
+    untouched (streams too). ``identity``: which origins name this receiver (a loopback caller may also name
+    it as ``127.0.0.1:PORT``: a preStop hook inside its pod)."""
 
-    def __init__(self, app, token: str, protected: Callable[[str], bool],
-                 refusal: Callable[[int, str], bytes] = _json_refusal, window_s: float = WINDOW_S):
-        self.app, self.protected, self.refusal = app, protected, refusal
-        self.verifier = Verifier(token, window_s) if token else None
+    def __init__(self, app, token: str, protected: Callable[[str], bool], identity: Identity | None = None,
+                 refusal: Callable[[int, str], bytes] = _json_refusal, window_s: float = WINDOW_S,
+                 max_body: int = MAX_BODY):  # fmt: skip
+        self.app, self.protected, self.refusal, self.max_body = app, protected, refusal, max_body
+        self.identity = identity
+        self.verifier = Verifier(token, window_s, names=self._names) if token else None
+
+    def _names(self, to: str, local: bool) -> bool:
+        if self.identity is None or self.identity.names(to):
+            return True
+        got = _host_port(to)  # the loopback name of this port, from a caller on this host
+        return local and got is not None and got[0] in LOOPBACK and got[1] == self.identity.port
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.protected(scope["path"]):
             return await self.app(scope, receive, send)
-        body, more = bytearray(), True
-        while more:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(body) > MAX_BODY:
-                return await self._refuse(send, 413, f"request body over {MAX_BODY} bytes")
+        if self.verifier is None:
+            return await self._refuse(send, 401, "no internal token configured: every internal route is refused")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        local = bool(scope.get("client")) and scope["client"][0] in LOOPBACK
+        why = self.verifier.precheck(headers, local)
+        if why is None and _length(headers) > self.max_body:
+            why = 413, f"request body over {self.max_body} bytes"
+        if why is not None:
+            return await self._refuse(send, *why)
+        try:
+            body = await read_body(receive, self.max_body)
+        except BodyTooLarge:
+            return await self._refuse(send, 413, f"request body over {self.max_body} bytes")
+        if body is None:
+            return
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        why = (401, "no internal token configured: every internal route is refused") if self.verifier is None else \
-            self.verifier.check(scope["method"], target, bytes(body), headers)  # fmt: skip
+        why = self.verifier.check(scope["method"], target, body, headers, local)
         if why is not None:
             return await self._refuse(send, *why)
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if sent:
-                return await receive()  # after the body: a disconnect, when it comes
-            sent = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
 
     async def _refuse(self, send, status: int, message: str) -> None:
         payload = self.refusal(status, message)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+
+
+def _length(headers: dict[str, str]) -> int:
+    """The declared Content-Length (0 when none: a chunked body is counted as it is read)."""
+    try:
+        return int(headers.get("content-length", "0"))
+    except ValueError:
+        return 1 << 62  # unparseable: over any cap
+
+
+class BodyTooLarge(Exception):
+    """A request body read past its limit (``read_body``)."""
+
+
+async def read_body(receive, limit: int) -> bytes | None:
+    """An ASGI request's whole body, read up to ``limit`` bytes (BodyTooLarge past it); None: the client left."""
+    body, more = bytearray(), True
+    while more:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        body += msg.get("body", b"")
+        more = msg.get("more_body", False)
+        if len(body) > limit:
+            raise BodyTooLarge
+    return bytes(body)
+
+
+def replaying(body: bytes, receive):
+    """An ASGI receive that gives ``body`` whole, then what ``receive`` gives (a disconnect, when it comes)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay

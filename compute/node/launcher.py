@@ -117,9 +117,10 @@ class Services:
         self.env = service_env(self.token, **(env or {}))
         self.procs: list[ServiceProc] = []
 
-    def start(self, name: str, args: list[str], env: dict | None = None, model: str | None = SAME) -> ServiceProc:
-        """``model``: the Services' model by default; None: no --model (a standby node)."""
-        port = free_port()
+    def start(self, name: str, args: list[str], env: dict | None = None, model: str | None = SAME,
+              port: int | None = None) -> ServiceProc:  # fmt: skip
+        """``model``: the Services' model by default; None: no --model (a standby node); ``port``: a free one."""
+        port = port or free_port()
         model = self.model if model is SAME else model
         cmd = [sys.executable, "-m", "autoscaler.cli", *args, "--port", str(port)]
         if model:
@@ -132,11 +133,12 @@ class Services:
         return p
 
     def node(self, role: str, threads: int = 1, transport: str = "tcp", kv_blocks: int = 1024,
-             extra: tuple[str, ...] = (), model: str | None = SAME) -> ServiceProc:  # fmt: skip
+             extra: tuple[str, ...] = (), model: str | None = SAME, port: int | None = None) -> ServiceProc:  # fmt: skip
         """A node of ``role`` loading ``model`` at start (default: the Services' model); ``model=None``: a
         standby node (no model; loads on demand through /internal/models/load)."""
         return self.start(role, ["node", "--role", role, "--threads", str(threads), "--kv-transport", transport,
-                                 "--kv-blocks", str(kv_blocks), "--log-level", "warning", *extra], model=model)  # fmt: skip
+                                 "--kv-blocks", str(kv_blocks), "--log-level", "warning", *extra], model=model,
+                          port=port)  # fmt: skip
 
     def gateway(self, nodes: list[tuple[str, ServiceProc]], extra: tuple[str, ...] = (),
                 env: dict | None = None) -> ServiceProc:  # fmt: skip

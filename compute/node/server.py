@@ -62,7 +62,8 @@ def create_app(host: ModelHost) -> FastAPI:
     role = host.cfg.role
     cfg = host.cfg
     me = auth.Identity(cfg.host, cfg.port, cfg.advertise_url)
-    app.add_middleware(auth.SignedOnly, token=cfg.internal_token, protected=lambda path: path not in OPEN_PATHS)
+    app.add_middleware(auth.SignedOnly, token=cfg.internal_token, protected=lambda path: path not in OPEN_PATHS,
+                       identity=me)  # a request signed for another node is refused here
 
     @app.post("/prove")
     async def prove(request: Request):

@@ -43,6 +43,7 @@ IGNORED = ("user", "metadata", "store", "service_tier")  # accepted; change noth
 MAX_TOP_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_CHOICES = 16  # n and best_of at most (each choice is a request: admission bounds a batch of prompts)
+MAX_SEQUENCES = 64  # prompts x choices generated in one request (64 x 16 would be 1,024 sequences: every slot)
 
 
 class StreamOptions(BaseModel):
@@ -159,6 +160,10 @@ class CompletionRequest(_Sampling):
     def _choices(self):
         if self.generated() > self.n and self.stream:  # the schema says it too (``describe``)
             raise ValueError(f"best_of ({self.best_of}) > n ({self.n}) cannot be streamed: the best are known at the end")
+        many = len(self.prompts()) * self.generated()
+        if many > MAX_SEQUENCES:
+            raise ValueError(f"{len(self.prompts())} prompt(s) x {self.generated()} choice(s) = {many} sequences in one "
+                             f"request; at most {MAX_SEQUENCES}: send fewer prompts or a smaller n / best_of")
         return self
 
     def generated(self) -> int:

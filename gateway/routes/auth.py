@@ -1,7 +1,8 @@
-"""Who may call which gateway route: the API keys for /v1/* (and /tokenize, /detokenize, checked in their
-routes), the admin key for /admin/* (none set: closed, 401, unless the gateway runs with --open-admin), and
-requests signed with the internal token for /internal/* (compute/node/auth.py, as requests to nodes are).
-Keys are compared in constant time, every key every time.
+"""Who may call which gateway route: the API keys for /v1/*, /tokenize and /detokenize, the admin key for
+/admin/* (none set: closed, 401, unless the gateway runs with --open-admin), and requests signed with the
+internal token for /internal/* (compute/node/auth.py, as requests to nodes are). Keys are compared in constant
+time, every key every time. Every check runs before a byte of the body is read; then ``BodyLimit`` bounds
+what is read (the declared Content-Length first, then the bytes as they come): 413 past ``max_body_bytes``.
 
 Tenants (``cache_isolation = "per_key"``, the default when API keys are set): a /v1/* request's key names its
 tenant, ``TENANT`` holds that tenant's cache salt for the request (an HMAC of the key under the internal
@@ -21,11 +22,12 @@ from dataclasses import replace
 
 from fastapi import FastAPI, Request
 
-from compute.node.auth import SignedOnly
-
+from compute.node.auth import BodyTooLarge, Identity, SignedOnly, read_body, replaying
 from gateway.api.protocol import error_body
 
 ADMIN_KEY_HINT = ".pdserve/keys/admin-PORT.key (read by `pdserve status`)"
+KEYED = ("/tokenize", "/detokenize")  # outside /v1/, under the API keys too
+INTERNAL_MAX_BODY = 1 << 20  # the gateway's /internal/* take registrations and autoscaler reports: small JSON
 TENANT: ContextVar[str | None] = ContextVar("pdserve_tenant", default=None)  # this request's tenant salt
 
 
@@ -55,16 +57,18 @@ def salted(params):
 def install_auth(app: FastAPI, cfg, refuse: Callable) -> None:
     """The checks as middleware on `app` (GatewayConfig `cfg`); ``refuse(status, message, type)``: the error reply."""
     app.add_middleware(SignedOnly, token=cfg.internal_token or "", protected=lambda path: path.startswith("/internal/"),
-                       refusal=lambda status, message: json.dumps(error_body(message, "authentication_error", None,
+                       identity=Identity(cfg.host, cfg.port), max_body=INTERNAL_MAX_BODY, refusal=lambda status, message: json.dumps(error_body(message, "authentication_error", None,
                                                                              status)).encode())  # fmt: skip
 
     secret = (cfg.internal_token or secrets.token_hex(32)).encode()  # no token: one gateway, salts of its lifetime
     per_key = cfg.cache_isolation == "per_key"
 
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, refusal=refuse)
+
     @app.middleware("http")
-    async def keys(request: Request, call_next):
+    async def keys(request: Request, call_next):  # (added last: it runs first)
         path = request.url.path
-        if path.startswith("/v1/") and cfg.api_keys:
+        if (path.startswith("/v1/") or path in KEYED) and cfg.api_keys:
             key = matching(request, cfg.api_keys)
             if key is None:
                 return refuse(401, "missing or invalid API key", "authentication_error")
@@ -77,3 +81,26 @@ def install_auth(app: FastAPI, cfg, refuse: Callable) -> None:
         if path.startswith("/admin/") and cfg.admin_key and not authorized(request, [cfg.admin_key]):
             return refuse(401, "missing or invalid admin key", "authentication_error")
         return await call_next(request)
+
+
+class BodyLimit:
+    """ASGI middleware: a public request whose body is over ``limit`` bytes gets 413 (``refusal``'s reply) as soon
+    as that is known: from its Content-Length before anything is read, else once the bytes read pass it (the body
+    is read here, at most ``limit`` bytes, and handed on whole)."""
+
+    def __init__(self, app, limit: int, refusal: Callable):
+        self.app, self.limit, self.refusal = app, limit, refusal
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"].startswith("/internal/") or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)  # (SignedOnly bounds /internal/*)
+        declared = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), b"0")
+        try:
+            if not declared.isdigit() or int(declared) > self.limit:
+                raise BodyTooLarge
+            body = await read_body(receive, self.limit)
+        except BodyTooLarge:
+            reply = self.refusal(413, f"request body over {self.limit} bytes (max_body_bytes)", "invalid_request_error")
+            return await reply(scope, receive, send)
+        if body is not None:
+            await self.app(scope, replaying(body, receive), send)

@@ -7,7 +7,10 @@ before anything else is sent to it; one that answers with a wrong proof (or no p
 refused — dropped, named in ``refused`` with why, never polled again (an unreachable one is asked
 again at the next poll). Every request after that is signed, never carrying the token. A health loop polls each
 proven node's ``/load``: ``health_failures`` consecutive failures evict a node from
-routing (it stays known and is re-admitted when it answers again); a node still
+routing (it stays known and is re-admitted when it answers again). Any failed poll or failed request
+(``suspect``) un-proves the node: nothing is routed to it until it answers a new challenge, so whatever
+answers on a dead node's address later (another process on its port, another pod given its IP) gets no
+prompt and no signed request without proving itself; a node still
 loading weights reports ready=false and is not routed to.
 
 A node may hold several models (its /load, ``protocol.LoadReport``, has ``models``: NAME -> ``ModelLoad``):
@@ -99,14 +102,14 @@ class NodeState:
         ld = self.load
         tokens, streams = self._since_poll(model)
         if model is None:
-            return NodeView(url=self.url, role=self.role, ready=self.healthy and ld.ready,
+            return NodeView(url=self.url, role=self.role, ready=self.proven and self.healthy and ld.ready,
                             draining=self.draining or ld.draining,
                             queued_prompt_tokens=max(0, ld.queued_prompt_tokens + tokens),
                             running=max(0, ld.running + streams), kv_blocks_free=ld.kv_blocks_free)  # fmt: skip
         m = ld.models.get(model)
         if m is None:
             return NodeView(url=self.url, role=self.role, ready=False, draining=self.draining or ld.draining)
-        return NodeView(url=self.url, role=self.role, ready=self.healthy and m.state == "ready",
+        return NodeView(url=self.url, role=self.role, ready=self.proven and self.healthy and m.state == "ready",
                         draining=self.draining or ld.draining or m.state == "draining",
                         queued_prompt_tokens=max(0, m.queued_prompt_tokens + tokens),
                         running=max(0, m.running + streams), kv_blocks_free=m.kv_blocks_free,
@@ -228,10 +231,11 @@ class NodeRegistry:
         return Sending(self.nodes.get(url), model, tokens, streams)
 
     def suspect(self, url: str) -> None:
-        """A request failed on this node: stop routing to it until its next good health check."""
+        """A request failed on this node: stop routing to it until its next good health check, which challenges it
+        again first (whatever answers there now may not be the node that proved itself)."""
         n = self.nodes.get(url)
         if n:
-            n.healthy = False
+            n.healthy = n.proven = False
 
     async def start(self) -> None:
         self._client = AsyncNodeClient(self.token, timeout_s=2.0, max_connections=64)
@@ -322,6 +326,7 @@ class NodeRegistry:
             self._ask_cache(n)
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:  # InvalidURL is no HTTPError: a URL httpx
             n.failures += 1  # refuses (a static or discovered one: the admin API checks its own) fails the check
+            n.proven = False  # not routed to again before it answers a new challenge (a squatter on its port cannot)
             if n.failures >= self.max_failures and n.healthy:
                 log.warning("node evicted after %d failed health checks: %s (%s)", n.failures, n.url, e)
                 n.healthy = False

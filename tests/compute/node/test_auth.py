@@ -1,9 +1,12 @@
-"""Signed requests and node proofs (compute/node/auth.py): the verifier's rules, then a real node process
-that takes only signed requests, refuses a replay and an expired signature, and proves only its own URL."""
+"""Signed requests and node proofs (compute/node/auth.py): the verifier's rules, then real node processes that
+take only signed requests, refuse a replay and an expired signature, a request signed for another node (a
+captured one replayed across the fleet), one captured before a restart, and a body before its sender is known
+(an unsigned 60 MiB upload is refused on its headers), and prove only their own URL."""
 
 from __future__ import annotations
 
 import hashlib
+import socket
 import time
 
 import httpx
@@ -13,10 +16,14 @@ from compute.node import auth
 from tests.services import AUTH, TOKEN, Services
 
 
-def _signed(token=TOKEN, method="POST", target=b"/internal/abort", body=b'{"request_id": "x"}', at=None):
+TO = "http://127.0.0.1:8001"
+
+
+def _signed(token=TOKEN, method="POST", target=b"/internal/abort", body=b'{"request_id": "x"}', at=None, to=TO):
     at = f"{time.time() if at is None else at:.3f}"
     nonce = "ab" * 16
-    return {auth.TIME: at, auth.NONCE: nonce, auth.SIGNATURE: auth.signature(token, method, target, body, at, nonce)}
+    return {auth.TIME: at, auth.NONCE: nonce, auth.TO: to,
+            auth.SIGNATURE: auth.signature(token, method, target, body, at, nonce, to)}
 
 
 def test_verifier_accepts_a_signed_request_once():
@@ -27,21 +34,34 @@ def test_verifier_accepts_a_signed_request_once():
     assert status == 401 and "replayed" in why
 
 
-@pytest.mark.parametrize("change", ["method", "target", "body", "token", "unsigned"])
+@pytest.mark.parametrize("change", ["method", "target", "body", "token", "unsigned", "receiver"])
 def test_verifier_refuses_what_was_not_signed(change):
     v = auth.Verifier(TOKEN)
     method, target, body = "POST", b"/internal/abort", b'{"request_id": "x"}'
     h = _signed(token="another-token" if change == "token" else TOKEN)
     if change == "unsigned":
         h = {}
+    if change == "receiver":  # signed for 8001, the header rewritten to pass for this receiver: the MAC says no
+        h[auth.TO] = "http://127.0.0.1:8002"
     got = v.check("GET" if change == "method" else method, b"/internal/drain" if change == "target" else target,
                   b'{"request_id": "y"}' if change == "body" else body, h)  # fmt: skip
     assert got is not None and got[0] == 401
     assert ("unsigned" if change == "unsigned" else "invalid signature") in got[1]
 
 
+def test_verifier_refuses_a_request_for_another_receiver_or_an_earlier_run():
+    v = auth.Verifier(TOKEN, names=lambda to, local: to == TO)
+    body = b'{"request_id": "x"}'
+    got = v.check("POST", b"/internal/abort", body, _signed(to="http://127.0.0.1:8002"))  # signed for node B
+    assert got is not None and got[0] == 401 and "another receiver" in got[1]
+    got = v.check("POST", b"/internal/abort", body, _signed(at=v.started - 2))  # made before this process started
+    assert got is not None and got[0] == 401 and "before this process started" in got[1]
+    assert v.check("POST", b"/internal/abort", body, _signed()) is None
+
+
 def test_verifier_refuses_a_signature_outside_its_window():
     v = auth.Verifier(TOKEN, window_s=30)
+    v.started = time.time() - 60  # (started a minute ago)
     for skew in (-31, 31):  # captured and replayed later; or dated ahead to outlive the window
         got = v.check("POST", b"/internal/abort", b'{"request_id": "x"}', _signed(at=time.time() + skew))
         assert got is not None and got[0] == 401 and "expired" in got[1]
@@ -53,12 +73,14 @@ def test_verifier_forgets_nonces_after_the_window():
     v = auth.Verifier(TOKEN, window_s=30, clock=lambda: now[0])
     for i in range(5):
         at, nonce = f"{now[0]:.3f}", f"{i:032x}"
-        h = {auth.TIME: at, auth.NONCE: nonce, auth.SIGNATURE: auth.signature(TOKEN, "GET", "/load", b"", at, nonce)}
+        h = {auth.TIME: at, auth.NONCE: nonce, auth.TO: TO,
+             auth.SIGNATURE: auth.signature(TOKEN, "GET", "/load", b"", at, nonce, TO)}
         assert v.check("GET", b"/load", b"", h) is None
     assert len(v._seen) == 5
     now[0] += 31
     at, nonce = f"{now[0]:.3f}", "f" * 32
-    h = {auth.TIME: at, auth.NONCE: nonce, auth.SIGNATURE: auth.signature(TOKEN, "GET", "/load", b"", at, nonce)}
+    h = {auth.TIME: at, auth.NONCE: nonce, auth.TO: TO, auth.SIGNATURE: auth.signature(TOKEN, "GET", "/load", b"", at,
+                                                                                      nonce, TO)}  # fmt: skip
     assert v.check("GET", b"/load", b"", h) is None
     assert list(v._seen) == [nonce]  # the expired ones are gone: memory bounded by the window's traffic
 
@@ -113,7 +135,7 @@ def test_node_takes_only_signed_requests(node):
 
 def test_node_refuses_a_replayed_or_expired_request(node):
     body = b'{"request_id": "nobody"}'
-    h = auth.signed_headers(TOKEN, "POST", "/internal/abort", body)
+    h = auth.signed_headers(TOKEN, "POST", node.url + "/internal/abort", body)
     first = httpx.post(node.url + "/internal/abort", content=body, headers=h, timeout=5)
     assert first.status_code == 200 and first.json() == {"aborted": False}
     again = httpx.post(node.url + "/internal/abort", content=body, headers=h, timeout=5)  # captured and replayed
@@ -133,3 +155,47 @@ def test_node_proves_its_own_url_only(node):
     assert r.status_code == 403 and "does not name this node" in r.json()["detail"]
     assert httpx.post(node.url + "/prove", json={"nonce": "short", "url": node.url}, timeout=5).status_code == 400
     assert httpx.post(node.url + "/prove", content=b"{", timeout=5).status_code == 400
+
+
+def _headers_only(url: str, path: str, headers: dict[str, str], length: int, timeout: float = 5.0) -> tuple[int, float]:
+    """POST ``path`` declaring a ``length``-byte body and sending none of it: (status, seconds to the answer)."""
+    host, port = url.removeprefix("http://").split(":")
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {length}\r\n{head}\r\n".encode())  # fmt: skip
+        status = int(s.recv(4096).split(b" ", 2)[1])  # answered with the body still unsent: it was never read
+    return status, time.monotonic() - t0
+
+
+def test_a_body_is_not_read_before_its_sender_is_known(node):
+    status, took = _headers_only(node.url, "/internal/generate", {}, 60 << 20)  # unsigned, 60 MiB declared
+    assert status == 401 and took < 2.0, (status, took)
+    signed = auth.signed_headers(TOKEN, "POST", node.url + "/internal/generate", b"")  # signed for an empty body
+    status, _ = _headers_only(node.url, "/internal/generate", signed, auth.MAX_BODY + 1)  # declared over the cap
+    assert status == 413
+    status, _ = _headers_only(node.url, "/internal/generate", {**signed, auth.TIME: "1"}, 100)  # expired
+    assert status == 401
+
+
+def test_a_request_signed_for_one_node_is_refused_by_another_and_after_a_restart(tmp_path, node):
+    svc = Services([str(tmp_path / "store")], None, str(tmp_path), TOKEN)
+    other = svc.node("both", model=None)
+    try:
+        other.wait_ready(60)
+        body = b'{"request_id": "nobody"}'
+        for_node = auth.signed_headers(TOKEN, "POST", node.url + "/internal/abort", body)  # captured on its way
+        r = httpx.post(other.url + "/internal/abort", content=body, headers=for_node, timeout=5)  # replayed elsewhere
+        assert r.status_code == 401 and "another receiver" in r.json()["detail"], r.text
+        for_other = auth.signed_headers(TOKEN, "POST", other.url + "/internal/abort", body)  # captured, not yet sent
+        port = int(other.url.rsplit(":", 1)[1])
+        other.stop()
+        again = svc.node("both", model=None, port=port).wait_ready(60)  # the same node, restarted: a new process
+        r = httpx.post(again.url + "/internal/abort", content=body, headers=for_other, timeout=5)
+        assert r.status_code == 401 and "before this process started" in r.json()["detail"], r.text
+        fresh = auth.signed_headers(TOKEN, "POST", again.url + "/internal/abort", body)
+        assert httpx.post(again.url + "/internal/abort", content=body, headers=fresh, timeout=5).status_code == 200
+        assert httpx.post(node.url + "/internal/abort", content=body, headers=for_node, timeout=5).status_code == 200
+    finally:
+        svc.stop_all()

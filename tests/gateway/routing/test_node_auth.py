@@ -1,6 +1,8 @@
 """Nobody in where they don't belong: a process that is not a pdserve node registers itself with a real
 gateway (real node, real HTTP, a plain HTTP server as the rogue) and gets neither the internal token nor a
-prompt; the admin API is closed without a key; the gateway's /internal/* takes only signed requests."""
+prompt; nor does one squatting on a dead node's port (the gateway challenges a node again after any failed
+poll); the admin API is closed without a key; the gateway's /internal/* takes only signed requests; the public
+API and /tokenize refuse a body on its headers (no key, or over max_body_bytes) before reading it."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ class Rogue:
     request to that real node (the body and the signing headers as they came) and answers what the node
     answers; else it answers 200 with a made-up proof and a ready /load."""
 
-    def __init__(self, relay: str | None = None):
+    def __init__(self, relay: str | None = None, port: int = 0):
         self.seen: list[dict] = []
         rogue = self
 
@@ -53,7 +55,7 @@ class Rogue:
             def log_message(self, *a):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -164,3 +166,70 @@ def test_admin_api_closed_without_a_key_and_open_only_when_asked(svc, rogue):
     finally:
         closed.stop()
         opened.stop()
+
+
+def test_a_squatter_on_a_dead_nodes_port_gets_nothing(svc):
+    """A proven node dies; another process takes its port: the gateway challenges whatever answers there before
+    it routes or polls, so the squatter gets the challenge only, and the users' requests go on elsewhere."""
+    s, gw, admin = svc["services"], svc["gw"].url, svc["gw"].admin_headers
+    victim = s.node("both").wait_ready(120)
+    r = httpx.post(gw + "/admin/nodes", json={"url": victim.url, "role": "both"}, headers=admin, timeout=10)
+    assert r.status_code == 200 and r.json()["proven"] is True
+    port = int(victim.url.rsplit(":", 1)[1])
+    victim.kill9()
+    squatter = None
+    try:
+        wait_for(lambda: any(n["url"] == victim.url and n["state"] != "ready" for n in
+                             httpx.get(gw + "/admin/nodes", headers=admin, timeout=10).json()["nodes"]),
+                 10, "the dead node out of routing", every=0.1)  # fmt: skip
+        squatter = Rogue(port=port)
+        wait_for(lambda: victim.url in httpx.get(gw + "/admin/nodes", headers=admin, timeout=10).json()["refused"],
+                 10, "the squatter refused at its challenge", every=0.1)  # fmt: skip
+        for _ in range(3):
+            _chat(svc["gw"])
+        assert [s["path"] for s in squatter.seen] == ["/prove"] and squatter.leaked() == [], squatter.seen
+    finally:
+        if squatter is not None:
+            squatter.close()
+
+
+def _declared(url: str, path: str, length: int, headers: str = "") -> int:
+    """POST ``path`` declaring a ``length``-byte body, none of it sent: the status that comes back."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as c:
+        c.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{headers}"
+                  f"Content-Length: {length}\r\n\r\n".encode())  # fmt: skip
+        return int(c.recv(4096).split(b" ", 2)[1])
+
+
+def test_bodies_are_refused_on_their_headers_before_they_are_read(svc, tmp_path):
+    """With API keys: /tokenize and /v1/* without a key answer 401 to a 60 MiB upload not yet sent; with the
+    key, a body over max_body_bytes is 413 (declared, or streamed past it); 64 prompts x best_of 16 is 400 (at
+    most 64 sequences a request); within the limits, served."""
+    conf = tmp_path / "pdserve.toml"
+    conf.write_text("[gateway]\nmax_body_bytes = 65536\n")
+    gw = svc["services"].gateway([("both", svc["node"])], extra=("--config", str(conf)),
+                                 env={"PDSERVE_API_KEYS": "sk-limits"}).wait_ready(60)  # fmt: skip
+    try:
+        for path in ("/tokenize", "/detokenize", "/v1/chat/completions"):
+            assert _declared(gw.url, path, 60 << 20) == 401, path
+        key = "Authorization: Bearer sk-limits\r\n"
+        assert _declared(gw.url, "/v1/chat/completions", 60 << 20, key) == 413
+        assert _declared(gw.url, "/v1/chat/completions", 65537, key) == 413
+        big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 70000}]}).encode()
+        r = httpx.post(gw.url + "/v1/chat/completions", content=iter([big[:40000], big[40000:]]), timeout=10,
+                       headers={"authorization": "Bearer sk-limits", "content-type": "application/json"})  # chunked
+        assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"], r.text
+        fan = {"model": MODEL, "prompt": ["a"] * 64, "best_of": 16, "max_tokens": 1}  # 1,024 sequences asked
+        r = httpx.post(gw.url + "/v1/completions", json=fan, timeout=10, headers={"authorization": "Bearer sk-limits"})
+        assert r.status_code == 400 and "1024 sequences" in r.json()["error"]["message"], r.text
+        r = httpx.post(gw.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}, timeout=10,
+                       headers={"authorization": "Bearer sk-limits"})  # fmt: skip
+        assert r.status_code == 200 and r.json()["count"] >= 1, r.text
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=60, headers={"authorization": "Bearer sk-limits"})
+        assert r.status_code == 200, r.text
+    finally:
+        gw.stop()
