@@ -3,14 +3,19 @@
 Lifecycle: `pdserve up` with no $PDSERVE_ADMIN_KEY[_FILE] and no --open-admin generates a key (as it
 generates the internal token), ``write``s <run dir>/keys/admin-<port>.key (the folder 0700, the file
 0600, written whole and renamed into place) and ``remove``s it when it stops. `pdserve status` takes
-$PDSERVE_ADMIN_KEY[_FILE], else ``read``s that file for the gateway's port. The run directory:
+$PDSERVE_ADMIN_KEY[_FILE], else ``read``s that file for the gateway's port, and only for a gateway on this
+host's loopback (the file says nothing of another host's gateway on the same port: its key is never sent
+there). The run directory:
 $PDSERVE_RUN_DIR, else .pdserve in the working directory (where `make demo` keeps its pid and logs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from urllib.parse import urlsplit
+
+from compute.node.auth import LOOPBACK
 
 
 def run_dir() -> str:
@@ -27,7 +32,9 @@ def write(port: int, key: str) -> str:
     os.makedirs(os.path.dirname(where), mode=0o700, exist_ok=True)
     os.chmod(os.path.dirname(where), 0o700)
     tmp = f"{where}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # (a leftover of a killed run with this pid)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)  # never through a planted link
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
     os.replace(tmp, where)
@@ -35,9 +42,13 @@ def write(port: int, key: str) -> str:
 
 
 def read(url: str) -> str | None:
-    """The key `pdserve up` wrote for the gateway at `url`, if this run directory holds one."""
+    """The key `pdserve up` wrote for the gateway at `url`, if this run directory holds one and `url` is on
+    this host's loopback."""
     try:
-        port = urlsplit(url).port or 80
+        u = urlsplit(url)
+        if (u.hostname or "").lower() not in LOOPBACK:
+            return None
+        port = u.port or 80
         with open(path(port)) as f:
             return f.read().strip() or None
     except (OSError, ValueError):

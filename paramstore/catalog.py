@@ -22,9 +22,10 @@ MAX_CLAIMS = 64
 
 
 class Catalog:
-    def __init__(self, locations: list[Location], key: bytes | None, pool: ThreadPoolExecutor):
+    def __init__(self, locations: list[Location], key: bytes | None, pool: ThreadPoolExecutor, publisher=None):
+        """``publisher`` (paramstore/publisher.py): manifests signed by it on publish, required on read where set."""
         self.locations = locations
-        self.key = key
+        self.key, self.publisher = key, publisher
         self.pool = pool
 
     def _listing(self, prefix: str = "models") -> dict[tuple[str, int], list[Location]]:
@@ -66,15 +67,20 @@ class Catalog:
         return self.read(name, version)
 
     def read(self, name: str, version: int) -> Manifest:
-        def parse(raw: bytes, loc: Location) -> Manifest:
-            m = Manifest.from_json(raw, self.key, where=f"{name}@v{version} on {loc.url}")
+        return self._read(name, version)[0]
+
+    def _read(self, name: str, version: int) -> tuple[Manifest, bytes]:
+        """The first valid copy: (manifest, its bytes as stored)."""
+
+        def parse(raw: bytes, loc: Location) -> tuple[Manifest, bytes]:
+            m = Manifest.from_json(raw, self.key, where=f"{name}@v{version} on {loc.url}", publisher=self.publisher)
             if m.name != name or m.version != version:
                 raise IntegrityError(f"{loc.url}: manifest names {m.ref}, expected {name}@v{version}")
-            return m
+            return m, raw
 
-        m, errors = first_valid(self.locations, manifest_path(name, version), parse)
-        if m is not None:
-            return m
+        got, errors = first_valid(self.locations, manifest_path(name, version), parse)
+        if got is not None:
+            return got
         if errors:
             raise IntegrityError(f"no valid copy of {name}@v{version}: " + "; ".join(errors))
         raise NotFound(f"model {name}@v{version} not found")
@@ -85,7 +91,7 @@ class Catalog:
         version = max(self.versions(manifest.name), default=0) + 1
         for _ in range(MAX_CLAIMS):
             manifest.version = version
-            raw = manifest.to_json(self.key)
+            raw = manifest.to_json(self.key, self.publisher)
             try:
                 claimed = arbiter.put_exclusive(manifest_path(manifest.name, version), raw)
             except OSError as e:
@@ -98,9 +104,10 @@ class Catalog:
         raise ConflictRetry(f"could not claim a version of {manifest.name} after {MAX_CLAIMS} tries")
 
     def replicate(self, manifest: Manifest) -> int:
-        """Copy a manifest to every location that lacks it; returns copies written."""
+        """Copy a manifest (the bytes of a valid copy, its seal as it is) to every location that lacks it; returns
+        copies written."""
         rel = manifest_path(manifest.name, manifest.version)
-        raw = manifest.to_json(self.key)
+        raw = self._read(manifest.name, manifest.version)[1]
         missing = [loc for loc in self.locations if loc.size(rel) is None]
         return sum(self.pool.map(lambda loc: try_put(loc, rel, raw), missing))
 

@@ -6,6 +6,8 @@
     ls | show REF | verify REF [--deep] | repair REF | rm REF | gc [--grace S] | warm REF | stats
     plans [show ID | rm ID]     kernel plans per machine class (nodes publish them; see plans.py)
     graphs [show ID | rm ID]    compiled decode-step packages (nodes publish them; see graphs.py)
+    keygen FILE                 a new publisher key (Ed25519, paramstore/publisher.py): the private key to FILE
+                                (0600, never overwritten), the public key (publisher_pubkey) printed
 
 Every listing takes --json. Exit 0 on success; on error one line on stderr and
 exit 2 (bad input, not found, integrity) or 1 (anything unexpected); never a
@@ -231,6 +233,18 @@ def cmd_graphs(store, args) -> int:
                     lambda gid: store.graphs.get(gid)[0])  # verified: shown only for a package that would load
 
 
+def cmd_keygen(_store, args) -> int:
+    from .publisher import generate
+
+    pub = generate(args.file)
+    if args.json:
+        print(json.dumps({"private_key_file": args.file, "publisher_pubkey": pub}))
+    else:
+        print(f"publisher key written to {args.file} (keep it off serving nodes)\n"
+              f"publisher_pubkey = \"{pub}\"   # [store] of every process, or $PDSERVE_PUBLISHER_PUBKEY")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paramstore", description="Admin CLI of the pdserve parameter store")
     add_store_arguments(p)
@@ -274,12 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("graphs", cmd_graphs, "compiled decode-step packages: list, show ID, rm ID")
     sp.add_argument("action", nargs="?", default="ls", choices=["ls", "show", "rm"])
     sp.add_argument("id", nargs="?", metavar="ID", help="a step graph id (16 hex digits)")
+    sp = add("keygen", cmd_keygen, "a new publisher key pair: plans and step packages signed by it (publisher.py)")
+    sp.add_argument("file", metavar="FILE", help="where the private key goes (0600; an existing file is refused)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.cmd == "keygen":  # no store needed
+            return cmd_keygen(None, args)
         if args.cmd == "import":
             cfg = store_config(args, args.k, args.m, shard_mb=args.shard_mb)
         else:

@@ -54,6 +54,8 @@ class StoreConfig:
     digest: str = "blake3"  # cryptographic shard digest: blake3 | sha256
     hmac_key: bytes | None = None  # when set, manifests are signed and unsigned/tampered ones refused
     storage_options: dict[str, dict] = field(default_factory=dict)  # per URL scheme, e.g. {"s3": {...}}
+    publisher_pubkey: str | None = None  # Ed25519 (64 hex): plans and step packages load only signed by it
+    publisher_key: bytes | None = None  # its private key (PEM): only where objects are published for the fleet
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or self.k < 1:
@@ -105,7 +107,8 @@ def normalize_url(url: str) -> str:
 # --- the config file ---------------------------------------------------------------------
 # One TOML file configures every `pdserve` and `paramstore` command: `--config FILE`, else
 # $PDSERVE_CONFIG, else $PARAMSTORE_CONFIG (the older name, kept as an alias). Its tables:
-#   [store]       this module (StoreConfig): locations, root, k, m, shard_mb, digest, hmac_key_file, storage_options
+#   [store]       this module (StoreConfig): locations, root, k, m, shard_mb, digest, hmac_key_file, storage_options,
+#                 publisher_pubkey, publisher_key_file (paramstore/publisher.py; $PDSERVE_PUBLISHER_PUBKEY, _KEY_FILE)
 #   [node]        compute.node.config.NodeConfig          (`pdserve node`, the nodes `pdserve up` starts)
 #   [gateway]     gateway.config.GatewayConfig (+ url)     (`pdserve gateway` / `up`; `url` for autoscale/status/chat)
 #   [autoscaler]  autoscaler.config.AutoscalerConfig (+ actuator, [autoscaler.local], [autoscaler.kubernetes])
@@ -114,7 +117,8 @@ def normalize_url(url: str) -> str:
 
 CONFIG_ENV = ("PDSERVE_CONFIG", "PARAMSTORE_CONFIG")  # looked up in this order when --config is not given
 SECTIONS = ("store", "node", "gateway", "autoscaler")
-STORE_KEYS = ("locations", "root", "k", "m", "shard_mb", "digest", "hmac_key_file", "storage_options")
+STORE_KEYS = ("locations", "root", "k", "m", "shard_mb", "digest", "hmac_key_file", "storage_options",
+              "publisher_pubkey", "publisher_key_file")
 
 
 class ConfigError(InvalidRequest):
@@ -229,6 +233,17 @@ def add_store_arguments(p) -> None:
                    help="sign manifests on write, refuse unsigned or tampered ones on read ([store] hmac_key_file)")
 
 
+def publisher_keys(t: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """publisher_pubkey / publisher_key (the PEM read) from $PDSERVE_PUBLISHER_PUBKEY / _KEY_FILE, else [store]."""
+    from .publisher import read_private
+
+    pub = os.environ.get("PDSERVE_PUBLISHER_PUBKEY") or _typed(t.get("publisher_pubkey", ""), "",
+                                                                f"{where} publisher_pubkey")  # fmt: skip
+    path = os.environ.get("PDSERVE_PUBLISHER_KEY_FILE") or _typed(t.get("publisher_key_file", ""), "",
+                                                                  f"{where} publisher_key_file")  # fmt: skip
+    return {"publisher_pubkey": pub.strip().lower() or None, "publisher_key": read_private(path) if path else None}
+
+
 def store_config(args, k: int | None = None, m: int | None = None, tables: Mapping[str, dict] | None = None,
                  shard_mb: float | None = None) -> StoreConfig:  # fmt: skip
     """--store/--hmac-key-file (args) > [store] of the config file > defaults -> StoreConfig.
@@ -255,6 +270,7 @@ def store_config(args, k: int | None = None, m: int | None = None, tables: Mappi
     m = m if m is not None else _typed(t.get("m", 3), 3, f"{where} m")
     options = _typed(t.get("storage_options", {}), {}, f"{where} storage_options")
     kw: dict[str, Any] = {"k": k, "m": m, "hmac_key": key, "storage_options": options}
+    kw |= publisher_keys(t, where)
     if "digest" in t:
         kw["digest"] = _typed(t["digest"], "", f"{where} digest")
     mb = shard_mb if shard_mb is not None else t.get("shard_mb")

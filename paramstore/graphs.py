@@ -32,6 +32,7 @@ import time
 from .catalog import first_valid, listed, try_put
 from .errors import IntegrityError, InvalidRequest, LocationUnavailable, NotFound
 from .integrity import check_seal, seal
+from .publisher import Publisher
 from .locations import Location
 
 FORMAT = "pdserve-step-graph/1"
@@ -59,8 +60,14 @@ def index_path(gid: str) -> str:
 class Graphs:
     """The compiled-step packages of one store: list, get, publish, delete (all locations, first valid copy)."""
 
-    def __init__(self, locations: list[Location], key: bytes | None, pool):
+    def __init__(self, locations: list[Location], key: bytes | None, pool, publisher: Publisher | None = None):
         self.locations, self.key, self.pool = locations, key, pool
+        self.publisher = publisher or Publisher()
+
+    @property
+    def can_publish(self) -> bool:
+        """False where the store wants the publisher's signature and this process cannot sign (a serving node)."""
+        return not self.publisher.required or self.publisher.can_sign
 
     def get(self, gid: str) -> tuple[dict, bytes]:
         """(body, package bytes), verified; NotFound if none; IntegrityError if no copy is valid."""
@@ -94,12 +101,15 @@ class Graphs:
         if len(data) > MAX_PACKAGE_BYTES:
             raise InvalidRequest(f"step graph {gid}: package of {len(data)} bytes is over the "
                                  f"{MAX_PACKAGE_BYTES >> 20} MiB cap (built with the weights inside?)")  # fmt: skip
+        if not self.can_publish:
+            raise InvalidRequest(f"step graph {gid}: this store takes packages signed by the publisher key; this "
+                                 "process has none (kept on this machine)")  # fmt: skip
         revision = self._revision(gid) + 1
         body = {"format": FORMAT, "id": gid, "revision": revision, "published": time.time(),
                 "by": socket.gethostname(), "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                 "meta": meta}  # fmt: skip
         try:
-            raw = json.dumps({"graph": body, "integrity": seal(body, self.key)}, sort_keys=True).encode()
+            raw = json.dumps({"graph": body, "integrity": seal(body, self.key, self.publisher)}, sort_keys=True).encode()
         except (TypeError, ValueError) as e:
             raise InvalidRequest(f"step graph {gid}: meta is not JSON: {e}") from None
 
@@ -121,7 +131,7 @@ class Graphs:
             try:
                 b, _ = self.get(gid)
                 rows.append({"id": gid, "meta": b["meta"], "size": b["size"], "revision": b["revision"],
-                             "published": b["published"], "by": b["by"], "signed": bool(self.key),
+                             "published": b["published"], "by": b["by"], "signed": bool(self.key) or self.publisher.required,
                              "valid": True})  # fmt: skip
             except IntegrityError as e:
                 rows.append({"id": gid, "valid": False, "error": str(e)})
@@ -157,7 +167,7 @@ class Graphs:
             body, integrity = doc["graph"], doc["integrity"]
         except (ValueError, KeyError, TypeError) as e:
             raise IntegrityError(f"unreadable index of step graph {gid}: {e}") from None
-        check_seal(body, integrity, self.key, f"step graph {gid}")
+        check_seal(body, integrity, self.key, f"step graph {gid}", self.publisher)
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise IntegrityError(f"step graph {gid} has unknown format {body.get('format')!r}")
         if body.get("id") != gid:

@@ -84,18 +84,19 @@ class Manifest:
     def bundle_shard(self) -> ShardInfo | None:
         return next((s for s in self.shards if s.kind == "bundle"), None)
 
-    def to_json(self, key: bytes | None = None) -> bytes:
+    def to_json(self, key: bytes | None = None, publisher=None) -> bytes:
         body = asdict(self)
-        return json.dumps({"manifest": body, "integrity": seal(body, key)}, indent=1, sort_keys=True).encode()
+        doc = {"manifest": body, "integrity": seal(body, key, publisher)}
+        return json.dumps(doc, indent=1, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes, key: bytes | None = None, where: str = "") -> "Manifest":
+    def from_json(cls, raw: bytes, key: bytes | None = None, where: str = "", publisher=None) -> "Manifest":
         try:
             doc = json.loads(raw)
             body, integrity = doc["manifest"], doc["integrity"]
         except (ValueError, KeyError, TypeError) as e:
             raise IntegrityError(f"unreadable manifest {where}: {e}") from None
-        check_seal(body, integrity, key, f"manifest {where}")
+        check_seal(body, integrity, key, f"manifest {where}", publisher)
         if body.get("format") != FORMAT:
             raise IntegrityError(f"manifest {where} has unknown format {body.get('format')!r}")
         shards = [

@@ -26,6 +26,7 @@ import time
 from .catalog import first_valid, listed, try_put
 from .errors import IntegrityError, InvalidRequest, LocationUnavailable, NotFound
 from .integrity import check_seal, seal
+from .publisher import Publisher
 from .locations import Location
 
 FORMAT = "pdserve-kernel-plan/1"
@@ -48,8 +49,14 @@ def plan_path(pid: str) -> str:
 class Plans:
     """The plans of one store: ``list``, ``get``, ``publish``, ``delete`` (all locations, first valid copy)."""
 
-    def __init__(self, locations: list[Location], key: bytes | None, pool):
+    def __init__(self, locations: list[Location], key: bytes | None, pool, publisher: Publisher | None = None):
         self.locations, self.key, self.pool = locations, key, pool
+        self.publisher = publisher or Publisher()
+
+    @property
+    def can_publish(self) -> bool:
+        """False where the store wants the publisher's signature and this process cannot sign (a serving node)."""
+        return not self.publisher.required or self.publisher.can_sign
 
     def get(self, key: str) -> dict:
         """The verified body of ``key``'s plan; ``NotFound`` if none, ``IntegrityError`` if no copy is valid
@@ -75,13 +82,16 @@ class Plans:
     def publish(self, key: str, table: dict) -> dict:
         """Write ``table`` as ``key``'s plan on every location that takes it; -> the body written."""
         pid = plan_id(key)
+        if not self.can_publish:
+            raise InvalidRequest(f"kernel plan {pid}: this store takes plans signed by the publisher key; this "
+                                 "process has none (kept on this machine)")  # fmt: skip
         try:
             revision = int(self.get(key).get("revision", 0)) + 1
         except (NotFound, IntegrityError):
             revision = 1
         body = {"format": FORMAT, "key": key, "revision": revision, "published": time.time(),
                 "by": socket.gethostname(), "table": table}  # fmt: skip
-        raw = json.dumps({"plan": body, "integrity": seal(body, self.key)}, sort_keys=True).encode()
+        raw = json.dumps({"plan": body, "integrity": seal(body, self.key, self.publisher)}, sort_keys=True).encode()
         ok = sum(self.pool.map(lambda loc: try_put(loc, plan_path(pid), raw), self.locations))
         if not ok:
             raise LocationUnavailable(f"kernel plan {pid}: no location took it")
@@ -98,7 +108,7 @@ class Plans:
                 b = self.get(pid)
                 rows.append({"id": pid, "key": b.get("key"), "revision": b.get("revision"),
                              "shapes": len((b.get("table") or {}).get("shapes", {})), "published": b.get("published"),
-                             "by": b.get("by"), "signed": bool(self.key), "valid": True})  # fmt: skip
+                             "by": b.get("by"), "signed": bool(self.key) or self.publisher.required, "valid": True})  # fmt: skip
             except (IntegrityError, NotFound) as e:
                 rows.append({"id": pid, "valid": False, "error": str(e)})
         return rows
@@ -118,7 +128,7 @@ class Plans:
             body, integrity = doc["plan"], doc["integrity"]
         except (ValueError, KeyError, TypeError) as e:
             raise IntegrityError(f"unreadable kernel plan {pid}: {e}") from None
-        check_seal(body, integrity, self.key, f"kernel plan {pid}")
+        check_seal(body, integrity, self.key, f"kernel plan {pid}", self.publisher)
         if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(body.get("table"), dict):
             raise IntegrityError(f"kernel plan {pid} has unknown format {body.get('format')!r}")
         return body

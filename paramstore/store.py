@@ -22,6 +22,7 @@ from .graphs import Graphs
 from .locations import Location, open_location
 from .manifest import Manifest
 from .plans import Plans
+from .publisher import Publisher
 from .reader import ModelReader, ReaderConfig
 from .scrub import ShardHealth, repair, verify
 from .sources import ModelSource, open_source
@@ -39,10 +40,11 @@ class ParamStore:
         self.config = config
         self._locs: dict[str, Location] = {}
         self.locations = [self.location(u) for u in config.locations]
+        publisher = Publisher(config.publisher_pubkey, config.publisher_key)  # native code: paramstore/publisher.py
         self.pool = ThreadPoolExecutor(max(8, config.n), thread_name_prefix="paramstore")
-        self.catalog = Catalog(self.locations, config.hmac_key, self.pool)
-        self.plans = Plans(self.locations, config.hmac_key, self.pool)  # kernel plans per machine class
-        self.graphs = Graphs(self.locations, config.hmac_key, self.pool)  # compiled decode steps per class + model
+        self.catalog = Catalog(self.locations, config.hmac_key, self.pool, publisher)  # manifests
+        self.plans = Plans(self.locations, config.hmac_key, self.pool, publisher)  # kernel plans per machine class
+        self.graphs = Graphs(self.locations, config.hmac_key, self.pool, publisher)  # compiled steps per class + model
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

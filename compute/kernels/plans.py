@@ -134,6 +134,10 @@ def publish(store, table: dict, threads: int) -> bool:
     from paramstore.errors import StoreError
 
     key = table["key"]
+    if not getattr(store.plans, "can_publish", True):
+        log.info("kernel plan %s kept on this machine: the store takes plans signed by the publisher key only",
+                 key.split(" ", 1)[0])  # fmt: skip
+        return False
     try:
         shapes = (_from_store(store, key, threads) or {}).get("shapes", {})
         body = store.plans.publish(key, {**table, "shapes": {**shapes, **table["shapes"]}})

@@ -38,6 +38,7 @@ from compute.kv_transfer.compression import get_codec
 from compute.kv_transfer.layout import flat_bytes
 
 log = logging.getLogger(__name__)
+MAX_STREAMS = 64  # connections served at once; more are closed at accept (that transfer fails as a broken one does)
 
 _FRAME = struct.Struct("!I")
 _DIGEST = struct.Struct("!Q")
@@ -142,6 +143,9 @@ class TcpSender(KVSender):
                 conn = None
             except OSError:
                 break  # closed
+            if conn is not None and len(self._streams) >= MAX_STREAMS:  # a flood of connections: no thread each
+                conn.close()
+                conn = None
             if conn is not None:
                 th = threading.Thread(target=self._stream, args=(conn,), name="kv-tcp-stream", daemon=True)
                 self._streams.add(th)

@@ -96,6 +96,10 @@ def node_config(args):
     path = config_path(args.config)
     tables = read_config(path)
     store_cfg = store_config(args, tables=tables)
+    if store_cfg.publisher_key is not None:  # a serving process never holds what signs native code for the fleet
+        logging.getLogger("pdserve.node").warning("publisher key ignored: a serving node never holds it "
+                                                  "(paramstore/publisher.py), it checks publisher_pubkey only")
+        store_cfg = dataclasses.replace(store_cfg, publisher_key=None)
     flags = {"role": args.role, "model": args.model, "host": args.host, "port": args.port, "weights": args.weights,
              "kv_blocks": args.kv_blocks, "kv_dtype": args.kv_dtype, "block_size": args.block_size,
              "prefix_cache": args.prefix_cache, "peer_kv": args.peer_kv,
@@ -126,7 +130,8 @@ def _public(cfg, store_cfg) -> dict:
     out = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "internal_token"}
     out["internal_token_set"] = bool(cfg.internal_token)
     out["store"] = {"locations": store_cfg.locations, "k": store_cfg.k, "m": store_cfg.m,
-                    "shard_bytes": store_cfg.shard_bytes, "hmac": store_cfg.hmac_key is not None}  # fmt: skip
+                    "shard_bytes": store_cfg.shard_bytes, "hmac": store_cfg.hmac_key is not None,
+                    "publisher_pubkey": store_cfg.publisher_pubkey, "publisher_key": store_cfg.publisher_key is not None}  # fmt: skip
     return out
 
 

@@ -1,7 +1,9 @@
 """Who may call which gateway route: the API keys for /v1/*, /tokenize and /detokenize, the admin key for
 /admin/* (none set: closed, 401, unless the gateway runs with --open-admin), and requests signed with the
 internal token for /internal/* (compute/node/auth.py, as requests to nodes are). Keys are compared in constant
-time, every key every time. Every check runs before a byte of the body is read; then ``BodyLimit`` bounds
+time, every key every time. Without API keys the gateway answers only requests whose Host is a loopback name
+(a page from another origin that rebinds its DNS name to 127.0.0.1 still sends its own name). Every check runs
+before a byte of the body is read; then ``BodyLimit`` bounds
 what is read (the declared Content-Length first, then the bytes as they come): 413 past ``max_body_bytes``.
 
 Tenants (``cache_isolation = "per_key"``, the default when API keys are set): a /v1/* request's key names its
@@ -21,11 +23,13 @@ from contextvars import ContextVar
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from compute.node.auth import BodyTooLarge, Identity, SignedOnly, read_body, replaying
 from gateway.api.protocol import error_body
 
 ADMIN_KEY_HINT = ".pdserve/keys/admin-PORT.key (read by `pdserve status`)"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")  # the Host a gateway without API keys answers (it binds loopback)
 KEYED = ("/tokenize", "/detokenize")  # outside /v1/, under the API keys too
 INTERNAL_MAX_BODY = 1 << 20  # the gateway's /internal/* take registrations and autoscaler reports: small JSON
 TENANT: ContextVar[str | None] = ContextVar("pdserve_tenant", default=None)  # this request's tenant salt
@@ -56,14 +60,18 @@ def salted(params):
 
 def install_auth(app: FastAPI, cfg, refuse: Callable) -> None:
     """The checks as middleware on `app` (GatewayConfig `cfg`); ``refuse(status, message, type)``: the error reply."""
+    def internal_refusal(status: int, message: str) -> bytes:
+        return json.dumps(error_body(message, "authentication_error", None, status)).encode()
+
     app.add_middleware(SignedOnly, token=cfg.internal_token or "", protected=lambda path: path.startswith("/internal/"),
-                       identity=Identity(cfg.host, cfg.port), max_body=INTERNAL_MAX_BODY, refusal=lambda status, message: json.dumps(error_body(message, "authentication_error", None,
-                                                                             status)).encode())  # fmt: skip
+                       identity=Identity(cfg.host, cfg.port), max_body=INTERNAL_MAX_BODY, refusal=internal_refusal)
 
     secret = (cfg.internal_token or secrets.token_hex(32)).encode()  # no token: one gateway, salts of its lifetime
     per_key = cfg.cache_isolation == "per_key"
 
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, refusal=refuse)
+    if not cfg.api_keys:  # open on loopback: a browser page on another origin (DNS rebinding) sends its own Host
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(LOOPBACK_HOSTS))
 
     @app.middleware("http")
     async def keys(request: Request, call_next):  # (added last: it runs first)

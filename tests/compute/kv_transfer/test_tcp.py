@@ -183,3 +183,36 @@ def test_tcp_moves_only_blocks_past_the_receivers_own(peer, layout):
     with make_transfer("tcp", "decode", layout, KVPool.allocate(layout, 8)) as r:
         with pytest.raises(ValueError):
             r.start(peer.call("offer", "tcp", "f4", SRC_BLOCKS, NUM_TOKENS), DST_BLOCKS, first_block=4)
+
+
+def test_tcp_a_flood_of_idle_connections_gets_no_thread_each(layout):
+    """Connections that never send a frame (a slow-loris on the KV listener): at most MAX_STREAMS are served at
+    once, the rest closed at accept; their threads end once they are gone."""
+    import socket
+
+    from compute.kv_transfer.tcp import MAX_STREAMS
+
+    with make_transfer("tcp", "prefill", layout, KVPool.allocate(layout, 8), timeout_s=2.0) as s:
+        before = threading.active_count()
+        conns = [socket.create_connection(tuple(s.address), timeout=2) for _ in range(MAX_STREAMS + 40)]
+        try:
+            end = time.monotonic() + 3
+            while time.monotonic() < end and len(s._streams) < MAX_STREAMS:
+                time.sleep(0.02)
+            time.sleep(0.3)  # the accept loop has taken the rest meanwhile
+            assert len(s._streams) == MAX_STREAMS and threading.active_count() - before <= MAX_STREAMS
+            closed = 0
+            for c in conns[MAX_STREAMS:]:
+                c.settimeout(1)
+                try:
+                    closed += c.recv(1) == b""
+                except OSError:
+                    closed += 1
+            assert closed == 40
+        finally:
+            for c in conns:
+                c.close()
+        end = time.monotonic() + 5
+        while s._streams and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not s._streams

@@ -27,7 +27,7 @@ class Rogue:
     request to that real node (the body and the signing headers as they came) and answers what the node
     answers; else it answers 200 with a made-up proof and a ready /load."""
 
-    def __init__(self, relay: str | None = None, port: int = 0):
+    def __init__(self, relay: str | None = None, port: int = 0, host: str = "127.0.0.1"):
         self.seen: list[dict] = []
         rogue = self
 
@@ -55,8 +55,8 @@ class Rogue:
             def log_message(self, *a):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.url = f"http://{host}:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def leaked(self) -> list[dict]:
@@ -233,3 +233,30 @@ def test_bodies_are_refused_on_their_headers_before_they_are_read(svc, tmp_path)
         assert r.status_code == 200, r.text
     finally:
         gw.stop()
+
+
+def test_without_api_keys_only_a_loopback_host_is_answered(svc):
+    """DNS rebinding: a page served from evil.example whose name now resolves to 127.0.0.1 sends Host: evil.example."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(svc["gw"].url + "/v1/chat/completions", json=body, headers={"host": "evil.example:8000"}, timeout=10)
+    assert r.status_code == 400 and PROMPT not in r.text
+    r = httpx.post(svc["gw"].url.replace("127.0.0.1", "localhost") + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_status_sends_the_local_admin_key_to_a_local_gateway_only(tmp_path):
+    """`pdserve status --url` another host's gateway on the port of a local `pdserve up`: its key is not sent."""
+    import subprocess
+    import sys
+
+    other = Rogue(host="127.0.0.2")  # another host (a loopback address, so the test reaches it) on some port
+    try:
+        port = other.url.rsplit(":", 1)[1]
+        env = {**__import__("os").environ, "PDSERVE_RUN_DIR": str(tmp_path), "PDSERVE_ADMIN_KEY": ""}
+        (tmp_path / "keys").mkdir(mode=0o700)
+        (tmp_path / "keys" / f"admin-{port}.key").write_text("local-admin-key\n")
+        subprocess.run([sys.executable, "-m", "autoscaler.cli", "status", "--url", other.url], env=env,
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert other.seen and all("local-admin-key" not in json.dumps(s) for s in other.seen), other.seen
+    finally:
+        other.close()
