@@ -153,7 +153,7 @@ def test_held_requests_for_models_at_zero_claim_once_each_and_are_answered(tmp_p
         p = up.pool()
         for m in ("tiny-b", "tiny-c"):
             assert len(_claims(p, m)) == 1, (m, p["claims"])
-            assert len(_holders(p, m)) == 1, (m, p["runtimes"])
+            assert len(_holders(p, m)) <= 1, (m, p["runtimes"])  # (one answered may be swapped out already)
         how = {m: _claims(p, m)[0]["why"] for m in ("tiny-b", "tiny-c")}
         assert "standby runtime" in how.values(), how
         print(f"\n(a) two models from zero, one standby: answered in {took:.1f} s; claims: {how}")
