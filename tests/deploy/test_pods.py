@@ -56,7 +56,7 @@ def runner(docs, tmp_path, store, **kw) -> PodRunner:
 def _node_load(run: PodRunner, pod) -> dict:
     """GET /load of a node pod (a Pod, or a Deployment's first pod by name)."""
     port = (run.pods[pod] if isinstance(pod, str) else pod).local_port("http")
-    r = httpx.get(f"http://127.0.0.1:{port}/load", timeout=5, auth=SignedAuth(run.secret("pdserve-secrets", "internal-token"), to="http://127.0.0.1:8001"))  # its port in the pod
+    r = httpx.get(f"http://127.0.0.1:{port}/load", timeout=5, auth=SignedAuth(run.secret("pdserve-secrets", "internal-token")))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -118,7 +118,7 @@ def test_every_container_starts_answers_drains_and_stops(overlay, signed_store, 
             assert (load["state"], load["models"], load["ready"]) == ("standby", {}, False), load
         gw = run.pods["pdserve-gateway"]
         url = f"http://127.0.0.1:{gw.local_port('http')}"
-        auth = SignedAuth(run.secret("pdserve-secrets", "internal-token"), to="http://127.0.0.1:8000")  # published
+        auth = SignedAuth(run.secret("pdserve-secrets", "internal-token"))
 
         def status() -> dict:
             r = httpx.get(url + "/internal/status", timeout=5, auth=auth)
