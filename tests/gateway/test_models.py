@@ -115,7 +115,7 @@ def test_activator_holds_until_a_node_holds_the_model_then_routes_there():
         await step(0.125)
         assert len(calls) == 2 and not task.done()
         n = reg.add("http://b", "both")  # the placer registers a node that now holds b
-        n.load, n.healthy = _report({"state": "ready", "ready": True, "models": {"b": _model("ready")}}), True
+        n.load, n.healthy, n.proven = _report({"state": "ready", "ready": True, "models": {"b": _model("ready")}}), True, True
         route = await asyncio.wait_for(task, 30)  # seen at the next turn, the clock standing still
         assert route.both == "http://b" and act.held == {} and len(calls) == 2
         t0 = now[0]
@@ -140,7 +140,7 @@ def test_ready_when_a_model_is_routable_or_an_activator_can_place_one():
     gw = Gateway(GatewayConfig(models=["a", "b"]), ModelCatalogue(None, ["a", "b"]))
     assert not gw.ready()  # no node at all
     n = gw.registry.add("http://s", "both")
-    n.load, n.healthy = _report({"state": "standby", "ready": False, "model": None, "models": {}}), True
+    n.load, n.healthy, n.proven = _report({"state": "standby", "ready": False, "model": None, "models": {}}), True, True
     assert not gw.ready()  # a standby runtime, and nothing to place a model on it
     gw.activate = lambda model: None
     assert gw.ready() and gw.activator.activate is gw.activate  # an activator can place one there

@@ -19,7 +19,7 @@ def test_card_counts_ready_and_loading_nodes_and_says_whether_it_is_servable_fro
         n = gw.registry.add(url, "both")
         n.load = P.LoadReport(state="ready", ready=True, models={m: P.ModelLoad(model=m, state=s)
                                                                 for m, s in models.items()})
-        n.healthy = url != "http://4"  # failed its health checks: holds nothing that can be served
+        n.proven, n.healthy = True, url != "http://4"  # 4 failed its health checks: holds nothing servable
     a = card(gw, "a")
     assert (a["id"], a["object"], a["owned_by"], a["max_model_len"]) == ("a", "model", "pdserve", None)
     assert (a["nodes_ready"], a["nodes_loading"], a["servable_from_zero"]) == (2, 1, False)
