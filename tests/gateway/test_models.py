@@ -115,7 +115,8 @@ def test_activator_holds_until_a_node_holds_the_model_then_routes_there():
         await step(0.125)
         assert len(calls) == 2 and not task.done()
         n = reg.add("http://b", "both")  # the placer registers a node that now holds b
-        n.load, n.healthy, n.proven = _report({"state": "ready", "ready": True, "models": {"b": _model("ready")}}), True, True
+        n.load = _report({"state": "ready", "ready": True, "models": {"b": _model("ready")}})
+        n.healthy = n.proven = True  # (as after its proof and a good poll)
         route = await asyncio.wait_for(task, 30)  # seen at the next turn, the clock standing still
         assert route.both == "http://b" and act.held == {} and len(calls) == 2
         t0 = now[0]
