@@ -50,6 +50,7 @@ def add_arguments(p) -> None:
 
 def parse_nodes(specs, where: str) -> list[tuple[str, str]]:
     """["ROLE=URL", ...] -> [(role, url), ...]; a malformed entry is a ConfigError naming `where`."""
+    from gateway.routing.registry import NODE_ROLES, node_url
     from paramstore.config import ConfigError
 
     out = []
@@ -57,7 +58,12 @@ def parse_nodes(specs, where: str) -> list[tuple[str, str]]:
         role, sep, url = spec.partition("=") if isinstance(spec, str) else ("", "", "")
         if not sep or not url:
             raise ConfigError(f"{where}: node {spec!r} is not ROLE=URL")
-        out.append((role, url))
+        if role not in NODE_ROLES:
+            raise ConfigError(f"{where}: node {spec!r}: role {role!r} is not one of {', '.join(NODE_ROLES)}")
+        try:
+            out.append((role, node_url(url)))
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
     return out
 
 

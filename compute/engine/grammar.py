@@ -64,6 +64,9 @@ def grammar_text(spec: dict) -> str:
     raise InvalidGrammar(f"unknown grammar type {kind!r}: json_object, json_schema, regex or lark")
 
 
+MAX_SPEC_BYTES = 256 << 10  # a JSON schema, regex or lark grammar as the request sent it
+
+
 class Grammars:
     """One model's tokenizer as llguidance sees it, and its compiled grammars (an LRU by spec)."""
 
@@ -85,6 +88,8 @@ class Grammars:
         import llguidance
 
         key = json.dumps(spec, sort_keys=True)
+        if len(key) > MAX_SPEC_BYTES:  # compiling is CPU on the node's loop: a bounded one
+            raise InvalidGrammar(f"grammar of {len(key)} bytes is over the {MAX_SPEC_BYTES}-byte limit")
         text = self._compiled.get(key)
         if text is None:
             text = grammar_text(spec)

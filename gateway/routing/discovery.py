@@ -187,7 +187,11 @@ class KubernetesSource:
             log.info("node gone (EndpointSlice): %s (%s)", url, role)
         for url, state in desired.items():
             if url not in mine:
-                self.registry.add(url, role, self.source)
+                try:
+                    self.registry.add(url, role, self.source)
+                except ValueError as e:  # an endpoint that is no node's URL: never challenged, polled or routed to
+                    log.warning("discovered endpoint skipped: %s", e)
+                    continue
                 asyncio.get_running_loop().create_task(self.registry.refresh(url))
             if state == "draining" and mine.get(url) != "draining":
                 self.registry.mark_draining(url)

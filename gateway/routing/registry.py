@@ -66,6 +66,9 @@ NODE_URL_MAX = 2048  # characters
 _NODE_URL = re.compile(NODE_URL.replace("$", r"\Z"))  # Python's $ also matches before a final newline
 
 
+NODE_ROLES = ("prefill", "decode", "both")
+
+
 def node_url(url: str) -> str:
     """`url` as the registry keys it (no trailing slash); ValueError saying what is wrong with it."""
     if not isinstance(url, str) or len(url) > NODE_URL_MAX or not _NODE_URL.match(url):
@@ -182,7 +185,11 @@ class NodeRegistry:
         self._cache_asks: dict[str, asyncio.Task] = {}  # url -> its cache report in flight
 
     def add(self, url: str, role: str, source: str = "static") -> NodeState:
-        url = url.rstrip("/")
+        """Register a node (challenged before anything is sent to it); ValueError for a URL or role that is not a
+        node's, from whichever path it came (static, discovered, the admin API, the autoscaler)."""
+        if role not in NODE_ROLES:
+            raise ValueError(f"invalid node role {str(role)[:40]!r}: one of {', '.join(NODE_ROLES)}")
+        url = node_url(url)
         if url not in self.nodes:
             self.refused.pop(url, None)  # registered again: challenged again
             self.nodes[url] = NodeState(url, role, source=source)

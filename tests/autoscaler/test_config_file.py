@@ -115,6 +115,8 @@ BAD = {
     "secret in file": ("[gateway]\napi_keys = ['k']\n", "PDSERVE_API_KEYS"),
     "bad policy key": ("[autoscaler]\ntick = 1\n", "unknown autoscaler config keys: tick"),
     "not toml": ("[gateway\n", "is not valid TOML"),
+    "bad node url": ("[gateway]\nnodes = ['decode=http://user@10.0.0.5:8001']\n", "invalid node URL"),
+    "bad node role": ("[gateway]\nnodes = ['decoder=http://10.0.0.5:8001']\n", "role 'decoder' is not one of"),
 }
 COMMANDS = {  # each reads the tables the bad files above touch
     "node": PDSERVE + ["node", "--role", "decode", "--model", "m"],
@@ -127,7 +129,7 @@ COMMANDS = {  # each reads the tables the bad files above touch
 # every command reads the file (unknown table); the other cases go through the same reader and table checks
 WHO_READS = {"unknown key": ("node",), "unknown table": tuple(COMMANDS), "wrong type": ("generate", "paramstore"),
              "secret in file": ("gateway", "up"), "bad policy key": ("autoscale", "up"),
-             "not toml": ("node", "up")}  # fmt: skip
+             "not toml": ("node", "up"), "bad node url": ("gateway",), "bad node role": ("gateway",)}  # fmt: skip
 
 
 @pytest.mark.parametrize("case,command", [(c, m) for c, ms in WHO_READS.items() for m in ms])

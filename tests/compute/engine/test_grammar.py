@@ -28,7 +28,8 @@ def test_each_kind_accepts_its_language_only(real_grammars, spec, ok, bad):
 
 
 @pytest.mark.parametrize("spec", [{"type": "lark", "grammar": "start: ("}, {"type": "lark"}, {"type": "xml"},
-                                  {"type": "regex", "pattern": ""}])  # fmt: skip
+                                  {"type": "regex", "pattern": ""},
+                                  {"type": "regex", "pattern": "a" * (300 << 10)}])  # fmt: skip  (over the size limit)
 def test_a_bad_spec_is_invalid_grammar(real_grammars, spec):
     with pytest.raises(InvalidGrammar):
         real_grammars[0].matcher(spec)

@@ -13,13 +13,13 @@ def test_card_counts_ready_and_loading_nodes_and_says_whether_it_is_servable_fro
     from gateway.service import Gateway
 
     gw = Gateway(GatewayConfig(models=["a", "b"]), ModelCatalogue(None, ["a", "b"]))
-    loads = {"http://1": {"a": "ready", "b": "loading"}, "http://2": {"a": "ready"}, "http://3": {"a": "loading"},
-             "http://4": {"a": "ready"}}  # fmt: skip
+    loads = {"http://n1": {"a": "ready", "b": "loading"}, "http://n2": {"a": "ready"}, "http://n3": {"a": "loading"},
+             "http://n4": {"a": "ready"}}  # fmt: skip
     for url, models in loads.items():
         n = gw.registry.add(url, "both")
         n.load = P.LoadReport(state="ready", ready=True, models={m: P.ModelLoad(model=m, state=s)
                                                                 for m, s in models.items()})
-        n.proven, n.healthy = True, url != "http://4"  # 4 failed its health checks: holds nothing servable
+        n.proven, n.healthy = True, url != "http://n4"  # n4 failed its health checks: holds nothing servable
     a = card(gw, "a")
     assert (a["id"], a["object"], a["owned_by"], a["max_model_len"]) == ("a", "model", "pdserve", None)
     assert (a["nodes_ready"], a["nodes_loading"], a["servable_from_zero"]) == (2, 1, False)
