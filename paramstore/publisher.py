@@ -73,7 +73,11 @@ class Publisher:
 
 
 def public_hex(private_pem: bytes) -> str:
-    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_private_key
+    from cryptography.hazmat.primitives.serialization import (
+        Encoding,
+        PublicFormat,
+        load_pem_private_key,
+    )
 
     try:
         key = load_pem_private_key(private_pem, password=None)
@@ -86,7 +90,11 @@ def generate(path: str) -> str:
     """A new key pair: the private key written to ``path`` (0600, never over an existing file); -> the public
     key's hex."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+    from cryptography.hazmat.primitives.serialization import (
+        Encoding,
+        NoEncryption,
+        PrivateFormat,
+    )
 
     pem = Ed25519PrivateKey.generate().private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
     try:
