@@ -165,19 +165,13 @@ def test_admin_status_with_a_lone_surrogate_in_a_report_is_200(svc):
     assert r.status_code == 200 and b'"x\\ud800y"' in r.content and r.json()["autoscaler"]["reason"] == "x\ud800y"
 
 
-def test_a_node_url_httpx_refuses_fails_its_health_check_not_the_poll():
-    """A static or discovered node whose URL httpx cannot parse (httpx.InvalidURL is no httpx.HTTPError)
-    counts as a failed check: the poll goes on for the other nodes (before: every poll raised)."""
+def test_a_node_url_httpx_refuses_is_never_registered():
+    """A static or discovered node whose URL httpx cannot parse (or any URL that is not a node's) is refused
+    where it is registered, with the reason: it is never challenged, polled or routed to."""
     from gateway.routing.registry import NodeRegistry
 
-    async def scenario():
-        reg = NodeRegistry("t", interval_s=60, failures=1)  # its challenge is where httpx refuses the URL
-        bad = reg.add("http://[::1", "both")
-        await reg.start()  # its first poll
-        try:
-            await reg.poll_once()
-            assert bad.failures == 2 and not bad.healthy
-        finally:
-            await reg.stop()
-
-    asyncio.run(scenario())
+    reg = NodeRegistry("t", interval_s=60, failures=1)
+    for url, role in (("http://[::1", "both"), ("http://user@10.0.0.5:8001", "both"), ("http://10.0.0.5:8001", "x")):
+        with pytest.raises(ValueError, match="invalid node"):
+            reg.add(url, role)
+    assert reg.nodes == {}
