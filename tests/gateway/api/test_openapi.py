@@ -8,7 +8,6 @@ not the real model's hundreds: the contract is the gateway's, the tokenizer and 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import subprocess
