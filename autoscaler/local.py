@@ -56,8 +56,8 @@ from compute.node.launcher import free_port
 from compute.node.lifeline import spawn_kwargs
 
 from .actuator import Actuator, NodeInfo, TemporaryActuatorError
-from .capacity import CapacityBound, CpuMeter, Machine, machine, machine_bound, rss_bytes
 from .backoff import Backoff, RestartBackoff
+from .capacity import CapacityBound, CpuMeter, Machine, machine, machine_bound, rss_bytes
 from .local_node import LocalNode, Slot, describe_exit, log_tail, send_signal, slot_row
 
 log = logging.getLogger("pdserve.autoscaler")

@@ -50,7 +50,7 @@ RATES = ("requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s")  # per-
 def held_models(load: Mapping, default: str | None = None) -> dict[str, tuple[Mapping, str]]:
     """{model: (its /load entry, its state)} that one node's /load reports.
 
-    A node from before issue 12 (no "models") holds its top-level "model" — or `default` (an old
+    A node from before per-model reports (no "models") holds its top-level "model" — or `default` (an old
     gateway's one model) when its load names none — in the state its top-level flags give.
     """
     models = load.get("models")
@@ -90,7 +90,7 @@ def loads_from_status(status: Mapping, roles: Sequence[str] = ROLES) -> dict[Key
     """
     per_model = status.get("models")
     default = None
-    if not isinstance(per_model, Mapping):  # a gateway from before issue 12: one model, its queue at the top
+    if not isinstance(per_model, Mapping):  # a gateway from before per-model reports: one model, its queue at the top
         default = status.get("model") or None
         per_model = {default: {"queue_depth": status.get("queue_depth", 0),
                                "queue_wait_p99_s": status.get("queue_wait_p99_s", 0.0)}} if default else {}  # fmt: skip

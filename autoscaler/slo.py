@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from .config import AutoscalerConfig
-    from .policy import RoleLoad
+    from .load import RoleLoad
 
 
 class Breach(NamedTuple):

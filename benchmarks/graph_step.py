@@ -1,4 +1,4 @@
-"""Does a compiled decode step beat eager? (issue 28, "one step as one graph"; measure only)
+"""Does a compiled decode step beat eager? (measure only)
 
     python -m benchmarks.graph_step [--models smollm2-int4 smollm2] [--streams 1 8]
         [--variants inductor cpp-freeze cpp-freeze-autotune aoti] [--rounds 100] [--out bench-results/graph_step.json]
@@ -145,8 +145,8 @@ def _child(args) -> dict:
 
     torch.set_num_threads(args.threads)
     from benchmarks.engine import Ours
-    from compute.modeling.graph_step import GraphStep, bucket_len, decode, graph_args, step_inputs
     from compute.modeling.batch import ForwardBatch
+    from compute.modeling.graph_step import GraphStep, bucket_len, decode, graph_args, step_inputs
     from compute.modeling.kv_cache import KVCache
     from paramstore import ParamStore
     from paramstore.config import store_config

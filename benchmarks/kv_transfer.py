@@ -15,7 +15,7 @@ interleaved, medians over ``reps``:
   with the cache stored ``[blocks, layers, 2, ...]`` (one run per block);
 - ``+int8``: compressed; nixl's encode happens at ``offer`` (reported apart).
 
-Target (issue 5): ``nixl / raw nixl >= 0.8``. The caller sets the UCX
+Target: ``nixl / raw nixl >= 0.8``. The caller sets the UCX
 environment (``UCX_NET_DEVICES`` etc.) before calling; children inherit it.
 """
 

@@ -1,4 +1,4 @@
-"""`pdserve bench pd`: KV transfer vs prefill time, and colocated vs disaggregated serving (issue 5).
+"""`pdserve bench pd`: KV transfer vs prefill time, and colocated vs disaggregated serving.
 
     pdserve bench pd [--store URL ...] [--model smollm2] [--quick] [--out bench-results/pd.json]
 
@@ -45,7 +45,6 @@ from benchmarks.mixed_workload import (
 )
 from compute.node import protocol as P
 from compute.node.launcher import ServiceProc, Services
-
 
 SCRATCH_STORE = os.path.join(".pdserve", "bench-pd-store")
 

@@ -3,7 +3,7 @@
     pdserve bench prefix [--store URL ...] [--model smollm2] [--kernels measured|invariant] [--repeat 3]
                          [--prefix-tokens 1500] [--conversations 8] [--turns 8] [--out bench-results/prefix.json]
 
-Same run, interleaved, medians and ratios (issue 26, section 5's engine-level part):
+Same run, interleaved, medians and ratios:
 
 1. repeated prefix: a ~1,500-token system prompt and a short question; TTFT of a request whose prefix is
    cached (hit) vs one with the same tokens that misses (another ``cache_salt``: the same work, no block in

@@ -1,4 +1,4 @@
-"""`pdserve bench prefix --part scaleup`: new nodes start warm by pulling a peer's cached prefix (issue 26, s4).
+"""`pdserve bench prefix --part scaleup`: new nodes start warm by pulling a peer's cached prefix.
 
 Real node processes (`both`, ``--pool-threads`` threads each): a holder warmed with ``--pull-prefixes`` shared
 system prompts of ~``--pool-tokens`` tokens, then two nodes join with empty caches. Each user's request (a
@@ -29,9 +29,8 @@ import time
 
 
 def run(args, locations: list[str], bundle, policy: str, questions: list[str]) -> dict:
-    from compute.node.launcher import Services
-
     from benchmarks.prefix_routing import shared_prompts
+    from compute.node.launcher import Services
 
     systems, asks, body = shared_prompts(bundle, policy, questions, args.pool_tokens, args.pull_prefixes,
                                          args.pull_users)  # fmt: skip

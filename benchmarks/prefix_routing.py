@@ -1,7 +1,7 @@
 """`pdserve bench prefix --part routing|weights`: the pool-level parts of the prefix-cache benchmark.
 
 routing — shared system prompts through a real gateway and 2 `both` nodes, or (``--pool-roles split``)
-2 prefill + 2 decode nodes (issue 26, section 5's second scenario): ``--pool-prompts`` system prompts of ~``--pool-tokens`` tokens (distinct from their first token),
+2 prefill + 2 decode nodes: ``--pool-prompts`` system prompts of ~``--pool-tokens`` tokens (distinct from their first token),
 each asked by ``--pool-users`` users (a short question appended), in one shuffled order, from
 ``--pool-clients`` concurrent clients, once per mode, each on fresh nodes (cold caches) and a fresh gateway:
 

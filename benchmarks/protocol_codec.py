@@ -14,8 +14,8 @@ import timeit
 
 import pydantic
 
-from compute.node import protocol as P
 from compute.engine.sampling import SamplingParams
+from compute.node import protocol as P
 
 
 class _Line(pydantic.BaseModel):

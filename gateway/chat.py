@@ -44,9 +44,8 @@ def wait_ready(url: str, timeout: float) -> None:
 
 
 def main(args) -> int:
-    from paramstore.config import config_path, env_secret, read_config
-
     from gateway.main import gateway_url
+    from paramstore.config import config_path, env_secret, read_config
 
     args.url = gateway_url(read_config(config_path(args.config)), args.url)
     wait_ready(args.url, args.wait)

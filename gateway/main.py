@@ -69,9 +69,8 @@ def parse_nodes(specs, where: str) -> list[tuple[str, str]]:
 
 def gateway_config(args, tables: dict, path: str | None, **fixed):
     """GatewayConfig from flags (`args`, `fixed`) > environment > [gateway] > defaults."""
-    from paramstore.config import resolve
-
     from gateway.config import GatewayConfig, keys_from_env
+    from paramstore.config import resolve
 
     g = tables.get("gateway", {})
     flags = {"host": getattr(args, "host", None),
@@ -104,10 +103,9 @@ def open_gateway(cfg, store_cfg):
     """The store (opened with its HMAC key, if any; kept open for the models' text bundles, read on
     first use) -> Gateway. Every listed model must be in the store (NotFound: one line at the CLI);
     with none listed, the store's models are listed now."""
-    from paramstore import ParamStore
-
     from gateway.models import ModelCatalogue
     from gateway.service import Gateway
+    from paramstore import ParamStore
 
     cfg.store = list(store_cfg.locations)
     ps = ParamStore(store_cfg)
@@ -128,9 +126,8 @@ def open_gateway(cfg, store_cfg):
 def build_gateway(model, store: list[str], store_cfg=None, **kw):
     """GatewayConfig (keys from the environment) + the store -> Gateway. `model`: one name, a list,
     or None/empty (every model in the store)."""
-    from paramstore import StoreConfig
-
     from gateway.config import GatewayConfig, keys_from_env
+    from paramstore import StoreConfig
 
     models = [model] if isinstance(model, str) else list(model or [])
     cfg = GatewayConfig(models=models, store=store, **keys_from_env(), **kw)
@@ -141,9 +138,8 @@ def build_gateway(model, store: list[str], store_cfg=None, **kw):
 
 def add_discovery(gw, tables: dict, path: str | None) -> None:
     """[gateway.discovery] (gateway.routing.discovery.DiscoveryConfig): the registry source that finds the nodes."""
-    from paramstore.config import ConfigError, table_kwargs
-
     from gateway.routing.discovery import DiscoveryConfig, make_source
+    from paramstore.config import ConfigError, table_kwargs
 
     table = tables.get("gateway", {}).get("discovery", {})
     if not isinstance(table, dict):
@@ -189,9 +185,8 @@ def main(args) -> int:
     import uvicorn
 
     from compute.node.lifeline import hold
-    from paramstore.config import config_path, read_config, store_config
-
     from gateway.app import create_app
+    from paramstore.config import config_path, read_config, store_config
 
     hold()  # started by pdserve up, a launcher or a test: end with that parent, even on SIGKILL
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -23,20 +23,19 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Histogram
 
 from compute.engine.sampling import SamplingParams
-
-from gateway.api import tools
-from gateway.routing.activator import Activator
 from gateway.admission.control import Admission
-from gateway.config import GatewayConfig
+from gateway.admission.traffic import Traffic
+from gateway.api import tools
 from gateway.api.formats import grammar_spec
+from gateway.api.stops import StopMatcher
+from gateway.config import GatewayConfig
 from gateway.models import ModelCatalogue, Text
+from gateway.routing.activator import Activator
 from gateway.routing.nodes import NodeClient
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.registry import NodeRegistry
 from gateway.routing.relay import Affinity, GenRequest, Relay
 from gateway.routing.router import PullCost
-from gateway.api.stops import StopMatcher
-from gateway.admission.traffic import Traffic
 
 log = logging.getLogger("pdserve.gateway")
 PRELOAD_MAX = 16  # at start, the texts of this many served models are read in the background

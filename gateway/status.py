@@ -23,10 +23,9 @@ def main(args) -> int:
 
     import httpx
 
-    from paramstore.config import config_path, env_secret, read_config
-
     from gateway import keyfile
     from gateway.main import gateway_url
+    from paramstore.config import config_path, env_secret, read_config
 
     args.url = gateway_url(read_config(config_path(args.config)), args.url)
     headers = {}

@@ -32,8 +32,8 @@ import time
 from .catalog import first_valid, listed, try_put
 from .errors import IntegrityError, InvalidRequest, LocationUnavailable, NotFound
 from .integrity import check_seal, seal
-from .publisher import Publisher
 from .locations import Location
+from .publisher import Publisher
 
 FORMAT = "pdserve-step-graph/1"
 PREFIX = "graphs"

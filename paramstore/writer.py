@@ -18,14 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import metrics
+from . import metrics, quant4
 from .codec import ErasureCodec
 from .config import StoreConfig, validate_name
 from .errors import InvalidRequest, LocationUnavailable
 from .integrity import fragment_hash, shard_digest
 from .locations import Location
 from .manifest import FragmentRef, Manifest, ShardInfo
-from . import quant4
 from .quant import SCALE_SUFFIX, SCHEME, QuantErrorSummary, quantize_int8, should_quantize
 from .shards import ShardPlan, cut_shards, pack, pack_files
 from .sources import ModelSource, layer_of

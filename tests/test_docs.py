@@ -96,6 +96,31 @@ def test_pdserve_commands_named_exist():
     assert set(BENCHES) <= sections, f"benchmarks with no section in docs/benchmarks.md: {set(BENCHES) - sections}"
 
 
+def test_the_architecture_map_names_every_room_module_and_benchmark():
+    """docs/architecture.md is the map: every module of compute's and gateway's rooms (tests/test_layering.py
+    ``ROOMS``) and every `pdserve bench NAME` is on it, so a module or benchmark added is a line added there."""
+    from autoscaler.cli import BENCHES
+    from tests.test_layering import ROOMS
+
+    page = text(ROOT / "docs" / "architecture.md")
+    named = set(re.findall(r"`([a-z_0-9/]+\.py|[a-z_0-9]+/)`", page))
+    missing = []
+    for pkg, rooms in ROOMS.items():
+        for room in rooms:
+            folder = ROOT / pkg / room
+            if not folder.is_dir():
+                missing += [] if f"{pkg}/{room}.py" in named else [f"{pkg}/{room}.py"]
+                continue
+            for p in sorted(folder.glob("*.py")):
+                if p.name != "__init__.py" and p.name not in named and f"{pkg}/{room}/{p.name}" not in named:
+                    missing.append(f"{pkg}/{room}/{p.name}")
+            missing += [f"{pkg}/{room}/{d.name}/" for d in folder.iterdir()
+                        if d.is_dir() and (d / "__init__.py").exists() and f"{d.name}/" not in named]  # fmt: skip
+    assert not missing, f"modules not on docs/architecture.md's map: {missing}"
+    rows = set(re.findall(r"^\| `([a-z-]+)` \|", page, re.MULTILINE))
+    assert set(BENCHES) <= rows, f"benchmarks not on the map: {set(BENCHES) - rows}"
+
+
 def test_paramstore_commands_named_exist():
     from paramstore.cli import build_parser
 

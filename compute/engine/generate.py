@@ -64,9 +64,9 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         from compute.engine.engine import Engine
+        from compute.engine.stream import TextStream
         from compute.modeling.kv_cache import KVCache
         from compute.modeling.loader import WeightInjector
-        from compute.engine.stream import TextStream
 
         injector = WeightInjector(store, args.model, weights=args.weights).start()
         injector.wait()

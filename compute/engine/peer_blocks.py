@@ -1,4 +1,4 @@
-"""A peer's blocks in the scheduler (issue 26, section 4): the verbs of a peer pull, on both sides.
+"""A peer's blocks in the scheduler: the verbs of a peer pull, on both sides.
 
 Exporter: ``pin_cached`` holds the cached run of a chain of block hashes in ``held`` under a negative key (seq ids
 are >= 0), as a prefill node's KV is held for a decode node: ``release(key)`` (the KV sender's confirmation, an

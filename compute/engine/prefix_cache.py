@@ -11,7 +11,7 @@ decides which are named and which are taken):
    manager's ``share``: the same counting as ``n > 1`` forks) and ``num_computed`` skips them.
 3. ``publish`` (after each step): full blocks whose K/V the sequence has now computed by a prefill
    (prompt positions, before ``cache_stop``) get their hash: later prompts can take them.
-   On a decode node (``lookup_imported`` / ``take_imported``, issue 26 section 2): a request's
+   On a decode node (``lookup_imported`` / ``take_imported``): a request's
    imported KV starts from this node's own cached blocks of the prompt (only the rest is pulled);
    once it has landed, the imported full prompt blocks the *prefill node* computed by prefill
    (``cacheable``, its ``cache_stop``) are named here too, so turn N of a conversation finds
@@ -47,10 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from compute.engine.block_manager import BlockManager
-from compute.engine.prefix_hash import block_hashes
+from compute.engine.prefix_hash import MIN_COMPUTED, block_hashes
 from compute.engine.sequence import Sequence
-
-MIN_COMPUTED = 2  # tokens a hit leaves to compute at least: never a one-token (decode path) prefill chunk
 
 
 @dataclass(slots=True)
@@ -61,7 +59,7 @@ class PrefixCacheStats:
     hits: int = 0  # of them, found cached (taken instead of computed)
     cached_blocks: int = 0  # blocks named now (free or held)
     evictions: int = 0  # cached blocks reused for other content
-    pulled: int = 0  # of the hits, tokens whose blocks came from a peer's cache (issue 26 section 4)
+    pulled: int = 0  # of the hits, tokens whose blocks came from a peer's cache
 
 
 class PrefixCache:

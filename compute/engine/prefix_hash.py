@@ -8,7 +8,7 @@ Block ``i`` of a token list (tokens ``[i*B, (i+1)*B)``, full blocks only) is nam
 so a hash names the block *and everything before it*: two prompts share block ``i``'s hash only if
 they agree on every token up to its end. The byte encoding is canonical and process-independent (no
 per-process seed, unlike Python's ``hash``): a version tag, then each field length-prefixed, token ids
-as little-endian u32. The gateway and other nodes compute the same values (issue 26, sections 2-4).
+as little-endian u32. The gateway and other nodes compute the same values.
 
 *Extra keys* are whatever changes a block's numbers besides its tokens: the model reference and
 version, the KV dtype, the block size (``extra_keys``). The optional per-request ``cache_salt``
@@ -32,6 +32,7 @@ from collections.abc import Sequence
 VERSION = b"pdserve-prefix-v1"
 ROOT = hashlib.sha256(VERSION).digest()  # block 0's parent
 HASH_BYTES = 32
+MIN_COMPUTED = 2  # tokens a hit leaves to compute at least: never a one-token (decode path) prefill chunk
 
 
 def extra_keys(model: str = "", kv_dtype: str = "", block_size: int = 0) -> tuple[str, ...]:
@@ -71,3 +72,12 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra: Sequence[str]
         prev = block_hash(prev, token_ids[i * block_size : (i + 1) * block_size], extra, salt if i == 0 else None)
         out.append(prev)
     return out
+
+
+def prompt_hashes(token_ids: Sequence[int], block_size: int, extra: Sequence[str] = (),
+                  salt: str | None = None) -> list[bytes]:  # fmt: skip
+    """The hashes of the blocks of a prompt that a cache hit may cover: whole blocks, at least ``MIN_COMPUTED``
+    tokens left after them (as an engine caps a hit: compute/engine/prefix_cache.py). The one place the
+    gateway's index, a peer's export and a pull's check name a prompt's blocks."""
+    usable = max(0, len(token_ids) - MIN_COMPUTED) // block_size
+    return block_hashes(token_ids[: usable * block_size], block_size, extra, salt)

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from compute.engine.cuda_graphs import CudaGraphs
+from compute.engine.sampling import History, Sampler, TokenLogprobs, token_logprobs
+from compute.engine.scheduler import ScheduledBatch
+from compute.engine.sequence import Sequence
+from compute.engine.step_graphs import StepGraphs
 from compute.modeling.batch import ForwardBatch
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
-from compute.engine.sampling import History, Sampler, TokenLogprobs, token_logprobs
-from compute.engine.scheduler import ScheduledBatch
-from compute.engine.cuda_graphs import CudaGraphs
-from compute.engine.step_graphs import StepGraphs
-from compute.engine.sequence import Sequence
 
 
 class StepResult(NamedTuple):

@@ -48,10 +48,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from compute.engine.block_manager import BlockManager
-from compute.errors import RequestTooLarge
 from compute.engine.peer_blocks import PeerBlocks, pin_keys
-from compute.engine.prefix_cache import MIN_COMPUTED, PrefixCache
+from compute.engine.prefix_cache import PrefixCache
+from compute.engine.prefix_hash import MIN_COMPUTED
 from compute.engine.sequence import FinishReason, Sequence, Status
+from compute.errors import RequestTooLarge
 
 
 @dataclass(slots=True)

@@ -64,12 +64,12 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from paramstore.buffers import (
-    ALIGN,  # the int8 kernel needs aligned inputs (see ``aligned``)
-)
 from compute.kernels import native
 from compute.kernels.machine import ISA_FLAGS, cpu, machine, machine_key  # noqa: F401 - re-exported (plans, tests)
 from compute.kernels.nocopy import _OTF_MAX, SCRATCH_BYTES, W8A16_LO, otf_weight, scratch, w8a16  # noqa: F401 - some re-exported
+from paramstore.buffers import (
+    ALIGN,  # the int8 kernel needs aligned inputs (see ``aligned``)
+)
 from paramstore.quant import dequantize_int8 as dequantize  # the store's int8 scheme
 
 BUCKETS = (1, 8, 64, None)  # upper bounds of M per bucket: 1 | 2-8 | 9-64 | 65+

@@ -90,8 +90,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compute.kernels import int4, int8
 from compute.errors import WeightMismatch
+from compute.kernels import int4, int8
 from compute.kernels.int8 import (  # noqa: F401 - the int8 kernel's needs live beside it; re-exported (model, tests)
     ALIGN,
     INT8MM_K_MULTIPLE,

@@ -1,4 +1,4 @@
-"""The engine's decode step as one pure-tensor function a compiler can take whole (issue 28, "one step as one graph").
+"""The engine's decode step as one pure-tensor function a compiler can take whole.
 
     GraphStep(model, streams)(ids, positions, ctx_slots, ctx_lens, kv) -> (logits [B, V] fp32, new K/V)
     GraphStep.write(kv, slots, new K/V)

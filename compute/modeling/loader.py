@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 import torch
 from prometheus_client import Gauge, Histogram
 
-from compute.modeling.config import ModelConfig
 from compute.kernels.int8 import DEFAULT_CACHE as DEFAULT_KERNEL_CACHE
 from compute.kernels.int8 import MODES as KERNEL_MODES
-from compute.kernels.plans import PLANS, BackgroundMeasure, lookup, rule_table
 from compute.kernels.int8 import plan_for
+from compute.kernels.plans import PLANS, BackgroundMeasure, lookup, rule_table
+from compute.modeling.config import ModelConfig
 from compute.modeling.model import Transformer
 from compute.modeling.tokenizer import TextBundle, _token_name
 from paramstore.quant import dequantize_int8

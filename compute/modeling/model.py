@@ -19,13 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compute.modeling.attention import paged_attention
-from compute.modeling.batch import ForwardBatch
-from compute.modeling.config import ModelConfig
 from compute.errors import WeightMismatch
 from compute.kernels import int4
 from compute.kernels.budget import copy_bytes_of, copy_plans
-from compute.modeling.kv_cache import KVCache
 from compute.kernels.linear import (
     INT8MM_MAX_M,
     Embedding,
@@ -34,6 +30,10 @@ from compute.kernels.linear import (
     aligned,
     is_aligned,
 )
+from compute.modeling.attention import paged_attention
+from compute.modeling.batch import ForwardBatch
+from compute.modeling.config import ModelConfig
+from compute.modeling.kv_cache import KVCache
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
 RMS_NORM_MAX_ROWS = 64  # torch.rms_norm up to this many rows (decode: fewer calls), the in-place formula beyond

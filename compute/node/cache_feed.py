@@ -36,9 +36,9 @@ class CacheFeed:
     """The log of one engine's cache events; ``report(cursor)`` is a consumer's next ``ModelCache``."""
 
     def __init__(self, worker, max_log: int = MAX_LOG) -> None:
-        cfg = worker.engine.scheduler.config
+        e = worker.engine
         self.worker = worker
-        self.block_size, self.extra, self.enabled = cfg.block_size, list(cfg.cache_extra), cfg.prefix_cache
+        self.block_size, self.extra, self.enabled = e.block_size, list(e.cache_extra), e.prefix_cache_enabled
         self.epoch = secrets.token_hex(8)  # this engine's log: a cursor of another epoch is resynced
         self.log: deque[tuple[int, str, list[bytes]]] = deque(maxlen=max_log)  # (seq, kind, hashes)
         self.seq = 0  # the last event's number
@@ -57,14 +57,13 @@ class CacheFeed:
     def pull(self, engine, snapshot_unless: P.CacheCursor | None) -> list[bytes] | None:
         """On the engine thread: its queued events into the log; the cache's hashes now if ``snapshot_unless``
         (the consumer's cursor) cannot be followed after them, else None."""
-        blocks = engine.scheduler.blocks
-        for ev in blocks.drain_events():
+        for ev in engine.drain_cache_events():
             self.seq += 1
             self.log.append((self.seq, ev.kind, ev.hashes))
-        if blocks.events_dropped != self._dropped:
-            self._dropped = blocks.events_dropped
+        if engine.events_dropped != self._dropped:
+            self._dropped = engine.events_dropped
             self.gap = self.seq  # what came before the drained events is lost: everyone resyncs
-        return None if self.follows(snapshot_unless) else blocks.cached_hashes()
+        return None if self.follows(snapshot_unless) else engine.cached_hashes()
 
     async def report(self, cursor: P.CacheCursor | None) -> P.ModelCache:
         """The change since ``cursor`` (None: a new consumer), drained from the engine first."""
@@ -73,7 +72,7 @@ class CacheFeed:
             head = P.CacheCursor(self.epoch, self.seq)
             base = dict(block_size=self.block_size, extra=self.extra, enabled=self.enabled, cursor=head)
             if snap is not None:
-                return P.ModelCache(**base, stored=[h.hex() for h in snap], resync=True)
+                return P.ModelCache(**base, stored=snap, resync=True)
             return P.ModelCache(**base, **self.changes(cursor.seq))
 
     def changes(self, after: int) -> dict:
@@ -91,5 +90,5 @@ class CacheFeed:
             present = kind == "stored"
             for h in hashes:
                 state[h] = present
-        return {"stored": [h.hex() for h, v in state.items() if v],
-                "removed": [] if cleared else [h.hex() for h, v in state.items() if not v], "cleared": cleared}
+        return {"stored": [h for h, v in state.items() if v],
+                "removed": [] if cleared else [h for h, v in state.items() if not v], "cleared": cleared}

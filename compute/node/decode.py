@@ -2,7 +2,7 @@
 
 Lifecycle of a request on a decode node:
  1. POST /internal/decode with the prompt, the first token and the prefill node's KV handle;
- 2. the engine thread allocates blocks for the prompt's KV (``scheduler.add_imported``: the
+ 2. the engine thread allocates blocks for the prompt's KV (``Engine.import_prompt``: the
     sequence is IMPORTING, never scheduled), its table starting with this node's own cached
     blocks of the prompt (k of them: an earlier turn's prompt it imported); no room -> 503
     (the gateway tries elsewhere);
@@ -20,32 +20,14 @@ Lifecycle of a request on a decode node:
 
 from __future__ import annotations
 
-import asyncio
 import time
 
-from compute.errors import CacheFull, RequestTooLarge
 from compute.engine.sequence import Sequence
-
+from compute.errors import CacheFull, RequestTooLarge
+from compute.node.errors import BadNodeRequest, NodeBusy
+from compute.node.kv_ends import receive_kv
 from compute.node.protocol import DecodeRequest
-from compute.node.service import (
-    Active,
-    BadNodeRequest,
-    NodeBusy,
-    NodeService,
-    TransferFailed,
-    check_request,
-    constrain,
-    prompt_len,
-    sampling_params,
-)
-
-
-def make_receiver(svc: NodeService, layout, cache_tensor) -> None:
-    from compute.kv_transfer import make_transfer
-
-    cfg = svc.config
-    svc.receiver = make_transfer(cfg.kv_transport, "decode", layout, cache_tensor, host=cfg.host,
-                                 hold_s=cfg.kv_hold_s, timeout_s=cfg.kv_timeout_s)  # fmt: skip
+from compute.node.service import Active, NodeService, check_request, constrain, prompt_len, sampling_params
 
 
 async def decode(svc: NodeService, msg: DecodeRequest):
@@ -65,7 +47,7 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     try:
         cacheable = handle.get("cacheable_blocks", 0)  # lossy (compressed) KV is never cached: not a prefill's numbers
         cacheable = cacheable if type(cacheable) is int and handle.get("codec") == "none" else 0
-        blocks, first = await svc.worker.call(lambda e: e.scheduler.add_imported(seq, len(prompt), cacheable))
+        blocks, first = await svc.worker.call(lambda e: e.import_prompt(seq, len(prompt), cacheable))
     except RequestTooLarge as e:
         raise BadNodeRequest(str(e)) from None
     except CacheFull as e:
@@ -74,38 +56,10 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     svc.active[rid] = Active(seq.seq_id, time.monotonic(), "decode")
     try:
         await receive_kv(svc, handle, blocks, rid, first)
-        await svc.worker.call(lambda e: e.scheduler.activate(seq.seq_id))
+        await svc.worker.call(lambda e: e.activate(seq.seq_id))
     except BaseException:
         svc.abort(rid)
         raise
     finally:
-        svc.worker.post(lambda e: e.scheduler.transfer_ended(seq))  # after the abort above: FIFO on the engine thread
+        svc.worker.post(lambda e: e.transfer_ended(seq))  # after the abort above: FIFO on the engine thread
     return rid, q
-
-
-async def receive_kv(svc: NodeService, handle: dict, blocks: list[int], rid: str, first: int = 0) -> None:
-    """Pull a peer's KV named by ``handle`` into this node's ``blocks`` (from token block ``first``), polling until it
-    lands: a bad handle is ``BadNodeRequest``, a transfer that fails or outlives ``kv_timeout_s`` is ``TransferFailed``
-    (retry elsewhere) and is aborted. The decode handoff and the peer pull/import (``compute.node.peer``) share it."""
-    from compute.kv_transfer import TransferState
-
-    try:
-        tid = svc.receiver.start(handle, blocks, first)
-    except ValueError as e:
-        raise BadNodeRequest(f"bad KV handle: {e}") from None
-    except Exception as e:  # noqa: BLE001 - TransferFailed (expired...) : retry elsewhere
-        raise TransferFailed(f"KV transfer could not start: {e}") from None
-    deadline = time.monotonic() + svc.config.kv_timeout_s + 1.0
-    try:
-        while True:
-            state = svc.receiver.poll(tid)
-            if state is TransferState.DONE:
-                return
-            if state is TransferState.FAILED:
-                raise TransferFailed(f"KV transfer failed: {svc.receiver.failure(tid)}")
-            if time.monotonic() > deadline:
-                raise TransferFailed("KV transfer timed out")
-            await asyncio.sleep(0.001)
-    except BaseException:
-        svc.receiver.abort(tid)
-        raise

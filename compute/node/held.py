@@ -26,10 +26,10 @@ import time
 import msgspec
 import torch
 
-from compute.modeling.config import ModelConfig
-from compute.engine.engine import Engine, StepOutput
 from compute.engine.cuda_graphs import CudaGraphs
+from compute.engine.engine import Engine, StepOutput
 from compute.engine.step_graphs import GraphBuilder, StepGraphs
+from compute.modeling.config import ModelConfig
 from compute.modeling.graph_step import GraphStep
 from compute.modeling.kv_cache import KVCache, kv_dtype
 from compute.modeling.loader import (
@@ -39,7 +39,7 @@ from compute.modeling.loader import (
     WeightInjector,
     runtime_weights,
 )
-
+from compute.node import kv_ends
 from compute.node import protocol as P
 from compute.node.capacity import CapacityMeter
 from compute.node.config import NodeConfig
@@ -206,17 +206,11 @@ def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeSe
                       cache_t.dtype)  # fmt: skip
     try:
         if cfg.role == "prefill":
-            from compute.node.prefill import make_sender
-
-            make_sender(svc, layout, cache_t.kv)
+            kv_ends.make_sender(svc, layout, cache_t.kv)
         elif cfg.role == "decode":
-            from compute.node.decode import make_receiver
-
-            make_receiver(svc, layout, cache_t.kv)
+            kv_ends.make_receiver(svc, layout, cache_t.kv)
         if cfg.peer_kv and cfg.prefix_cache and cfg.device == "cpu":
-            from compute.node.peer import make_ends
-
-            make_ends(svc, layout, cache_t.kv)  # export cached prefixes to peers, pull theirs
+            kv_ends.make_ends(svc, layout, cache_t.kv)  # export cached prefixes to peers, pull theirs
         worker.start()
     except BaseException:
         _close(svc)

@@ -82,6 +82,7 @@ _SECRETS = {"internal_token": "set $PDSERVE_INTERNAL_TOKEN (or --token-file)",
 
 def node_config(args):
     """(NodeConfig, StoreConfig) from flags > environment > the config file's [node] and [store] > defaults."""
+    from compute.node.config import NodeConfig
     from paramstore.config import (
         ConfigError,
         config_path,
@@ -90,8 +91,6 @@ def node_config(args):
         resolve,
         store_config,
     )
-
-    from compute.node.config import NodeConfig
 
     path = config_path(args.config)
     tables = read_config(path)
@@ -145,7 +144,6 @@ def heavy_imports(cfg) -> None:
     import compute.engine.engine
     import compute.modeling.loader  # noqa: F401
     import paramstore.cache  # noqa: F401
-
     from compute.node import held, server  # noqa: F401
 
     if cfg.role != "both":
@@ -182,11 +180,10 @@ def build(cfg, loop, store_cfg):
     """Store (of ``node_config``'s StoreConfig), node cache, model host (the start model's load begun), app."""
     import torch
 
-    from paramstore import ParamStore
-    from paramstore.cache import CacheConfig, NodeCache
-
     from compute.node.models import ModelHost
     from compute.node.server import create_app
+    from paramstore import ParamStore
+    from paramstore.cache import CacheConfig, NodeCache
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -202,7 +199,7 @@ def build(cfg, loop, store_cfg):
 
         threading.Thread(target=host.survey, name="cache-survey", daemon=True).start()
     if cfg.model:
-        from compute.node.service import NodeBusy
+        from compute.node.errors import NodeBusy
 
         store.manifest(cfg.model)  # a missing model or a bad signature: one line, exit 2, before listening
         try:

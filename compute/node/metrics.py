@@ -7,7 +7,7 @@ prompt, a token or a credential (tests/compute/node/test_metrics.py looks).
 Each measurement is recorded once, in a ``pdserve_node_*`` family labelled ``model``. vLLM's names —
 what vLLM dashboards and the llm-d / KServe / KEDA autoscaling recipes query — are views of those
 families renamed at scrape time (``VllmView``: ``model`` -> ``model_name``, ``engine="0"`` added, as
-vLLM labels them), so the two can never disagree. The scheduler's state is read at scrape time from
+vLLM labels them), so the two can never disagree. The engine's state is read at scrape time from
 the models the node holds (``HeldGauges``), so a model unloaded leaves no stale series:
 
   pdserve_node_ttft_seconds{model}                         vllm:time_to_first_token_seconds
@@ -24,7 +24,7 @@ the models the node holds (``HeldGauges``), so a model unloaded leaves no stale 
   pdserve_node_prefix_cache_hits_total{model}              vllm:prefix_cache_hits_total (of them, found cached)
   pdserve_node_prefix_cache_evictions_total{model}         (cached blocks reused for other content)
   pdserve_node_kv_blocks_cached{model}                     (blocks a prompt can hit now, free or in use)
-  pdserve_node_peer_pulled_blocks_total, _bytes_total{model}  (prompt blocks read from a peer's cache: issue 26 s4)
+  pdserve_node_peer_pulled_blocks_total, _bytes_total{model}  (prompt blocks read from a peer's cache)
   pdserve_node_peer_pull_fallbacks_total{model,reason}     (pulls that failed: the prompt was computed instead)
   pdserve_node_peer_exports_total, _exported_blocks_total{model}  (cached prefixes offered to peers)
 

@@ -30,12 +30,12 @@ import logging
 import time
 
 from compute.modeling.loader import LoadProgress, transient_bytes
-
-from compute.node.config import NodeConfig
-from compute.node.held import Held, estimate_bytes, free, mem_available, rss_bytes
 from compute.node import protocol as P
+from compute.node.config import NodeConfig
+from compute.node.errors import BadNodeRequest, ModelNotLoaded, NodeBusy
+from compute.node.held import Held, estimate_bytes, free, mem_available, rss_bytes
 from compute.node.protocol import ModelLoadReply, ModelUnloadReply
-from compute.node.service import BadNodeRequest, ModelNotLoaded, NodeBusy, NodeService
+from compute.node.service import NodeService
 
 log = logging.getLogger("pdserve.node")
 PREFETCH = 2  # shards a load keeps in flight when the budget has room for them (ReaderConfig's default)

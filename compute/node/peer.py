@@ -1,17 +1,18 @@
-"""Peer pull (issue 26, section 4): a node reads a prompt prefix's KV blocks from another node's prefix cache.
+"""Peer pull: a node reads a prompt prefix's KV blocks from another node's prefix cache.
 
 Lifecycle of one pull (the gateway arranges it: gateway/routing/relay.py):
  1. the gateway's prefix index says node A holds h blocks of a prompt and the node chosen for it, B, fewer;
     pulling them is cheaper than computing them (gateway/routing/router.py ``PullCost``): it asks A
     POST /internal/kv/export with the prompt (and its cache_salt);
- 2. A (``export``) hashes the prompt as its engine does, pins its cached run (``Scheduler.pin_cached``: the
+ 2. A (``export``) hashes the prompt as its engine does, pins its cached run (``Engine.pin_cached``: the
     blocks can be neither evicted nor reused) and ``offer``s them on its KV sender; the handle carries their
     hashes. The pin ends on the receiver's confirmation, an abort, or ``kv_hold_s`` (the sender's ledger),
     as a prefill node's held KV does: nothing leaks;
- 3. the gateway passes the handle to B inside the request (``GenerateRequest.pull``); B (``pull_then_add``)
+ 3. the gateway passes the handle to B inside the request (``GenerateRequest.pull``); B (``pull_then_add``,
+    through ``puller``)
     checks that the handle's hashes are its own for this prompt (same model, weights, KV dtype, block size
     and salt: the chained hash covers them), allocates the blocks, its own cached ones first
-    (``Scheduler.add_pull``), receives the others [k, h) through its KV receiver exactly as a decode node
+    (``Engine.add_pull``), receives the others [k, h) through its KV receiver exactly as a decode node
     does, names them by their hashes (``admit_pulled``) and queues the request, which computes only the
     rest of its prompt; its ``cached_tokens`` count the pulled ones;
  4. anything wrong (no room, a handle refused, A gone, the offer expired, a timeout, a layout or hash
@@ -33,13 +34,13 @@ import asyncio
 import logging
 import uuid
 
-from compute.engine.prefix_cache import MIN_COMPUTED
-from compute.engine.prefix_hash import block_hashes
 from compute.engine.sequence import Sequence
 from compute.errors import CacheFull, RequestTooLarge
 from compute.node import metrics
+from compute.node.errors import BadNodeRequest, NodeBusy, TransferFailed
+from compute.node.kv_ends import receive_kv
 from compute.node.protocol import ExportReply, ExportRequest, KVHandle
-from compute.node.service import BadNodeRequest, NodeBusy, NodeService, TransferFailed
+from compute.node.service import NodeService
 
 log = logging.getLogger("pdserve.node")
 
@@ -50,52 +51,30 @@ class NothingCached(NodeBusy):
     kind = "overloaded"
 
 
-def make_ends(svc: NodeService, layout, cache_tensor) -> None:
-    """The KV sender and receiver this node lacks for its role, so it can export and pull prefixes."""
-    if svc.sender is None:
-        from compute.node.prefill import make_sender
-
-        make_sender(svc, layout, cache_tensor)
-    if svc.receiver is None:
-        from compute.node.decode import make_receiver
-
-        make_receiver(svc, layout, cache_tensor)
-
-
-def _hashes(svc: NodeService, tokens: list[int], salt: str | None) -> list[bytes]:
-    """``tokens``' block hashes as this node's engine names them: whole blocks, leaving ``MIN_COMPUTED`` tokens."""
-    bs = svc.scheduler.config.block_size
-    usable = max(0, len(tokens) - MIN_COMPUTED) // bs
-    return block_hashes(tokens[: usable * bs], bs, svc.scheduler.cache.extra, salt)
-
-
 async def export(svc: NodeService, msg: ExportRequest) -> ExportReply:
     """Pin this node's cached blocks of the prefix and offer them: the handle a peer pulls them with."""
     svc.check_accepting()
     if svc.sender is None or not svc.config.prefix_cache:
         raise NodeBusy("this node exports no KV (peer_kv off, no prefix cache, or a device other than cpu)")
     if msg.block_hashes:
-        try:
-            hashes = [bytes.fromhex(h) for h in msg.block_hashes]
-        except ValueError:
-            raise BadNodeRequest("block_hashes must be hex strings") from None
+        hashes = msg.block_hashes
     elif msg.prompt_token_ids:
         svc.check_tokens(msg.prompt_token_ids)
-        hashes = _hashes(svc, msg.prompt_token_ids, msg.cache_salt)
+        hashes = svc.engine.prompt_hashes(msg.prompt_token_ids, msg.cache_salt)
     else:
         raise BadNodeRequest("export needs prompt_token_ids or block_hashes")
     if msg.max_blocks > 0:
         hashes = hashes[: msg.max_blocks]
-    key, blocks = await svc.worker.call(lambda e: e.scheduler.pin_cached(hashes))
+    key, blocks = await svc.worker.call(lambda e: e.pin_cached(hashes))
     if not blocks:
         raise NothingCached("no block of this prefix is cached here")
     xid = f"export-{uuid.uuid4().hex}"
     svc.held[xid] = key  # the sender's on_release frees the pin (compute/node/prefill.py make_sender)
     try:
-        kv = svc.sender.offer(xid, blocks, len(blocks) * svc.scheduler.config.block_size)
+        kv = svc.sender.offer(xid, blocks, len(blocks) * svc.engine.block_size)
     except Exception as e:  # noqa: BLE001 - TransferFailed / TransportDead: this export only
         svc.held.pop(xid, None)
-        svc.worker.post(lambda e: e.scheduler.release(key))
+        svc.worker.post(lambda e: e.release(key))
         raise TransferFailed(f"cannot offer the cached KV: {e}") from None
     kv["block_hashes"] = [h.hex() for h in hashes[: len(blocks)]]
     kv["cacheable_blocks"] = len(blocks)
@@ -116,10 +95,17 @@ def _refusal(svc: NodeService, seq: Sequence, handle: dict) -> str | None:
         return "bad_handle"
     if handle.get("codec") != "none":
         return "lossy"  # compressed on the wire: not the numbers a prefill makes, never cached
-    mine = _hashes(svc, seq.token_ids[: seq.prompt_len], p.cache_salt)
+    mine = svc.engine.prompt_hashes(seq.token_ids[: seq.prompt_len], p.cache_salt)
     if len(mine) < n or [h.hex() for h in mine[:n]] != hx:
         return "mismatch"  # another model, weights, KV dtype, block size or salt: its blocks are not this prompt's
     return None
+
+
+def puller(handle: dict | None):
+    """How ``NodeService.add`` queues a request that carries a peer's export (None: as any request)."""
+    if not handle:
+        return None
+    return lambda svc, rid, seq: pull_then_add(svc, rid, seq, handle)
 
 
 async def pull_then_add(svc: NodeService, rid: str, seq: Sequence, handle: dict) -> None:
@@ -128,11 +114,11 @@ async def pull_then_add(svc: NodeService, rid: str, seq: Sequence, handle: dict)
     model = svc.config.model
     reason = _refusal(svc, seq, handle)
     if reason is None:
-        bs = svc.scheduler.config.block_size
+        bs = svc.engine.block_size
         n = handle["num_blocks"]
         seq.landing = True  # an abort while the blocks land keeps them until the transfer is over
         try:
-            blocks, k = await svc.worker.call(lambda e: e.scheduler.add_pull(seq, n * bs))
+            blocks, k = await svc.worker.call(lambda e: e.add_pull(seq, n * bs))
         except (CacheFull, RequestTooLarge):
             reason = "no_room"
         else:
@@ -144,26 +130,24 @@ async def pull_then_add(svc: NodeService, rid: str, seq: Sequence, handle: dict)
     log.info("request %s: no pull from the peer (%s): computing its prompt", rid, reason)
     metrics.PEER_PULL_FALLBACKS.labels(model, reason).inc()
     svc.pull_fallbacks += 1
-    await svc.worker.call(lambda e: e.scheduler.add(seq))
+    await svc.worker.call(lambda e: e.add(seq))
 
 
 async def _land(svc: NodeService, rid: str, seq: Sequence, handle: dict, blocks: list[int], k: int) -> str | None:
     """Receive blocks [k, n) into ``blocks`` and queue ``seq``: None, or why not (its blocks are then freed)."""
-    from compute.node.decode import receive_kv
-
     try:
         await receive_kv(svc, handle, blocks, rid, k)
     except asyncio.CancelledError:
-        svc.worker.post(lambda e: e.scheduler.cancel_pull(seq.seq_id))
+        svc.worker.post(lambda e: e.cancel_pull(seq.seq_id))
         raise
     except (TransferFailed, BadNodeRequest) as e:
-        gone = await svc.worker.call(lambda e: e.scheduler.cancel_pull(seq.seq_id) is None)
+        gone = await svc.worker.call(lambda e: e.cancel_pull(seq.seq_id) is None)
         if gone:  # aborted meanwhile (the client left): nothing to compute
             raise NodeBusy(f"request {rid} was aborted") from None
         return "transfer_failed" if isinstance(e, TransferFailed) else "bad_handle"
     finally:
-        svc.worker.post(lambda e: e.scheduler.transfer_ended(seq))  # frees the blocks of one aborted meanwhile
-    if not await svc.worker.call(lambda e: e.scheduler.admit_pulled(seq.seq_id)):
+        svc.worker.post(lambda e: e.transfer_ended(seq))  # frees the blocks of one aborted meanwhile
+    if not await svc.worker.call(lambda e: e.admit_pulled(seq.seq_id)):
         raise NodeBusy(f"request {rid} was aborted")
     return None
 
@@ -182,17 +166,15 @@ async def import_chain(svc: NodeService, handle: dict) -> int:
     except (TypeError, ValueError):
         raise BadNodeRequest("block_hashes must be hex strings") from None
     try:
-        key, blocks, k = await svc.worker.call(lambda e: e.scheduler.pin_for_import(hashes))
+        key, blocks, k = await svc.worker.call(lambda e: e.pin_for_import(hashes))
     except CacheFull as e:
         raise NodeBusy(str(e)) from None
-    from compute.node.decode import receive_kv
-
     try:
         await receive_kv(svc, handle, blocks, f"import-{key}", k)
     except BaseException:
-        svc.worker.post(lambda e: e.scheduler.release(key))
+        svc.worker.post(lambda e: e.release(key))
         raise
-    named = await svc.worker.call(lambda e: e.scheduler.land_import(key, hashes, k))
+    named = await svc.worker.call(lambda e: e.land_import(key, hashes, k))
     metrics.PEER_PULLED_BLOCKS.labels(svc.config.model).inc(n - k)
     metrics.PEER_PULLED_BYTES.labels(svc.config.model).inc(handle["nbytes"] * (n - k) // n)
     return named

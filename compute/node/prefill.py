@@ -4,7 +4,7 @@ Lifecycle of a request on a prefill node:
  1. POST /internal/prefill -> the prompt becomes a ``Sequence`` with ``hold_kv`` and
     max_tokens 1, queued on the engine (chunked prefill shares steps with others);
  2. the engine computes the prompt's KV and samples the first token; the sequence
-    finishes but its blocks are *held* (``scheduler.held``), not freed;
+    finishes but its blocks are *held* (``Engine.held_blocks``), not freed;
  3. the KV sender ``offer``s those blocks and returns a handle (backend, peer address
     or NIXL metadata, descriptors) beside the first token — the gateway passes the
     handle to a decode node;
@@ -17,28 +17,13 @@ Lifecycle of a request on a prefill node:
 
 from __future__ import annotations
 
-import logging
 import time
 
+from compute.node.errors import BadNodeRequest, TransferFailed
 from compute.node.metrics import TTFT
+from compute.node.peer import puller
 from compute.node.protocol import GenerateRequest, KVHandle, PrefillReply
-from compute.node.service import BadNodeRequest, NodeService, TransferFailed, check_request, new_sequence, output_line, sampling_params
-
-log = logging.getLogger("pdserve.node")
-
-
-def make_sender(svc: NodeService, layout, cache_tensor) -> None:
-    from compute.kv_transfer import make_transfer
-
-    def on_release(request_id: str, block_ids: list[int], state) -> None:
-        seq_id = svc.held.pop(request_id, None)
-        if seq_id is not None:
-            svc.worker.post(lambda e: e.scheduler.release(seq_id))
-
-    cfg = svc.config
-    svc.sender = make_transfer(cfg.kv_transport, "prefill", layout, cache_tensor, on_release=on_release,
-                               host=cfg.host, hold_s=cfg.kv_hold_s, timeout_s=cfg.kv_timeout_s,
-                               compression=cfg.kv_compression)  # fmt: skip
+from compute.node.service import NodeService, check_request, new_sequence, output_line, sampling_params
 
 
 async def prefill(svc: NodeService, msg: GenerateRequest) -> PrefillReply:
@@ -50,10 +35,10 @@ async def prefill(svc: NodeService, msg: GenerateRequest) -> PrefillReply:
     seq = new_sequence(msg, sampling_params(msg, max_tokens=1), svc.grammars)
     seq.hold_kv = True
     # the context check must cover the whole request, not just this first token
-    if len(prompt) + want.max_tokens > svc.scheduler.max_len:
-        raise BadNodeRequest(f"prompt {len(prompt)} + max_tokens {want.max_tokens} exceeds {svc.scheduler.max_len}")
+    if len(prompt) + want.max_tokens > svc.engine.max_len:
+        raise BadNodeRequest(f"prompt {len(prompt)} + max_tokens {want.max_tokens} exceeds {svc.engine.max_len}")
     started = time.monotonic()
-    q = await svc.add(rid, seq, "prefill", msg.pull)
+    q = await svc.add(rid, seq, "prefill", puller(msg.pull))
     try:
         out = await q.get()
     finally:
@@ -67,17 +52,17 @@ async def prefill(svc: NodeService, msg: GenerateRequest) -> PrefillReply:
                          cached_tokens=line.cached_tokens)  # fmt: skip
     ended = out.finish_reason == "stop" or want.max_tokens == 1
     if ended:
-        svc.worker.post(lambda e: e.scheduler.release(seq.seq_id))
+        svc.worker.post(lambda e: e.release(seq.seq_id))
         reply.finish_reason = out.finish_reason if out.finish_reason == "stop" else "length"
         return reply
-    blocks = await svc.worker.call(lambda e: list(e.scheduler.held.get(seq.seq_id, [])))
+    blocks = await svc.worker.call(lambda e: e.held_blocks(seq.seq_id))
     svc.held[rid] = seq.seq_id
     try:
         reply.kv = KVHandle(svc.sender.offer(rid, blocks, len(prompt)))
         # the leading full blocks computed here by prefill (or hit): a decode node may cache those, not the rest
-        reply.kv["cacheable_blocks"] = min(seq.num_published, seq.cache_stop // svc.scheduler.config.block_size)
+        reply.kv["cacheable_blocks"] = min(seq.num_published, seq.cache_stop // svc.engine.block_size)
     except Exception as e:  # noqa: BLE001 - TransferFailed/TransportDead: this request only
         svc.held.pop(rid, None)
-        svc.worker.post(lambda e: e.scheduler.release(seq.seq_id))
+        svc.worker.post(lambda e: e.release(seq.seq_id))
         raise TransferFailed(f"cannot offer KV: {e}") from None
     return reply

@@ -95,10 +95,10 @@ class DecodeRequest(GenerateRequest, kw_only=True, forbid_unknown_fields=True, o
 
 class ExportRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """POST /internal/kv/export: hold this node's cached blocks of a prompt's prefix for a peer to pull.
-    The prompt's token ids (hashed here, with ``cache_salt``, as a request's are), or the block hashes (hex)."""
+    The prompt's token ids (hashed here, with ``cache_salt``, as a request's are), or the block hashes."""
 
     prompt_token_ids: list[int] = []
-    block_hashes: list[str] = []
+    block_hashes: list[bytes] = []  # bytes travel base64 in JSON (msgspec): no hex at either end
     cache_salt: str | None = None
     model: str | None = None
     max_blocks: int = 0  # at most this many (0: every cached one, but a prompt leaves its last 2 tokens)
@@ -269,15 +269,15 @@ class ModelCache(msgspec.Struct, kw_only=True):
 
     Apply in this order: ``cleared`` or ``resync`` -> forget every hash of this node and model; then
     ``removed``, then ``stored`` (the net change over the range: a hash appears in one list at most). With
-    ``resync``, ``stored`` is every hash the node holds now. Hashes are hex SHA-256 block hashes
+    ``resync``, ``stored`` is every hash the node holds now. Hashes are SHA-256 block hashes
     (compute/engine/prefix_hash.py) over ``extra`` and ``block_size``, as the node's engine computes them."""
 
     block_size: int
     extra: list[str]  # the engine's extra keys (model ref/weights, KV dtype, block size)
     enabled: bool = True  # False: the node runs without a prefix cache (no hash ever stored)
     cursor: CacheCursor  # the consumer's next ``since``
-    stored: list[str] = []
-    removed: list[str] = []
+    stored: list[bytes] = []
+    removed: list[bytes] = []
     cleared: bool = False
     resync: bool = False
 

@@ -18,13 +18,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from compute.node import auth
-from compute.node import protocol as P
+from compute.node import auth, peer
 from compute.node import decode as decode_role
 from compute.node import prefill as prefill_role
+from compute.node import protocol as P
+from compute.node.errors import BadNodeRequest, NodeBusy
 from compute.node.metrics import host_registry
 from compute.node.models import ModelHost, ModelNotHeld, ModelUnknown
-from compute.node.service import BadNodeRequest, NodeBusy, check_request, new_sequence, sampling_params
+from compute.node.service import check_request, new_sequence, sampling_params
 
 log = logging.getLogger("pdserve.node")
 # without credentials: what a kubelet probes (no state beyond ready/draining) and what Prometheus scrapes, open as
@@ -104,7 +105,7 @@ def create_app(host: ModelHost) -> FastAPI:
         check_request(msg)
         svc.check_tokens(msg.prompt_token_ids)
         seq = new_sequence(msg, sampling_params(msg), svc.grammars)
-        q = await svc.add(msg.request_id, seq, "generate", msg.pull)
+        q = await svc.add(msg.request_id, seq, "generate", peer.puller(msg.pull))
         return StreamingResponse(svc.relay(msg.request_id, q), media_type="application/x-ndjson")
 
     async def prefill(msg: P.GenerateRequest):
@@ -116,14 +117,10 @@ def create_app(host: ModelHost) -> FastAPI:
         return StreamingResponse(svc.relay(rid, q), media_type="application/x-ndjson")
 
     async def export(msg: P.ExportRequest):
-        from compute.node.peer import export as export_prefix
-
-        return raw(await export_prefix(host.service(msg.model), msg))
+        return raw(await peer.export(host.service(msg.model), msg))
 
     async def import_kv(msg: P.ImportRequest):
-        from compute.node.peer import import_chain
-
-        return raw(P.ImportReply(await import_chain(host.service(msg.model), msg.kv)))
+        return raw(P.ImportReply(await peer.import_chain(host.service(msg.model), msg.kv)))
 
     async def load_model(msg: P.ModelLoadRequest):
         code, out = await host.load(msg.model, msg.weights, msg.keep, msg.wait_s)

@@ -4,7 +4,7 @@ A node runtime holds one ``NodeService`` per loaded model (``models.ModelHost``)
 is that model's name.
 
 Lifecycle of a `both` request (``generate``): parse -> Sequence -> stream opened ->
-``scheduler.add`` on the engine thread (``RequestTooLarge`` -> 400) -> StepOutputs
+``Engine.add`` on the engine thread (``RequestTooLarge`` -> 400) -> StepOutputs
 relayed as NDJSON lines -> finished; a client that goes away aborts the sequence
 (its blocks are freed). The prefill and decode halves live in ``prefill.py`` and
 ``decode.py``.
@@ -17,40 +17,16 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from compute.errors import RequestTooLarge
 from compute.engine.sampling import SamplingParams
-from compute.engine.sequence import Sequence, Status
-
+from compute.engine.sequence import Sequence
+from compute.errors import RequestTooLarge
+from compute.node import protocol as P
 from compute.node.cache_feed import CacheFeed
 from compute.node.config import NodeConfig
-from compute.node import protocol as P
-from compute.node.protocol import GenerateRequest, StreamLine, encode_line
+from compute.node.errors import BadNodeRequest, NodeBusy
 from compute.node.metrics import FINISHED, REQUEST_SECONDS, TPOT, TTFT, start_series
+from compute.node.protocol import GenerateRequest, StreamLine, encode_line
 from compute.node.worker import EngineWorker
-
-
-class BadNodeRequest(ValueError):
-    """The request itself is invalid (HTTP 400): retrying elsewhere will not help."""
-
-    kind = "bad_request"
-
-
-class NodeBusy(Exception):
-    """The node cannot take the request now (draining, cache full): HTTP 503, retry elsewhere."""
-
-    kind = "overloaded"
-
-
-class ModelNotLoaded(NodeBusy):
-    """The model named is not held (or not ready) here: HTTP 503, retry on a node that holds it."""
-
-    kind = "model_not_loaded"
-
-
-class TransferFailed(NodeBusy):
-    """The KV could not be offered or pulled: HTTP 503, re-prefill on a healthy pair."""
-
-    kind = "transfer_failed"
 
 
 @dataclass(slots=True)
@@ -152,8 +128,9 @@ class NodeService:
         return self._grammars
 
     @property
-    def scheduler(self):
-        return self.worker.engine.scheduler
+    def engine(self):
+        """The engine; read its properties from here, call its verbs on its thread (``worker.call``/``post``)."""
+        return self.worker.engine
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -163,9 +140,10 @@ class NodeService:
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise BadNodeRequest(f"token id out of range [0, {self.vocab_size})")
 
-    async def add(self, rid: str, seq: Sequence, kind: str, pull: dict | None = None) -> asyncio.Queue:
-        """Register and queue a sequence on the engine thread; returns its output queue. ``pull``: a peer's
-        export of the prompt's prefix, pulled first (compute/node/peer.py; a failed pull is computed instead)."""
+    async def add(self, rid: str, seq: Sequence, kind: str, pull=None) -> asyncio.Queue:
+        """Register and queue a sequence on the engine thread; returns its output queue. ``pull``: how a peer's
+        prefix of the prompt is pulled first, ``await pull(self, rid, seq)`` (compute/node/peer.py ``puller``; a
+        failed pull is computed instead)."""
         if rid in self.active:
             raise BadNodeRequest(f"duplicate request_id {rid!r}")
         allowed = seq.params.allowed_token_ids
@@ -174,12 +152,10 @@ class NodeService:
         q = self.worker.open_stream(seq.seq_id)
         self.active[rid] = Active(seq.seq_id, time.monotonic(), kind)
         try:
-            if pull:
-                from compute.node.peer import pull_then_add
-
-                await pull_then_add(self, rid, seq, pull)
+            if pull is not None:
+                await pull(self, rid, seq)
             else:
-                await self.worker.call(lambda e: e.scheduler.add(seq))
+                await self.worker.call(lambda e: e.add(seq))
         except NodeBusy:
             self.finish(rid)
             raise
@@ -233,20 +209,9 @@ class NodeService:
 
     def load(self) -> P.EngineLoad:
         """This model's queue and KV use, for its /load entry."""
-        s = self.scheduler
-        bm, pc = s.blocks, s.cache
-        waiting = list(s.waiting)
-        queued_tokens = sum(q.num_uncomputed for q in waiting)
-        queued_tokens += sum(q.num_uncomputed for q in list(s.running) if q.num_uncomputed > 1)
-        return P.EngineLoad(
-            queued=len(waiting), running=len([q for q in list(s.running) if q.status is Status.RUNNING]),
-            importing=len(s.importing), queued_prompt_tokens=queued_tokens, active_requests=len(self.active),
-            kv_blocks_used=bm.num_blocks - bm.num_free, kv_blocks_free=bm.num_free, kv_blocks_total=bm.num_blocks,
-            kv_blocks_held=sum(len(b) for b in list(s.held.values())), kv_blocks_cached=bm.num_cached,
-            kv_transfers_held=self.sender.held() if self.sender is not None else 0,
-            prefix_queries=pc.queries, prefix_hits=pc.hits, prefix_pulled=pc.pulled,
-            peer_pull_fallbacks=self.pull_fallbacks,
-        )  # fmt: skip
+        return P.EngineLoad(**self.engine.stats(), active_requests=len(self.active),
+                            kv_transfers_held=self.sender.held() if self.sender is not None else 0,
+                            peer_pull_fallbacks=self.pull_fallbacks)  # fmt: skip
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop taking requests; wait (bounded) until the ones in flight are done."""

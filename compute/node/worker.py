@@ -1,6 +1,6 @@
 """The engine thread of a node: one thread owns the engine; the HTTP side talks to it by message.
 
-Only this thread touches the scheduler, the KV cache and the model (thread
+Only this thread calls the engine's verbs: it alone touches the scheduler, the KV cache and the model (thread
 confinement, no locks in the engine). The asyncio side:
   - ``call(fn)`` runs ``fn(engine)`` on the engine thread between two steps and
     returns an awaitable result (add a request, abort, export/import bookkeeping);
@@ -21,7 +21,6 @@ from collections.abc import Callable
 from prometheus_client import Histogram
 
 from compute.engine.engine import Engine, StepOutput
-
 from compute.node.metrics import GENERATED, PREFIX_EVICTIONS, PREFIX_HITS, PREFIX_QUERIES, PROMPT_COMPUTED
 
 log = logging.getLogger("pdserve.node")

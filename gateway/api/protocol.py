@@ -25,8 +25,8 @@ from pydantic import (
 from starlette.responses import Response
 
 from gateway.api.formats import NonEmpty, ResponseFormat
-from gateway.routing.registry import NODE_URL, NODE_URL_MAX, node_url
 from gateway.api.tools import MessageToolCall, Tool, ToolChoice
+from gateway.routing.registry import NODE_URL, NODE_URL_MAX, node_url
 
 # strict models (JSON types as the schema says: no 0 for false, no "1" for 1), except that 1.0 is an
 # integer in JSON Schema: a whole float is taken as an int

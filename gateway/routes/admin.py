@@ -15,8 +15,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from gateway.api import protocol as p
-from gateway.routes.internal import model_status, register
 from gateway.api.openapi import errors
+from gateway.routes.internal import model_status, register
 
 
 def admin_router(gw) -> APIRouter:

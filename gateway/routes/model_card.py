@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from gateway.models import UnknownModel
 from gateway.api.openapi import errors
 from gateway.api.protocol import ModelCard, error_response
+from gateway.models import UnknownModel
 
 
 class ServedModelCard(ModelCard):

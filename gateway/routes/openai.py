@@ -10,7 +10,6 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from compute.modeling.tokenizer import TemplateError
-
 from gateway.api import protocol as p
 from gateway.api import tools
 from gateway.api.openapi import SSE, errors

@@ -21,12 +21,11 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from starlette.responses import Response
 
 from compute.modeling.tokenizer import TemplateError
-
 from gateway.api import tools
-from gateway.models import UnknownModel
 from gateway.api.openapi import errors
 from gateway.api.protocol import ChatMessage, Int, error_response
 from gateway.api.tools import Tool
+from gateway.models import UnknownModel
 
 MAX_TOKENS = 1 << 20  # token ids in one /detokenize request
 

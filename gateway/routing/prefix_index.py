@@ -31,8 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from compute.engine.prefix_cache import MIN_COMPUTED
-from compute.engine.prefix_hash import block_hashes
+from compute.engine.prefix_hash import prompt_hashes
 from compute.node import protocol as P
 
 HOT_CHAINS = 256  # chains counted per model for pre-pull (the least asked dropped first)
@@ -96,13 +95,11 @@ class PrefixIndex:
                 self._drop(url, model)
                 nc = mine[model] = NodeCache(mc.cursor, mc.block_size, tuple(mc.extra), mc.enabled)
             idx = self._models.setdefault(model, ModelIndex())
-            for hx in mc.removed:
-                h = bytes.fromhex(hx)
+            for h in mc.removed:
                 nc.hashes.discard(h)
                 _discard(idx.holders, h, url)
                 _discard(idx.sent, h, url)
-            for hx in mc.stored:
-                h = bytes.fromhex(hx)
+            for h in mc.stored:
                 nc.hashes.add(h)
                 idx.holders.setdefault(h, set()).add(url)
             nc.cursor = mc.cursor
@@ -148,8 +145,7 @@ class PrefixIndex:
                 continue
             key = (nc.block_size, nc.extra)
             if key not in by_key:
-                usable = max(0, len(prompt) - MIN_COMPUTED) // nc.block_size  # as the node caps a hit
-                by_key[key] = block_hashes(prompt[: usable * nc.block_size], nc.block_size, nc.extra, salt)
+                by_key[key] = prompt_hashes(prompt, nc.block_size, nc.extra, salt)  # as the node caps a hit
             hs = hashes[url] = by_key[key]
             hits[url] = _run(idx, hs, url, now) * nc.block_size if idx is not None else 0
         return PrefixMatch(model, hits, hashes)

@@ -1,4 +1,4 @@
-"""Pre-pull on join (issue 26, section 4): a node that joins the pool pulls the hottest prefixes from their holders
+"""Pre-pull on join: a node that joins the pool pulls the hottest prefixes from their holders
 before its first request for them, so a scale-up's new capacity starts warm.
 
 Lifecycle (one ``Prepuller`` per gateway, over its registry and prefix index):
@@ -69,7 +69,7 @@ class Prepuller:
             if holder is None or n <= self.index.held_run(model, hashes, url):
                 continue
             try:
-                reply = await self.client.export(holder, ExportRequest(block_hashes=[h.hex() for h in hashes[:n]],
+                reply = await self.client.export(holder, ExportRequest(block_hashes=hashes[:n],
                                                                        model=model))  # fmt: skip
                 got = await self.client.import_kv(url, ImportRequest(KVHandle(reply.kv).reachable_from(holder), model))
             except (NodeFailed, RequestRejected) as e:

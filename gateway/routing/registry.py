@@ -43,7 +43,6 @@ import httpx
 from compute.node import auth
 from compute.node import protocol as P
 from compute.node.client import AsyncNodeClient
-
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.router import NodeView
 

@@ -36,9 +36,8 @@ from typing import NamedTuple
 import msgspec
 from prometheus_client import Counter
 
-from compute.node.protocol import DecodeRequest, ExportRequest, GenerateRequest, KVHandle, SamplingWire, StreamLine
 from compute.engine.sampling import SamplingParams
-
+from compute.node.protocol import DecodeRequest, ExportRequest, GenerateRequest, KVHandle, SamplingWire, StreamLine
 from gateway.routing.activator import Activator
 from gateway.routing.nodes import NodeClient, NodeFailed, RequestRejected
 from gateway.routing.registry import NodeRegistry

@@ -20,8 +20,8 @@ import types
 import httpx
 import pytest
 
-from compute.node.auth import SignedAuth
 from compute.engine.sampling import SamplingParams
+from compute.node.auth import SignedAuth
 from tests.services import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]

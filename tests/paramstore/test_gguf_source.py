@@ -13,11 +13,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from benchmarks.baselines import hf_llama
 from paramstore import gguf_source
 from paramstore.errors import InvalidRequest
 from paramstore.gguf_source import open_gguf
 from paramstore.realmodel import gguf_path
-from benchmarks.baselines import hf_llama
 
 # ---------------------------------------------------------------- a tiny llama GGUF
 

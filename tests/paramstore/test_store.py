@@ -21,6 +21,7 @@ from paramstore import (
     dequantize_int8,
 )
 from paramstore.sources import layer_of
+
 from .damage import flip_bit, lose
 
 

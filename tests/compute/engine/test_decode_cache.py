@@ -1,4 +1,4 @@
-"""A decode node's own prefix cache (issue 26, section 2): imported prompts start from the blocks the node
+"""A decode node's own prefix cache: imported prompts start from the blocks the node
 already holds, only what it lacks is pulled, the prefill node's prefill-computed blocks are named once landed,
 the decode path's never; no block leaks after activations, finishes and aborts while importing."""
 

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from compute.modeling.batch import ForwardBatch
 from compute.engine.engine import Engine
-from compute.modeling.kv_cache import KVCache
 from compute.engine.sampling import Sampler, SamplingParams
+from compute.modeling.batch import ForwardBatch
+from compute.modeling.kv_cache import KVCache
 from tests.compute.tiny import tiny_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)

@@ -110,9 +110,9 @@ def test_bad_input_is_one_line_exit_2(workdir, argv, message):
 def test_text_stream_holds_back_split_stop_strings(workdir):
     """In process: deltas concatenate to the text, never contain the stop string, EOS frees the blocks."""
     from compute.engine.engine import Engine
-    from compute.modeling.loader import WeightInjector
     from compute.engine.sampling import SamplingParams
     from compute.engine.stream import TextStream
+    from compute.modeling.loader import WeightInjector
     from paramstore import ParamStore, StoreConfig
 
     with ParamStore(StoreConfig.local_default(str(workdir / ".pdserve" / "store"), k=2, m=1)) as store:

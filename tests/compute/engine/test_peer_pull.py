@@ -1,4 +1,4 @@
-"""Peer pull's bookkeeping in the scheduler (issue 26, section 4): an exporter pins its cached run of a prompt
+"""Peer pull's bookkeeping in the scheduler: an exporter pins its cached run of a prompt
 (released like held KV), an importer allocates a pulled prefix after its own cached blocks, names it once landed
 and computes only the rest; a failed pull or an abort while pulling frees everything. The block manager's
 invariant is checked after each step (the transfer itself: tests/compute/node/test_peer.py)."""

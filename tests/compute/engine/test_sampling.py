@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute.modeling.batch import ForwardBatch
 from compute.engine.engine import Engine
-from compute.modeling.kv_cache import KVCache
 from compute.engine.sampling import History, Sampler, SamplingParams
+from compute.modeling.batch import ForwardBatch
+from compute.modeling.kv_cache import KVCache
 from tests.compute.tiny import tiny_model
 
 V = 12

@@ -7,10 +7,10 @@ import random
 import pytest
 
 from compute.engine.block_manager import BlockManager
-from compute.errors import RequestTooLarge
 from compute.engine.sampling import SamplingParams
 from compute.engine.scheduler import Scheduler, SchedulerConfig
 from compute.engine.sequence import FinishReason, Sequence, Status
+from compute.errors import RequestTooLarge
 
 
 def seq(n_prompt: int, max_tokens: int = 8, **kw) -> Sequence:

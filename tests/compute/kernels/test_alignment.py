@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from compute.kernels.linear import ALIGN, LinearPart
 from compute.modeling.batch import ForwardBatch
 from compute.modeling.config import ModelConfig
 from compute.modeling.kv_cache import KVCache
-from compute.kernels.linear import ALIGN, LinearPart
 from compute.modeling.loader import WeightInjector
 from compute.modeling.model import Transformer
 from paramstore import ParamStore, StoreConfig

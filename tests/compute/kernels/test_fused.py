@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compute.errors import WeightMismatch
+from compute.kernels.linear import FusedLinear, dequantize
 from compute.modeling.batch import ForwardBatch
 from compute.modeling.config import ModelConfig
-from compute.errors import WeightMismatch
 from compute.modeling.kv_cache import KVCache
-from compute.kernels.linear import FusedLinear, dequantize
 from compute.modeling.model import Transformer
 from tests.compute.modeling.test_model_parity import int8_state, quantize
 from tests.conftest import tiny_llama_config, tiny_llama_tensors

@@ -33,11 +33,11 @@ import math
 
 import pytest
 
-from compute.modeling.batch import ForwardBatch
-from compute.kv_transfer import KVLayout
-from compute.kv_transfer.compression import CODECS
 from compute.engine.sampling import SamplingParams
 from compute.engine.sequence import Sequence
+from compute.kv_transfer import KVLayout
+from compute.kv_transfer.compression import CODECS
+from compute.modeling.batch import ForwardBatch
 from tests.prompts import QUESTIONS
 
 pytestmark = pytest.mark.slow

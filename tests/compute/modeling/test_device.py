@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute.modeling.batch import ForwardBatch
 from compute.engine.engine import Engine
+from compute.engine.sampling import SamplingParams
+from compute.modeling.batch import ForwardBatch
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
-from compute.engine.sampling import SamplingParams
 from tests.compute.modeling.test_model_parity import int8_state
 from tests.compute.tiny import tiny_model
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute.modeling.graph_step import GraphStep, bucket_len, decode, step_inputs
 from compute.modeling.batch import ForwardBatch
+from compute.modeling.graph_step import GraphStep, bucket_len, decode, step_inputs
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
 from tests.compute.kernels.test_int4 import _int4_tiny

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from compute.errors import UnsupportedModel, WeightMismatch
+from compute.kernels.linear import Linear, dequantize
 from compute.modeling.batch import ForwardBatch
 from compute.modeling.config import ModelConfig
-from compute.errors import UnsupportedModel, WeightMismatch
 from compute.modeling.kv_cache import KVCache
-from compute.kernels.linear import Linear, dequantize
 from compute.modeling.model import Transformer
 from paramstore.quant import quantize_int8
 

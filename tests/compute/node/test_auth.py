@@ -15,7 +15,6 @@ import pytest
 from compute.node import auth
 from tests.services import AUTH, TOKEN, Services
 
-
 TO = "http://127.0.0.1:8001"
 
 

@@ -5,7 +5,6 @@ gone once it is unloaded (compute/node/metrics.py)."""
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families

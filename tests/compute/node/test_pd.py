@@ -17,9 +17,9 @@ import httpx
 import msgspec
 import pytest
 
-from tests.prompts import QUESTIONS
 from compute.node import protocol as P
 from compute.node.client import SyncNodeClient
+from tests.prompts import QUESTIONS
 from tests.services import AUTH, TOKEN, node_generate, nodes_up, start_node, wait_blocks_free
 
 pytestmark = pytest.mark.slow

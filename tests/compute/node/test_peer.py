@@ -1,4 +1,4 @@
-"""Peer pull between real node processes (issue 26, section 4): a node pulls a prompt prefix's blocks from a
+"""Peer pull between real node processes: a node pulls a prompt prefix's blocks from a
 peer's cache over TCP and over NIXL (bytes and blocks counted on the puller, the request's cached_tokens saying so) and answers
 exactly as a recompute does under ``kernels = invariant``; a pull that cannot happen — nothing cached to export, an
 export aborted before the pull, a holder killed, a handle of other hashes — falls back to computing the prompt, and

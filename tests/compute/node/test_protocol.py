@@ -8,9 +8,9 @@ import httpx
 import msgspec
 import pytest
 
+from compute.engine.sampling import SamplingParams
 from compute.node import protocol as P
 from compute.node.client import NodeFailed, RequestRejected, check
-from compute.engine.sampling import SamplingParams
 
 
 def test_sampling_params_are_the_wire_type_field_for_field():

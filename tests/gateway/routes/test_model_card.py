@@ -8,8 +8,8 @@ from compute.node import protocol as P
 
 def test_card_counts_ready_and_loading_nodes_and_says_whether_it_is_servable_from_zero():
     from gateway.config import GatewayConfig
-    from gateway.routes.model_card import card
     from gateway.models import ModelCatalogue
+    from gateway.routes.model_card import card
     from gateway.service import Gateway
 
     gw = Gateway(GatewayConfig(models=["a", "b"]), ModelCatalogue(None, ["a", "b"]))

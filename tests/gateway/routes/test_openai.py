@@ -60,7 +60,7 @@ def test_chat_streaming_with_usage(svc):
 
 
 def test_the_issue_probes_answer_on_the_real_model(svc):
-    """responses.create, models.retrieve, /tokenize: the three probes of issue 27, on SmolLM2 itself."""
+    """responses.create, models.retrieve, /tokenize: the three probes, on SmolLM2 itself."""
     c = client(svc)
     r = c.responses.create(model=svc["name"], input=Q[0]["content"], max_output_tokens=20, temperature=0)
     assert r.output_text == "The capital of France is Paris." and r.status == "completed"

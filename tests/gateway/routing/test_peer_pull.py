@@ -1,4 +1,4 @@
-"""Peer pull through the gateway, real processes (issue 26, section 4): two `both` nodes of a tiny model with
+"""Peer pull through the gateway, real processes: two `both` nodes of a tiny model with
 SmolLM2's tokenizer under ``kernels = invariant``. A prefix cached on one node whose queue is long: its repeat is
 routed to the idle node, which pulls the prefix's blocks from the holder instead of computing them (the gateway
 counts the routed-with-pull, the idle node its pulled blocks and the answer's cached_tokens), and answers what the

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from compute.engine.prefix_hash import block_hashes, extra_keys
 from compute.node import protocol as P
-
 from gateway.routing.prefix_index import PrefixIndex
 
 BS = 4
@@ -21,13 +20,9 @@ class Clock:
         return self.t
 
 
-def hexes(hs):
-    return [h.hex() for h in hs]
-
-
 def report(model="m", stored=(), removed=(), seq=1, epoch="e1", **kw) -> P.CacheReport:
-    mc = P.ModelCache(block_size=BS, extra=list(EXTRA), cursor=P.CacheCursor(epoch, seq), stored=hexes(stored),
-                      removed=hexes(removed), **kw)  # fmt: skip
+    mc = P.ModelCache(block_size=BS, extra=list(EXTRA), cursor=P.CacheCursor(epoch, seq), stored=list(stored),
+                      removed=list(removed), **kw)  # fmt: skip
     return P.CacheReport({model: mc})
 
 
@@ -103,7 +98,7 @@ def test_nodes_of_another_block_size_or_without_a_cache():
     idx = PrefixIndex()
     other = extra_keys("tiny@v1/fp32", "float32", 8)
     mc = P.ModelCache(block_size=8, extra=list(other), cursor=P.CacheCursor("x", 1),
-                      stored=hexes(block_hashes(PROMPT, 8, other)))  # fmt: skip
+                      stored=block_hashes(PROMPT, 8, other))  # fmt: skip
     idx.apply("eight", P.CacheReport({"m": mc}))
     idx.apply("off", report(enabled=False))
     idx.apply("four", report(stored=block_hashes(PROMPT, BS, EXTRA)[:2]))

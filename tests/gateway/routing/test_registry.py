@@ -4,7 +4,6 @@ saw finish since that poll was asked for (gateway/routing/registry.py, ``sent``)
 from __future__ import annotations
 
 from compute.node import protocol as P
-
 from gateway.routing.registry import NodeRegistry
 
 

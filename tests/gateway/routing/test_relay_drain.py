@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from compute.node.protocol import PrefillReply, StreamLine
 from compute.engine.sampling import SamplingParams
+from compute.node.protocol import PrefillReply, StreamLine
 from gateway.routing.registry import Sending
 from gateway.routing.relay import GenRequest, Relay
 from gateway.routing.router import NodeView

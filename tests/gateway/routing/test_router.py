@@ -102,7 +102,7 @@ def test_weights_are_checked():
         Weights(running=-1)
 
 
-# ---- peer pull (issue 26 section 4): a node may pull the longest cached prefix from its holder ----------------
+# ---- peer pull: a node may pull the longest cached prefix from its holder ----------------
 
 PULL = PullCost(fixed_s=0.02, bytes_per_s=1e9, prefill_tokens_per_s=1000.0)
 BLOCK = 368_640  # bytes of one 16-token block (SmolLM2, fp32 KV)
