@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from compute.engine.sampling import SamplingParams
 from compute.node import protocol as P
 
 
@@ -94,7 +95,7 @@ async def node_stream(nodes, url: str, prompt_ids: list[int], max_tokens: int) -
     """The same request straight to a node's /internal/generate (NDJSON), through ``nodes``, an
     ``AsyncNodeClient`` (compute/node/client.py: the one node client; it yields each line as it arrives)."""
     msg = P.GenerateRequest(uuid.uuid4().hex, prompt_ids,
-                            P.SamplingWire(max_tokens=max_tokens, temperature=0, ignore_eos=True))  # fmt: skip
+                            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))  # fmt: skip
     s = Sample(start=time.monotonic())
     first = last = None
     tokens = 0

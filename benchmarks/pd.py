@@ -43,6 +43,7 @@ from benchmarks.mixed_workload import (
     summary,
     workload,
 )
+from compute.engine.sampling import SamplingParams
 from compute.node import protocol as P
 from compute.node.launcher import ServiceProc, Services
 
@@ -89,12 +90,12 @@ def _handoff_times(prefill: ServiceProc, decode: ServiceProc, auth, prompt: list
         for i in range(reps + 1):
             rid = f"bench-handoff-{i}-{secrets.token_hex(4)}"
             t0 = time.perf_counter()
-            msg = P.GenerateRequest(rid, prompt, P.SamplingWire(max_tokens=2, temperature=0.0))
+            msg = P.GenerateRequest(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0))
             first = c.prefill(prefill.url, msg)
             t1 = time.perf_counter()
             if not first.kv:
                 raise RuntimeError(f"prefill returned no KV handle: {first}")
-            dmsg = P.DecodeRequest(rid, prompt, P.SamplingWire(max_tokens=1, temperature=0.0),
+            dmsg = P.DecodeRequest(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0),
                                    first_token_id=first.token_ids[-1], kv=first.kv)  # fmt: skip
             reason = next(line.finish_reason for line in c.decode(decode.url, dmsg) if line.finish_reason)
             t2 = time.perf_counter()
@@ -307,7 +308,7 @@ def _generate_first(node: ServiceProc, auth, prompt: list[int], reps: int) -> fl
     with SyncNodeClient(None, timeout_s=120, auth=auth) as c:
         for i in range(reps + 1):
             msg = P.GenerateRequest(f"bench-gen-{i}-{secrets.token_hex(4)}", prompt,
-                                    P.SamplingWire(max_tokens=1, temperature=0.0))  # fmt: skip
+                                    SamplingParams(max_tokens=1, temperature=0.0))  # fmt: skip
             t0 = time.perf_counter()
             next(line for line in c.generate(node.url, msg) if line.finish_reason)
             if i:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import timeit
+import typing
 
 import pydantic
 
@@ -28,8 +29,9 @@ class _Line(pydantic.BaseModel):
 
 
 _Params = pydantic.create_model("_Params", __config__=pydantic.ConfigDict(extra="forbid"), **{
-    name: (typ, P.SamplingWire.__struct_defaults__[i] if i < len(P.SamplingWire.__struct_defaults__) else ...)
-    for i, (name, typ) in enumerate(zip(P.SamplingWire.__struct_fields__, P.SamplingWire.__annotations__.values()))
+    name: (typ, SamplingParams.__struct_defaults__[i] if i < len(SamplingParams.__struct_defaults__) else ...)
+    for i, (name, typ) in enumerate(zip(SamplingParams.__struct_fields__,
+                                        typing.get_type_hints(SamplingParams).values(), strict=True))
     if name not in ("logit_bias", "stop_token_ids")}, logit_bias=(dict[int, float], {}),
     stop_token_ids=(tuple[int, ...], ()))  # fmt: skip
 
@@ -51,8 +53,7 @@ def _hand_parse(body: dict) -> SamplingParams:  # the node's parse before the pr
 
 def measure(n: int = 20000) -> dict[str, tuple[float, float]]:
     sp = SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=3, logit_bias={5: 1.0})
-    wire = P.SamplingWire(**{f: getattr(sp, f) for f in P.SamplingWire.__struct_fields__})
-    gen = P.GenerateRequest("abc.0", list(range(200)), wire, "m")
+    gen = P.GenerateRequest("abc.0", list(range(200)), sp, "m")
     gen_dict = {"request_id": "abc.0", "prompt_token_ids": list(range(200)), "model": "m",
                 "params": {"max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "seed": 3, "logit_bias": {5: 1.0}}}
     line, line_dict = P.StreamLine([1234], None), {"token_ids": [1234], "finish_reason": None}
@@ -68,7 +69,7 @@ def measure(n: int = 20000) -> dict[str, tuple[float, float]]:
         "stream line: pydantic": (t(lambda: pl.model_dump_json().encode()), t(lambda: _Line.model_validate_json(b_line))),
         "generate: dict + json": (t(lambda: json.dumps(gen_dict).encode()),
                                   t(lambda: _hand_parse(json.loads(b_gen)))),
-        "generate: msgspec": (t(lambda: P.encode(gen)), t(lambda: P.decode(b_gen, P.GenerateRequest).sampling())),
+        "generate: msgspec": (t(lambda: P.encode(gen)), t(lambda: P.decode(b_gen, P.GenerateRequest).params)),
         "generate: pydantic": (t(lambda: pg.model_dump_json().encode()),
                                t(lambda: SamplingParams(**_Generate.model_validate_json(b_gen).params.model_dump()))),
     }  # fmt: skip

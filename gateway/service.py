@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -53,10 +52,10 @@ for _by in ("hit", "load"):
     ROUTED.labels(_by)
 
 
-_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_SAMPLING_FIELDS = SamplingParams.__struct_fields__
 # sampling fields the API spells or bounds otherwise (or the relay sets): translated in node_params
 _TRANSLATED = {"max_tokens", "top_k", "seed", "logit_bias", "stop_token_ids", "logprobs", "prompt_logprobs",
-               "grammar", "fork_group"}  # fmt: skip
+               "grammar", "fork_group", "cache_salt"}  # fmt: skip
 
 class BadRequest(ValueError):
     """The request is invalid (HTTP 400); `param` names the offending field."""
@@ -74,6 +73,11 @@ class Delta:
     logprobs: list | None = None  # per token [logprob, [[id, logprob], ...]] as the node sent them
     prompt_logprobs: list | None = None  # with the first delta, if asked: null, then one per prompt token
     cached_tokens: int | None = None  # with the first delta: prompt tokens the node's prefix cache gave (usage)
+
+    @classmethod
+    def of(cls, text: str, line, finish_reason: str | None) -> Delta:
+        """The delta of one node line (``StreamLine``): its tokens as ``text``, its numbers as they came."""
+        return cls(text, line.token_ids, finish_reason, line.logprobs, line.prompt_logprobs, line.cached_tokens)
 
 
 class Gateway:
@@ -194,18 +198,19 @@ class Gateway:
         takes_tools = any(tools.supported(t.bundle) for t in texts) or not texts  # none read: left open
         return min(self.config.max_tokens_limit or ctx, ctx), vocab, takes_tools
 
-    def node_params(self, req) -> SamplingParams:
-        """The engine's parameters of an API request: every field of the request named as one of
-        ``SamplingParams`` is taken as it is (a field added to both needs nothing here); the rest are
-        translated below. max_tokens is set per attempt by the relay."""
+    def node_params(self, req, extra: dict | None = None, grammar: dict | None = None,
+                    cache_salt: str | None = None) -> SamplingParams:  # fmt: skip
+        """The engine's parameters of an API request, made (and checked) once: every field of the request named
+        as one of ``SamplingParams`` is taken as it is (a field added to both needs nothing here); the rest are
+        translated below. ``extra``: one choice's own (seed, fork_group); ``grammar``: the tools' (over the
+        response format's); ``cache_salt``: the tenant's salted one. max_tokens is set per attempt by the relay."""
         same = {f: getattr(req, f) for f in _SAMPLING_FIELDS if f not in _TRANSLATED and getattr(req, f, None) is not None}
         seed = None if req.seed is None else req.seed % 2**63
-        return SamplingParams(
-            **same, top_k=max(0, req.top_k), seed=seed, logit_bias=req.logit_bias or {},
-            stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=req.num_logprobs(),
-            prompt_logprobs=req.num_logprobs() if getattr(req, "echo", False) else None,
-            grammar=grammar_spec(req.response_format),
-        )  # fmt: skip
+        kw = dict(same, top_k=max(0, req.top_k), seed=seed, logit_bias=req.logit_bias or {},
+                  stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=req.num_logprobs(),
+                  prompt_logprobs=req.num_logprobs() if getattr(req, "echo", False) else None,
+                  grammar=grammar if grammar is not None else grammar_spec(req.response_format), cache_salt=cache_salt)
+        return SamplingParams(**(kw | (extra or {})))
 
     # --- generation ------------------------------------------------------------------
     async def generate(self, text: Text, prompt: list[int], max_tokens: int, params: SamplingParams, stops: list[str],
@@ -245,7 +250,8 @@ class Gateway:
         eos = text.bundle.eos_token_ids
         matcher = StopMatcher(stops)
         async with aclosing(self.relay.run(req)) as stream:
-            async for toks, reason, lps, plps, cached in stream:
+            async for line in stream:  # the nodes' StreamLine (compute/node/protocol.py), as they sent it
+                toks, reason = line.token_ids, line.finish_reason
                 marks["n"] += len(toks)
                 if marks["first"] is None:
                     hit = req.route.hit_tokens if req.route is not None else 0
@@ -257,11 +263,11 @@ class Gateway:
                     self.traffic.first_token(req.model, timing["ttft"])
                 out, stopped = matcher.feed(detok.add([t for t in toks if t not in eos]))
                 if stopped:
-                    yield Delta(out, toks, "stop", lps, plps, cached)
+                    yield Delta.of(out, line, "stop")
                     return
                 if reason:
                     tail, hit = matcher.feed(detok.flush())
                     tail = tail if hit else tail + matcher.flush()
-                    yield Delta(out + tail, toks, "stop" if reason in ("stop", "eos") else reason, lps, plps, cached)
+                    yield Delta.of(out + tail, line, "stop" if reason in ("stop", "eos") else reason)
                     return
-                yield Delta(out, toks, None, lps, plps, cached)
+                yield Delta.of(out, line, None)

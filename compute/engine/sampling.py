@@ -29,17 +29,18 @@ the sampler's generator (one per device).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import msgspec
 import torch
 
 MAX_LOGPROBS = 20  # top logprobs per token at most (the OpenAI API's bound)
 
 
-@dataclass(slots=True)
-class SamplingParams:
-    """What a request asks of generation."""
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What a request asks of generation: the one shape from the gateway to the sampler. The gateway builds it
+    once from the API request; it travels to a node as itself (msgspec: a field the node does not know is
+    refused, 400 naming it) and is checked by ``__post_init__`` wherever it is made or decoded."""
 
     max_tokens: int = 16  # new tokens at most
     temperature: float = 1.0  # 0 = greedy
@@ -52,7 +53,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # [-2, 2], on output tokens
     frequency_penalty: float = 0.0  # [-2, 2], on output tokens, per occurrence
     repetition_penalty: float = 1.0  # > 0, on prompt and output tokens (1 = off)
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit, [-100, 100]
     min_tokens: int = 0  # EOS and stop tokens are impossible before this many generated tokens
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be drawn (vLLM; a node refuses ids past its vocab)
     logprobs: int | None = None  # None: none; k in [0, MAX_LOGPROBS]: the chosen token's + the top k

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+
+import msgspec
 
 from compute.engine.engine import Engine
 from compute.engine.sampling import SamplingParams
@@ -90,7 +92,7 @@ class TextStream:
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
         if not params.ignore_eos and self.bundle.eos_token_ids:
             extra = tuple(t for t in self.bundle.eos_token_ids if t not in params.stop_token_ids)
-            params = replace(params, stop_token_ids=params.stop_token_ids + extra)
+            params = msgspec.structs.replace(params, stop_token_ids=params.stop_token_ids + extra)
         rid = self.engine.add_request(prompt_token_ids, params)
         result = StreamResult(rid, list(prompt_token_ids), t_added=time.perf_counter())
         self._live[rid] = _Request(result, self.bundle.detokenizer(prompt_token_ids), stop)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+import msgspec
 
 from compute.engine.sampling import SamplingParams
 from compute.engine.sequence import Sequence
@@ -37,12 +39,8 @@ class Active:
 
 
 def sampling_params(msg: GenerateRequest, max_tokens: int | None = None) -> SamplingParams:
-    """The engine's parameters of a request (``max_tokens`` overrides its own); BadNodeRequest if out of range."""
-    try:
-        sp = msg.sampling()
-        return sp if max_tokens is None else replace(sp, max_tokens=max_tokens)
-    except (TypeError, ValueError) as e:
-        raise BadNodeRequest(f"invalid sampling params: {e}") from None
+    """The engine's parameters of a request (checked as it was decoded), ``max_tokens`` overriding its own."""
+    return msg.params if max_tokens is None else msgspec.structs.replace(msg.params, max_tokens=max_tokens)
 
 
 def prompt_len(msg: GenerateRequest) -> int:

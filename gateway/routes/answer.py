@@ -13,7 +13,6 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import replace
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -78,9 +77,9 @@ class Answers:
         ``plan``: the tools offered (gateway/api/tools.py: their grammar, the calls parsed out of the answer)."""
         rid = rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = created or int(time.time())
-        params, stops = salted(replace(self.gw.node_params(req), **(extra or {}))), req.stop_list()
-        if plan is not None and plan.grammar is not None:
-            params = replace(params, grammar=plan.grammar)
+        grammar = plan.grammar if plan is not None else None
+        params = self.gw.node_params(req, extra, grammar, salted(getattr(req, "cache_salt", None)))
+        stops = req.stop_list()
         timing: dict = {}
         t0 = time.monotonic()
         gen = self.gw.generate(text, prompt, max_tokens, params, stops, timing, affinity)

@@ -20,7 +20,6 @@ import json
 import secrets
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -50,12 +49,12 @@ def authorized(request: Request, keys) -> bool:
     return matching(request, keys) is not None
 
 
-def salted(params):
-    """`params` (SamplingParams) with this request's tenant salt before its own cache_salt (none: as they are)."""
+def salted(cache_salt: str | None) -> str | None:
+    """The request's ``cache_salt`` with this request's tenant salt before it (no tenant: as it is)."""
     tenant = TENANT.get()
     if tenant is None:
-        return params
-    return replace(params, cache_salt=tenant if params.cache_salt is None else f"{tenant}/{params.cache_salt}")
+        return cache_salt
+    return tenant if cache_salt is None else f"{tenant}/{cache_salt}"
 
 
 def install_auth(app: FastAPI, cfg, refuse: Callable) -> None:

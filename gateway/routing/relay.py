@@ -30,14 +30,13 @@ import logging
 import random
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import msgspec
 from prometheus_client import Counter
 
 from compute.engine.sampling import SamplingParams
-from compute.node.protocol import DecodeRequest, ExportRequest, GenerateRequest, KVHandle, SamplingWire, StreamLine
+from compute.node.protocol import DecodeRequest, ExportRequest, GenerateRequest, KVHandle, StreamLine
 from gateway.routing.activator import Activator
 from gateway.routing.nodes import NodeClient, NodeFailed, RequestRejected
 from gateway.routing.registry import NodeRegistry
@@ -76,17 +75,6 @@ class Affinity:
         self.route: asyncio.Future | None = None
 
 
-class Chunk(NamedTuple):
-    """What the relay yields: new tokens, the finish reason (None until the last), and the tokens'
-    logprobs as the node sent them (``[[logprob, [[id, logprob], ...]], ...]``; None if not asked)."""
-
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list | None = None
-    prompt_logprobs: list | None = None  # once, with the first tokens, if asked: null then one per prompt token
-    cached_tokens: int | None = None  # once, with the first tokens: prompt tokens the node's prefix cache gave
-
-
 class Relay:
     def __init__(self, registry: NodeRegistry, client: NodeClient, retry_attempts: int,
                  backoff_base_s: float, backoff_max_s: float, activator: Activator | None = None):  # fmt: skip
@@ -112,13 +100,14 @@ class Relay:
 
     def _body(self, req: GenRequest, node_rid: str) -> GenerateRequest:
         n = len(req.produced)  # earlier output, now part of the prompt: replayed, and counted as output
-        params = replace(req.params, max_tokens=req.max_tokens - n,
-                         prompt_logprobs=None if n else req.params.prompt_logprobs)  # a retry has them already
-        return GenerateRequest(node_rid, req.prompt_ids + req.produced, wire(params), req.model or None,
+        params = msgspec.structs.replace(req.params, max_tokens=req.max_tokens - n,
+                                         prompt_logprobs=None if n else req.params.prompt_logprobs)  # a retry has them
+        return GenerateRequest(node_rid, req.prompt_ids + req.produced, params, req.model or None,
                                replay_tokens=n, output_tokens=n)  # fmt: skip
 
-    async def run(self, req: GenRequest) -> AsyncIterator[Chunk]:
-        """Yields ``Chunk``s (new token ids, finish_reason or None, logprobs) until a finish reason."""
+    async def run(self, req: GenRequest) -> AsyncIterator[StreamLine]:
+        """Yields the nodes' ``StreamLine``s as they came (new token ids, finish_reason or None, logprobs) until a
+        finish reason."""
         exclude: set[str] = set()
         while True:
             route = await self._route(req, exclude)
@@ -185,7 +174,8 @@ class Relay:
         toks = chunk.token_ids
         if chunk.finish_reason or not first.kv:
             holding.clear()
-            yield chunk._replace(finish_reason=chunk.finish_reason or "stop")
+            yield StreamLine(chunk.token_ids, chunk.finish_reason or "stop", chunk.logprobs, chunk.prompt_logprobs,
+                             chunk.error, chunk.cached_tokens)  # fmt: skip
             return
         yield chunk
         route = req.route = self._decode_still_live(route, model)
@@ -213,16 +203,11 @@ class Relay:
         return Route(prefill=route.prefill, decode=decode)
 
 
-def _unpack(url: str, msg: StreamLine) -> Chunk:
+def _unpack(url: str, msg: StreamLine) -> StreamLine:
     reason = msg.finish_reason
     if reason in ("error", "abort"):  # the gateway never asked for it: the node failed or is leaving
         raise NodeFailed(url, msg.error or f"request ended by the node ({reason})")
-    return Chunk(msg.token_ids, reason, msg.logprobs, msg.prompt_logprobs, msg.cached_tokens)
-
-
-def wire(sp: SamplingParams) -> SamplingWire:
-    """The engine's parameters as they go to a node."""
-    return SamplingWire(**{f: getattr(sp, f) for f in SamplingWire.__struct_fields__})
+    return msg
 
 
 async def _shielded(coro) -> None:

@@ -91,9 +91,9 @@ def test_scale_down_drains_without_losing_a_request(tmp_path, tiny_model_store):
                 req = GenRequest(rid, [5 + i % 200 for i in range(8)], max_tokens,
                                  SamplingParams(temperature=0, ignore_eos=True), deadline=time.monotonic() + 30)  # fmt: skip
                 got, reason = [], None
-                async for toks, r, *_ in relay.run(req):
-                    got += toks
-                    reason = r or reason
+                async for line in relay.run(req):
+                    got += line.token_ids
+                    reason = line.finish_reason or reason
                 return req, len(got), reason
 
             # N long streams on the newest node (B): the router is steered there by marking A draining

@@ -6,9 +6,9 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
+from msgspec.structs import replace
 
 from tests.conftest import tiny_llama_config, tiny_llama_tensors, write_hf_folder
 

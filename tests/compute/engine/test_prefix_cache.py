@@ -270,7 +270,7 @@ def test_forks_share_a_cached_prompt_and_are_what_they_would_be_alone(model):
 
 
 def _asdict(p: SamplingParams) -> dict:
-    return {f: getattr(p, f) for f in p.__slots__}
+    return {f: getattr(p, f) for f in p.__struct_fields__}
 
 
 def test_a_failover_replay_on_a_cached_prompt_continues_the_same_stream(model):

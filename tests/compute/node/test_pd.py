@@ -17,6 +17,7 @@ import httpx
 import msgspec
 import pytest
 
+from compute.engine.sampling import SamplingParams
 from compute.node import protocol as P
 from compute.node.client import SyncNodeClient
 from tests.prompts import QUESTIONS
@@ -68,7 +69,7 @@ def generate(node, rid, ids, max_tokens=MAX_TOKENS, **sampling):
 def pd(prefill, decode, rid, ids, max_tokens=MAX_TOKENS, **sampling):
     """One split request through the node client (compute/node/client.py), as the gateway's relay sends it;
     -> (every token, the prefill reply as plain data)."""
-    params = P.SamplingWire(**({"max_tokens": max_tokens, "temperature": 0} | sampling))
+    params = SamplingParams(**({"max_tokens": max_tokens, "temperature": 0} | sampling))
     with SyncNodeClient(TOKEN, timeout_s=120) as c:
         pre = c.prefill(prefill.url, P.GenerateRequest(rid, ids, params))
         toks = list(pre.token_ids)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import httpx
 import msgspec
 import pytest
@@ -13,27 +11,26 @@ from compute.node import protocol as P
 from compute.node.client import NodeFailed, RequestRejected, check
 
 
-def test_sampling_params_are_the_wire_type_field_for_field():
-    assert P.SamplingWire.__struct_fields__ == tuple(f.name for f in dataclasses.fields(SamplingParams))
+def test_sampling_params_travel_as_themselves():
     sp = SamplingParams(max_tokens=5, temperature=0.5, stop_token_ids=(3,), logit_bias={7: -1.0}, seed=9,
-                        grammar={"type": "json_object"}, fork_group="g")  # fmt: skip
-    msg = P.GenerateRequest("r", [1, 2], P.SamplingWire(**{f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)}))
-    assert P.decode(P.encode(msg), P.GenerateRequest).sampling() == sp
+                        grammar={"type": "json_object"}, fork_group="g", cache_salt="t")  # fmt: skip
+    got = P.decode(P.encode(P.GenerateRequest("r", [1, 2], sp)), P.GenerateRequest).params
+    assert type(got) is SamplingParams and got == sp
+    assert P.encode(SamplingParams()) == b"{}"  # defaults stay off the wire
 
 
-def test_a_field_added_to_the_dataclass_reaches_the_node_and_an_unknown_one_is_refused():
-    @dataclasses.dataclass(slots=True)
+def test_a_field_added_to_the_params_reaches_the_node_and_an_unknown_one_is_refused():
     class Grown(SamplingParams):
         truncate_prompt_tokens: int | None = None
 
-    wire = P._wire_of(Grown)
-    got = msgspec.json.decode(b'{"max_tokens": 3, "truncate_prompt_tokens": 8}', type=wire)
-    assert Grown(**msgspec.structs.asdict(got)).truncate_prompt_tokens == 8
+    got = msgspec.json.decode(b'{"max_tokens": 3, "truncate_prompt_tokens": 8}', type=Grown)
+    assert got.truncate_prompt_tokens == 8 and got.max_tokens == 3
     with pytest.raises(msgspec.ValidationError, match="bogus"):
         P.decode(b'{"request_id": "r", "prompt_token_ids": [1], "params": {"bogus": 1}}', P.GenerateRequest)
-    with pytest.raises(ValueError, match="max_tokens"):  # the dataclass's own checks run on the node
-        P.decode(b'{"request_id": "r", "prompt_token_ids": [1], "params": {"max_tokens": 0}}',
-                 P.GenerateRequest).sampling()  # fmt: skip
+    with pytest.raises(msgspec.ValidationError, match=r"max_tokens must be >= 1.*params"):  # checked as decoded
+        P.decode(b'{"request_id": "r", "prompt_token_ids": [1], "params": {"max_tokens": 0}}', P.GenerateRequest)
+    with pytest.raises(ValueError, match="top_p"):  # and as made
+        SamplingParams(top_p=0)
 
 
 def test_stream_line_always_carries_its_finish_reason():
