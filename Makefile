@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 STORE ?= ./.pdserve/store
 MODEL ?= smollm2
 
-.PHONY: venv constraints demo stop test test-deploy bench-store bench-deps llama-server eval-deps clean
+.PHONY: venv constraints demo stop test test-long test-deploy bench-store bench-deps llama-server eval-deps clean
 
 venv: $(STAMP)
 
@@ -72,7 +72,12 @@ stop:
 REQUIRE_ALL ?= 1
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	PATH="$(abspath $(VENV))/bin:$$PATH" PDSERVE_REQUIRE_ALL=$(REQUIRE_ALL) $(PY) -m pytest -q -x -rs --durations=15 tests
+	PATH="$(abspath $(VENV))/bin:$$PATH" PDSERVE_REQUIRE_ALL=$(REQUIRE_ALL) $(PY) -m pytest -q -x -rs --durations=15 -m "not long" tests
+
+# the long drills (`long` marker: compiled-step builds, pods from the manifests, the API fuzzer, ...): minutes
+# each, run by CI after `make test` (.ci/run); `make test test-long` is the whole suite
+test-long: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" PDSERVE_REQUIRE_ALL=$(REQUIRE_ALL) $(PY) -m pytest -q -x -rs --durations=15 -m long tests
 
 # minutes, not part of `make test` (.ci/run runs it after): build deploy/Dockerfile with podman, run the local
 # overlay (podman kube play), ask the gateway container a question (needs, as root:

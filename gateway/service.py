@@ -159,9 +159,10 @@ class Gateway:
         """The model's text side (UnknownModel: not served)."""
         return await self.models.text(model)
 
-    def chat_prompt(self, text: Text, messages: list[dict], offered: list[dict] | None = None) -> list[int]:
-        """Messages (and the tools ``offered``) through the model's chat template, tokenized."""
-        return text.bundle.encode(text.bundle.render_chat(messages, tools=offered))
+    async def chat_prompt(self, text: Text, messages: list[dict], offered: list[dict] | None = None) -> list[int]:
+        """Messages (and the tools ``offered``) through the model's chat template, tokenized, in a worker thread:
+        templating and tokenizing a long prompt never stalls the streams on the event loop."""
+        return await asyncio.to_thread(lambda: text.bundle.encode(text.bundle.render_chat(messages, tools=offered)))
 
     def check_len(self, text: Text, prompt: list[int], max_tokens: int | None, default: int | None = None) -> int:
         """-> max_tokens to use (unset: `default`, else up to the context; never beyond max_tokens_limit);

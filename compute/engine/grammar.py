@@ -88,7 +88,7 @@ class Grammars:
         import llguidance
 
         key = json.dumps(spec, sort_keys=True)
-        if len(key) > MAX_SPEC_BYTES:  # compiling is CPU on the node's loop: a bounded one
+        if len(key) > MAX_SPEC_BYTES:  # compiling is CPU (in a node's worker thread): a bounded one
             raise InvalidGrammar(f"grammar of {len(key)} bytes is over the {MAX_SPEC_BYTES}-byte limit")
         text = self._compiled.get(key)
         if text is None:

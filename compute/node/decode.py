@@ -27,7 +27,7 @@ from compute.errors import CacheFull, RequestTooLarge
 from compute.node.errors import BadNodeRequest, NodeBusy
 from compute.node.kv_ends import receive_kv
 from compute.node.protocol import DecodeRequest
-from compute.node.service import Active, NodeService, check_request, constrain, prompt_len, sampling_params
+from compute.node.service import Active, NodeService, check_request, prompt_len, sampling_params
 
 
 async def decode(svc: NodeService, msg: DecodeRequest):
@@ -40,7 +40,7 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     svc.check_tokens(prompt + [first])
     seq = Sequence(prompt + [first], sampling_params(msg))
     seq.prompt_len = prompt_len(msg)  # the first token (from the prefill node) is output
-    seq.matcher = constrain(svc.grammars, seq.params, seq.token_ids[seq.prompt_len :])
+    await svc.constrain(seq)
     if rid in svc.active:
         raise BadNodeRequest(f"duplicate request_id {rid!r}")
     seq.landing = True  # an abort while the KV lands keeps its blocks until the transfer is over

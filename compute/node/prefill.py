@@ -32,11 +32,12 @@ async def prefill(svc: NodeService, msg: GenerateRequest) -> PrefillReply:
     rid, prompt = msg.request_id, msg.prompt_token_ids
     svc.check_tokens(prompt)
     want = sampling_params(msg)  # the whole request's limits (validated here)
-    seq = new_sequence(msg, sampling_params(msg, max_tokens=1), svc.grammars)
+    seq = new_sequence(msg, sampling_params(msg, max_tokens=1))
     seq.hold_kv = True
     # the context check must cover the whole request, not just this first token
     if len(prompt) + want.max_tokens > svc.engine.max_len:
         raise BadNodeRequest(f"prompt {len(prompt)} + max_tokens {want.max_tokens} exceeds {svc.engine.max_len}")
+    await svc.constrain(seq)
     started = time.monotonic()
     q = await svc.add(rid, seq, "prefill", puller(msg.pull))
     try:

@@ -104,7 +104,8 @@ def create_app(host: ModelHost) -> FastAPI:
         svc.check_accepting()
         check_request(msg)
         svc.check_tokens(msg.prompt_token_ids)
-        seq = new_sequence(msg, sampling_params(msg), svc.grammars)
+        seq = new_sequence(msg, sampling_params(msg))
+        await svc.constrain(seq)
         q = await svc.add(msg.request_id, seq, "generate", peer.puller(msg.pull))
         return StreamingResponse(svc.relay(msg.request_id, q), media_type="application/x-ndjson")
 

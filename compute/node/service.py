@@ -13,6 +13,7 @@ relayed as NDJSON lines -> finished; a client that goes away aborts the sequence
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -51,20 +52,6 @@ def prompt_len(msg: GenerateRequest) -> int:
     return len(prompt) - n
 
 
-def constrain(grammars, sp: SamplingParams, output: list[int]):
-    """The grammar matcher of a request that asks for one (None otherwise); BadNodeRequest if it cannot be."""
-    if sp.grammar is None:
-        return None
-    if grammars is None:
-        raise BadNodeRequest("structured output needs the model's tokenizer, which this node does not have")
-    from compute.engine.grammar import InvalidGrammar
-
-    try:
-        return grammars.matcher(sp.grammar, output)
-    except InvalidGrammar as e:
-        raise BadNodeRequest(f"response_format: {e}") from None
-
-
 def logprobs_json(lps: list | None) -> list | None:
     """Logprobs on the wire: per token ``[logprob, [[id, logprob], ...]]`` or null (None if there are none)."""
     if not lps:
@@ -79,13 +66,12 @@ def output_line(o) -> StreamLine:
                       o.cached_tokens)  # fmt: skip
 
 
-def new_sequence(msg: GenerateRequest, sp: SamplingParams, grammars=None) -> Sequence:
-    """A sequence whose last ``msg.replay_tokens`` prompt tokens are replayed output (failover); with a
-    grammar, its matcher (``grammars``: the model's ``compute.engine.grammar.Grammars``) past the output so far."""
+def new_sequence(msg: GenerateRequest, sp: SamplingParams) -> Sequence:
+    """A sequence whose last ``msg.replay_tokens`` prompt tokens are replayed output (failover); its grammar's
+    matcher, if it asks for one, comes from ``NodeService.constrain``."""
     prompt = msg.prompt_token_ids
     seq = Sequence(prompt, sp)
     seq.prompt_len = prompt_len(msg)
-    seq.matcher = constrain(grammars, sp, prompt[seq.prompt_len :])
     replay = msg.replay_tokens
     if replay:
         if not 0 < replay < len(prompt):
@@ -111,19 +97,34 @@ class NodeService:
         self.held: dict[str, int] = {}  # prefill: request id -> seq id whose blocks the sender holds
         self.tokenizer_json: bytes | None = None  # the model's, for structured output (set by the loader)
         self.eos_token_ids: tuple[int, ...] = ()
-        self._grammars = None
+        self._grammars = None  # the model's compute.engine.grammar.Grammars, built on first use
+        self._grammars_lock = threading.Lock()  # compiles run in worker threads: one at a time
         self.cache_feed = CacheFeed(worker)  # the prefix cache's changes, for POST /internal/cache
         self.pull_fallbacks = 0  # peer pulls that failed: the prompt computed instead (compute/node/peer.py)
         start_series(config.model)
 
-    @property
-    def grammars(self):
-        """The model's ``compute.engine.grammar.Grammars``, built on first use (None without a tokenizer)."""
-        if self._grammars is None and self.tokenizer_json is not None:
-            from compute.engine.grammar import Grammars
+    async def constrain(self, seq: Sequence) -> None:
+        """With a grammar, ``seq``'s matcher past its output so far, compiled in a worker thread (never on the event
+        loop: the other streams go on meanwhile); BadNodeRequest if it cannot be."""
+        spec = seq.params.grammar
+        if spec is None:
+            return
+        if self.tokenizer_json is None:
+            raise BadNodeRequest("structured output needs the model's tokenizer, which this node does not have")
+        from compute.engine.grammar import InvalidGrammar
 
-            self._grammars = Grammars(self.tokenizer_json, self.vocab_size, self.eos_token_ids)
-        return self._grammars
+        try:
+            seq.matcher = await asyncio.to_thread(self._matcher, spec, seq.token_ids[seq.prompt_len :])
+        except InvalidGrammar as e:
+            raise BadNodeRequest(f"response_format: {e}") from None
+
+    def _matcher(self, spec: dict, output: list[int]):
+        with self._grammars_lock:
+            if self._grammars is None:
+                from compute.engine.grammar import Grammars
+
+                self._grammars = Grammars(self.tokenizer_json, self.vocab_size, self.eos_token_ids)
+            return self._grammars.matcher(spec, output)
 
     @property
     def engine(self):

@@ -6,6 +6,8 @@ answer to ``answer.Answers``; what every request needs (API keys) is middleware 
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
@@ -52,7 +54,7 @@ def openai_router(gw: Gateway) -> APIRouter:
             return text
         try:
             plan = tools.plan(req, text.bundle, text.name)
-            prompt = gw.chat_prompt(text, tools.template_messages(req.messages), plan and plan.offered)
+            prompt = await gw.chat_prompt(text, tools.template_messages(req.messages), plan and plan.offered)
             if req.max_completion_tokens and req.max_tokens:  # both given: both are checked
                 gw.check_len(text, prompt, req.max_tokens)
             max_tokens = gw.check_len(text, prompt, req.limit())
@@ -67,7 +69,8 @@ def openai_router(gw: Gateway) -> APIRouter:
         if isinstance(text := await _text(req.model), JSONResponse):
             return text
         try:
-            prompts = [p if isinstance(p, list) else text.bundle.encode(p) for p in req.prompts()]
+            prompts = await asyncio.to_thread(lambda: [p if isinstance(p, list) else text.bundle.encode(p)
+                                                       for p in req.prompts()])  # off the event loop
             # max_tokens 0 (prompt scoring): the node makes one token, which is dropped
             limits = [gw.check_len(text, p, req.limit() or (1 if req.limit() == 0 else None), default=16)
                       for p in prompts]  # 16: the OpenAI default for completions  # fmt: skip

@@ -13,6 +13,7 @@ vLLM's server shapes them (clients count tokens against the model they will be c
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -108,13 +109,13 @@ def token_router(gw, authorized: Callable[[Request], bool]) -> APIRouter:
                 return error_response(400, f"model {text.name!r}: its chat template does not render tools "
                                       f"({tools.TEMPLATE_HINT})", param="tools")  # fmt: skip
             try:
-                prompt = text.bundle.render_chat(tools.template_messages(req.messages), req.add_generation_prompt,
-                                                 tools=offered)  # fmt: skip
+                prompt = await asyncio.to_thread(text.bundle.render_chat, tools.template_messages(req.messages),
+                                                 req.add_generation_prompt, tools=offered)  # off the event loop
             except TemplateError as e:
                 return error_response(400, str(e), param="messages")
         else:
             prompt = req.prompt
-        ids = tok.encode(prompt, add_special_tokens=req.add_special_tokens).ids
+        ids = (await asyncio.to_thread(tok.encode, prompt, add_special_tokens=req.add_special_tokens)).ids
         strs = [tok.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": text.max_model_len, "tokens": ids, "token_strs": strs}
 
