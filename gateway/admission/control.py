@@ -6,7 +6,10 @@ Lifecycle of a request here:
  2. no free slot: refused at once (429) when the queue is full (``max_queue`` bounds memory however
     large the overload), or when the queue ahead of it cannot drain in time:
     predicted wait = position / drain rate > timeout_s (position 1-based, rate as below);
- 3. otherwise waits, first in first out; a finishing request hands its slot straight to the head;
+ 3. otherwise waits in its caller's queue (``CALLER``: one per API key; everyone is one caller without keys),
+    first in first out within it; a finishing request hands its slot straight to the head of the next
+    caller's queue in turn (round robin), so a caller that fans out many requests (n, best_of, a list of
+    prompts) or floods the gateway takes turns with the others instead of making them wait behind it;
  4. still waiting at its deadline (arrival + timeout_s): refused then (429);
  5. once started it is never refused: it runs to completion and releases its slot.
 
@@ -30,8 +33,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from prometheus_client import Gauge, Histogram
@@ -44,6 +48,7 @@ QUEUE_WAIT = Histogram("pdserve_gateway_queue_wait_seconds", "Time waiting for a
 WAIT_WINDOW_S = 60.0  # queue-wait statistics cover this much recent time
 DRAIN_WINDOW_S = 30.0  # drain-rate samples older than this are dropped
 DRAIN_SAMPLES = 512  # and at most this many are kept (bounded memory)
+CALLER: ContextVar[str] = ContextVar("pdserve_caller", default="")  # whose request: set by the API key check
 
 
 class Overloaded(Exception):
@@ -60,6 +65,7 @@ class Ticket:
 
     arrived: float
     deadline: float
+    caller: str = ""
     started: bool = False
     wake: asyncio.Future | None = None  # set by ``Admission`` for a waiting ticket
 
@@ -72,36 +78,57 @@ class AdmissionQueue:
             raise ValueError("max_running >= 1, max_queue >= 1, timeout_s > 0")
         self.max_running, self.max_queue, self.timeout_s = max_running, max_queue, timeout_s
         self.running = 0
-        self.queue: deque[Ticket] = deque()
+        self.queues: OrderedDict[str, deque[Ticket]] = OrderedDict()  # caller -> its waiting tickets; whose turn first
+        self._waiting = 0
         self._samples: deque[tuple[float, int, float]] = deque(maxlen=DRAIN_SAMPLES)  # (when, hand-offs, busy s)
         self._busy_since: float | None = None  # start of the open stretch with somebody waiting
 
     @property
     def waiting(self) -> int:
-        return len(self.queue)
+        return self._waiting
 
-    def offer(self, now: float) -> Ticket:
+    def holds(self, t: Ticket) -> bool:
+        """``t`` is waiting here."""
+        return t in self.queues.get(t.caller, ())
+
+    def position(self, caller: str) -> int:
+        """Where a new ticket of ``caller`` would start, 1-based, under round robin: after its own waiting
+        ones, each turn also starting one of every other caller still waiting then (bounded by everyone)."""
+        own = len(self.queues.get(caller, ()))
+        turns = [min(len(q), own + 1) for c, q in self.queues.items() if c != caller]
+        return own + 1 + sum(turns)
+
+    def offer(self, now: float, caller: str = "") -> Ticket:
         """A request arrives: a started ticket, a waiting one, or Overloaded (step 1 or 2)."""
-        t = Ticket(now, now + self.timeout_s)
-        if self.running < self.max_running and not self.queue:
+        t = Ticket(now, now + self.timeout_s, caller)
+        if self.running < self.max_running and not self._waiting:
             self.running += 1
             t.started = True
             return t
-        if len(self.queue) >= self.max_queue:
+        if self._waiting >= self.max_queue:
             raise Overloaded(f"queue full ({self.max_queue} waiting)", self.retry_after(now))
-        wait = self.predicted_wait(len(self.queue) + 1, now)
+        pos = self.position(caller)
+        wait = self.predicted_wait(pos, now)
         if wait is not None and wait > self.timeout_s:
-            raise Overloaded(f"cannot start within {self.timeout_s:g} s: {len(self.queue)} waiting ahead, "
+            raise Overloaded(f"cannot start within {self.timeout_s:g} s: {pos - 1} would start ahead of it, "
                              f"predicted wait {wait:.1f} s", self.retry_after(now))  # fmt: skip
-        if not self.queue:
+        if not self._waiting:
             self._busy_since = now
-        self.queue.append(t)
+        self.queues.setdefault(caller, deque()).append(t)
+        self._waiting += 1
         return t
 
     def release(self, now: float) -> Ticket | None:
-        """A started request finished: its slot goes to the head of the queue (returned, now started)."""
-        if self.queue:
-            t = self.queue.popleft()
+        """A started request finished: its slot goes to the head of the next caller's queue in turn (returned,
+        now started); that caller goes to the back of the turn if it still has some waiting."""
+        if self._waiting:
+            caller, q = next(iter(self.queues.items()))
+            t = q.popleft()
+            if q:
+                self.queues.move_to_end(caller)
+            else:
+                del self.queues[caller]
+            self._waiting -= 1
             t.started = True
             self._sample(now, 1)
             return t
@@ -112,8 +139,12 @@ class AdmissionQueue:
     def withdraw(self, t: Ticket, now: float) -> None:
         """A waiting request leaves (its deadline passed, or its client went away)."""
         assert not t.started, "a started request is released, not withdrawn"
-        self.queue.remove(t)
-        if not self.queue:
+        q = self.queues[t.caller]
+        q.remove(t)
+        if not q:
+            del self.queues[t.caller]
+        self._waiting -= 1
+        if not self._waiting:
             self._sample(now, 0)
 
     def expired(self, t: Ticket, now: float) -> Overloaded:
@@ -125,7 +156,7 @@ class AdmissionQueue:
     def _sample(self, now: float, handoffs: int) -> None:
         busy = now - self._busy_since if self._busy_since is not None else 0.0
         self._samples.append((now, handoffs, busy))
-        self._busy_since = now if self.queue else None
+        self._busy_since = now if self._waiting else None
 
     def drain_rate(self, now: float) -> float | None:
         """Hand-offs per busy second over the window (see the module docstring); None when unknown."""
@@ -147,7 +178,7 @@ class AdmissionQueue:
         r = self.drain_rate(now)
         if r is None:
             return cap
-        return max(1, min(cap, math.ceil(len(self.queue) / r)))
+        return max(1, min(cap, math.ceil(self._waiting / r)))
 
 
 class Admission:
@@ -165,8 +196,9 @@ class Admission:
         return self.q.drain_rate(self.clock())
 
     @asynccontextmanager
-    async def slot(self):
-        t = self.q.offer(self.clock())
+    async def slot(self, caller: str | None = None):
+        """A slot for this request (``caller``: whose, default ``CALLER``'s value), waited for in turn."""
+        t = self.q.offer(self.clock(), CALLER.get() if caller is None else caller)
         if not t.started:
             await self._wait(t)
         waited = self.clock() - t.arrived
@@ -194,7 +226,7 @@ class Admission:
         except asyncio.CancelledError:  # the client went away while waiting
             if t.started:
                 self._release()  # handed a slot at the same moment: pass it on
-            elif t in self.q.queue:
+            elif self.q.holds(t):
                 self.q.withdraw(t, self.clock())
             raise
         finally:

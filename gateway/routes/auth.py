@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from compute.node.auth import BodyTooLarge, Identity, SignedOnly, read_body, replaying
+from gateway.admission.control import CALLER
 from gateway.api.protocol import error_body
 
 ADMIN_KEY_HINT = ".pdserve/keys/admin-PORT.key (read by `pdserve status`)"
@@ -79,8 +80,10 @@ def install_auth(app: FastAPI, cfg, refuse: Callable) -> None:
             key = matching(request, cfg.api_keys)
             if key is None:
                 return refuse(401, "missing or invalid API key", "authentication_error")
+            caller = hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32]
+            CALLER.set(caller)  # admission takes turns between keys (gateway/admission/control.py)
             if per_key:
-                TENANT.set(hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32])
+                TENANT.set(caller)
         if path.startswith("/admin/") and cfg.admin_closed:
             return refuse(401, "the admin API is closed: no admin key is set. `pdserve up` writes one to "
                           f"{ADMIN_KEY_HINT}; else set $PDSERVE_ADMIN_KEY (or start with --open-admin)",
