@@ -97,10 +97,10 @@ def test_pdserve_commands_named_exist():
 
 
 def test_the_architecture_map_names_every_room_module_and_benchmark():
-    """docs/architecture.md is the map: every module of compute's and gateway's rooms (tests/test_layering.py
+    """docs/architecture.md is the map: every module of compute's and gateway's rooms (tests/layers.py
     ``ROOMS``) and every `pdserve bench NAME` is on it, so a module or benchmark added is a line added there."""
     from autoscaler.cli import BENCHES
-    from tests.test_layering import ROOMS
+    from tests.layers import ROOMS
 
     page = text(ROOT / "docs" / "architecture.md")
     named = set(re.findall(r"`([a-z_0-9/]+\.py|[a-z_0-9]+/)`", page))

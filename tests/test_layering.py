@@ -23,17 +23,10 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-RANK = {"paramstore": 0, "compute": 1, "gateway": 2, "autoscaler": 3, "benchmarks": 4}
-LIBRARY = ("paramstore", "compute", "gateway", "autoscaler")
-FIRST_PARTY = (*RANK, "tests")
+from tests.layers import LIBRARY, RANK, ROOMS
 
-# the rooms of a package, lowest first: a room may import itself and the rooms before it
-ROOMS = {
-    "compute": ("errors", "kernels", "modeling", "engine", "kv_transfer", "node"),
-    "gateway": ("config", "keyfile", "models", "routing", "admission", "api", "service", "routes", "app", "main",
-                "status", "chat"),
-}  # fmt: skip
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIRST_PARTY = (*RANK, "tests")
 
 # (file, package it may import against the rule): each one is a debt with a name, not a rule.
 KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()

@@ -20,7 +20,7 @@ import pytest
 
 from compute.node.launcher import Services
 from tests.conftest import tiny_llama_config, tiny_llama_tensors, write_hf_folder
-from tests.paramstore.test_s3 import moto_url  # noqa: F401 - the module's moto server
+from tests.paramstore.s3server import moto_url  # noqa: F401 - the module's moto server
 from tests.procs import children, kill_left
 from tests.services import AUTH, TOKEN, admin_headers, wait_for
 

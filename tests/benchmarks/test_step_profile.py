@@ -6,8 +6,7 @@ import torch
 
 from benchmarks.step_profile import PARTS, breakdown, format_breakdown, weight_bytes
 from compute.modeling.model import Transformer
-from tests.compute.modeling.test_model_parity import int8_state
-from tests.compute.tiny import tiny_model
+from tests.compute.tiny import int8_state, tiny_model
 
 
 def _tiny_int8() -> Transformer:

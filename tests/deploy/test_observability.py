@@ -31,8 +31,8 @@ import pytest
 import yaml
 
 from compute.node.launcher import Services
+from tests.deploy.manifests import DEPLOY, metric_names, objects
 from tests.deploy.prometheus import Prometheus, binary, discovered, scrape_job
-from tests.deploy.test_manifests import DEPLOY, _metric_names, objects
 from tests.procs import children, kill_left
 from tests.services import TOKEN, admin_headers, wait_for
 
@@ -274,7 +274,7 @@ def test_prometheus_scrapes_pdserve_up_as_the_service_monitor_says(up, prom):
     wait_for(lambda: (r := prom.query(finished)) and float(r[0]["value"][1]) >= 3, 30, "the requests scraped")
 
     exprs = [(name, r["expr"]) for name, r in alerts().items()] + [(t, for_grafana(e)) for t, e in panel_exprs()]
-    names = {n for _, e in exprs for n in _metric_names(e) if OURS.match(n)}
+    names = {n for _, e in exprs for n in metric_names(e) if OURS.match(n)}
     missing = [n for n in sorted(names) if not prom.api("series", **{"match[]": n})]
     assert not missing, f"named by an alert or a panel, absent from every target: {missing}"
     for where, expr in exprs:

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from compute.node.auth import SignedAuth
+from tests.deploy.manifests import render
 from tests.deploy.netpol import allowed
 from tests.deploy.pods import PodFailed, PodRunner
-from tests.deploy.test_manifests import render
 
 pytestmark = pytest.mark.slow
 HMAC_KEY = secrets.token_hex(32)

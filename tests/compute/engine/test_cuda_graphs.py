@@ -16,8 +16,7 @@ from compute.engine.sampling import SamplingParams
 from compute.modeling.batch import ForwardBatch
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
-from tests.compute.modeling.test_model_parity import int8_state
-from tests.compute.tiny import tiny_model
+from tests.compute.tiny import int8_state, tiny_model
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no cuda"))]
 BS = 16

@@ -125,7 +125,7 @@ def test_int8mm_runtime_is_bitwise_batch_and_chunk_invariant():
     from compute.modeling.batch import ForwardBatch
     from compute.modeling.kv_cache import KVCache
     from compute.modeling.model import Transformer
-    from tests.compute.modeling.test_model_parity import int8_state
+    from tests.compute.tiny import int8_state
 
     host = tiny_model(seed=7)
     m = Transformer.build(host.config, torch.float32)

@@ -17,7 +17,7 @@ from compute.engine.prefix_hash import ROOT, block_hash, block_hashes, extra_key
 from compute.engine.sampling import SamplingParams
 from compute.engine.scheduler import Scheduler, SchedulerConfig
 from compute.engine.sequence import Sequence
-from tests.compute.engine.test_scheduler import run_to_completion
+from tests.compute.engine.scheduling import run_to_completion
 from tests.compute.tiny import invariant_tiny_model, tiny_model
 
 BS = 16

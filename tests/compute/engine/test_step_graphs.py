@@ -15,8 +15,7 @@ from compute.engine.engine import Engine
 from compute.engine.sampling import SamplingParams
 from compute.engine.step_graphs import GraphBuilder, StepGraphs, ranges
 from compute.modeling.batch import ForwardBatch
-from tests.compute.kernels.test_int4 import _int4_tiny
-from tests.compute.modeling.test_graph_step import _int8_tiny
+from tests.compute.tiny import int4_tiny, int8_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 BS, STREAMS = 16, 4
@@ -24,7 +23,7 @@ BS, STREAMS = 16, 4
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def model(request):
-    return _int8_tiny() if request.param == "int8" else _int4_tiny()
+    return int8_tiny() if request.param == "int8" else int4_tiny()
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +173,7 @@ def test_stopping_mid_build_kills_the_builder_process_group(tmp_path):
     kills the group at once, builder and compilers, and nothing half-built is installed or left under its name."""
     import time
 
-    model = _int8_tiny()
+    model = int8_tiny()
     engine = _engine(model)
     graphs = StepGraphs()
     b = GraphBuilder(model, engine.runner.cache, STREAMS, cache_dir=str(tmp_path), model_key="int8",
@@ -215,7 +214,7 @@ def test_a_failing_graph_is_dropped_and_the_step_runs_eagerly(model):
 def test_two_builders_on_one_machine_build_each_package_once(tmp_path):
     """Two nodes of one machine (here two builders of one process: a lock per package beside it) start together:
     each package is built by one of them, and the other takes it from the machine's cache."""
-    model = _int8_tiny()
+    model = int8_tiny()
     graphs, builders = [StepGraphs(), StepGraphs()], []
     for g in graphs:
         builders.append(GraphBuilder(model, _engine(model).runner.cache, STREAMS, cache_dir=str(tmp_path),

@@ -13,7 +13,8 @@ import torch
 
 from compute.kernels import budget, int8
 from compute.node.held import tensor_bytes
-from tests.compute.kernels.test_kernels import _int8_tiny, _logits, dequantized, int_mm_is_exact
+from tests.compute.kernels.cpu import int_mm_is_exact
+from tests.compute.tiny import dequantized, int8_tiny_seed3, logits
 
 PLAN = ["int8mm", "bf16", "bf16", "w8a16"]  # a measured plan as on the avx512_bf16 box: the copy at M = 8 and 32
 
@@ -71,7 +72,7 @@ def _table(shapes) -> dict:
 
 
 def test_a_tiny_model_holds_at_most_its_budget_of_copies_and_answers_as_unbudgeted():
-    model = _int8_tiny()
+    model = int8_tiny_seed3()
     table = _table(model.int8_shapes())
     prompts = [[5, 9, 33, 7], list(range(40, 50)), list(range(100, 130))]  # M = 44: the third bucket (bf16 there)
     model.use_kernels(table, "measured", 0)
@@ -81,8 +82,8 @@ def test_a_tiny_model_holds_at_most_its_budget_of_copies_and_answers_as_unbudget
     full = tensor_bytes(model)
     copies = sum(2 * m.int8_weight()[0].numel() for m in model.kernel_modules())
     assert full == int8_only + copies and all(m.w_bf16 is not None for m in model.kernel_modules())
-    want = _logits(model, prompts)
-    ref = _logits(dequantized(model), prompts)
+    want = logits(model, prompts)
+    ref = logits(dequantized(model), prompts)
     for frac in (0.0, 0.3, 0.6):
         size = int(frac * copies)
         model.use_kernels(table, "measured", size)
@@ -90,7 +91,7 @@ def test_a_tiny_model_holds_at_most_its_budget_of_copies_and_answers_as_unbudget
         assert int8_only <= held <= int8_only + size, (frac, held - int8_only, size)
         if frac:
             assert held > int8_only  # the budget is used, not only respected
-        got = _logits(model, prompts)
+        got = logits(model, prompts)
         assert float((got - want).norm() / want.norm()) < 0.02, frac  # the existing bf16-rounding tolerance
         assert float((got - ref).norm() / ref.norm()) < 0.02, frac
         assert torch.equal(got.argmax(-1), want.argmax(-1)), frac

@@ -27,34 +27,14 @@ import time
 
 import pytest
 
+from tests.compute.kernels import cpu
+from tests.compute.kernels.cpu import LEVELS, missing_reason
+
 MARGIN = 4.0  # allowed error / control error (see the docstring); a broken kernel is >> 100x off
 CONTROL_MAX = 8 * 2**-8  # a sane control: a few bf16 unit roundoffs (2^-8) of relative error
-LEVELS = ("default", "avx2", "avx512")
 ONEDNN_ISA = {"default": "SSE41", "avx2": "AVX2", "avx512": "ALL"}  # oneDNN's cap per level (ALL: the CPU's)
 CASES = ("matmul_int8", "fused_int8", "embedding_int8", "misaligned_weight", "misaligned_input", "k_tail")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
-def missing_reason(level: str) -> str | None:
-    """Why this machine cannot run ``level`` (None if it can): torch's own requirements."""
-    if level == "default":
-        return None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"this CPU is not x86 ({platform.machine()}): no {level} dispatch level"
-    flags = cpu_flags()
-    if not flags:
-        return f"no /proc/cpuinfo flags to tell whether this CPU has {level}"
-    need = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}}[level]
-    lacking = sorted(need - flags)
-    return f"this CPU lacks {level} (ATEN_CPU_CAPABILITY={level}: no {', '.join(lacking)})" if lacking else None
 
 
 # --- the worker: runs in the subprocess ---------------------------------------------------------
@@ -254,7 +234,7 @@ def test_a_level_the_cpu_lacks_is_an_optional_skip_naming_the_flags(monkeypatch)
     from tests.required import required
 
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(sys.modules[__name__], "cpu_flags", lambda: {"sse4_2", "avx", "avx2", "fma"})
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"sse4_2", "avx", "avx2", "fma"})
     assert missing_reason("default") is None and missing_reason("avx2") is None
     reason = missing_reason("avx512")
     assert reason.startswith("this CPU lacks avx512") and "avx512bw" in reason and "avx512f" in reason

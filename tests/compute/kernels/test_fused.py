@@ -14,7 +14,7 @@ from compute.modeling.batch import ForwardBatch
 from compute.modeling.config import ModelConfig
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
-from tests.compute.modeling.test_model_parity import int8_state, quantize
+from tests.compute.tiny import int8_state, quantize
 from tests.conftest import tiny_llama_config, tiny_llama_tensors
 
 

@@ -10,6 +10,7 @@ from compute.errors import WeightMismatch
 from compute.kernels import int4
 from compute.kernels.linear import Embedding, FusedLinear, Linear
 from paramstore.quant4 import dequantize_int4, quantize_int4
+from tests.compute.tiny import int4_tiny
 
 pytestmark = pytest.mark.skipif(not int4.kernel_available(), reason="this torch has no CPU int4 kernel")
 
@@ -114,25 +115,8 @@ def test_model_from_an_int4_import_end_to_end(memory_store_config, tiny_hf):
     assert [o[:2] for o in outs[0]] == [o[:2] for o in outs[1]], outs
 
 
-def _int4_tiny():
-    from compute.modeling.model import Transformer
-    from tests.compute.tiny import tiny_model
-
-    ref = tiny_model()
-    tensors = {}
-    for name, t in ((n, b) for n, b in ref.named_buffers() if b is not None):
-        if ".layers." in name and t.dim() == 2:
-            packed, scale, zero = quantize_int4(t)
-            tensors |= {name: packed, name + "_scale": scale, name + "_zero": zero}
-        else:
-            tensors[name] = t
-    model = Transformer.build(ref.config)
-    model.load_weights(tensors)
-    return model
-
-
 def test_int4_bf16_copies_only_within_a_budget_and_agree_with_int4mm():
-    model = _int4_tiny()
+    model = int4_tiny()
     mods = model.int4_modules()
     sizes = [2 * m.int4_weight()[0].shape[0] * m.int4_weight()[1].shape[0] * int4.GROUP for m in mods]
     x = torch.randn(3 * int4.COPY_MIN_M, mods[0].in_features)
@@ -174,7 +158,7 @@ def test_int4_kernel_under_every_dispatch_level_and_unaligned_inputs():
     import subprocess
     import sys
 
-    from tests.compute.kernels.test_dispatch import LEVELS, missing_reason
+    from tests.compute.kernels.cpu import LEVELS, missing_reason
 
     ran = []
     for level in (lv for lv in LEVELS if missing_reason(lv) is None):

@@ -16,11 +16,8 @@ import torch.nn.functional as F
 
 from compute.kernels import int8
 from compute.kernels.table_text import format_table
-from compute.modeling.batch import ForwardBatch
-from compute.modeling.kv_cache import KVCache
-from compute.modeling.model import Transformer
-from tests.compute.modeling.test_model_parity import int8_state, quantize
-from tests.compute.tiny import tiny_model
+from tests.compute.kernels.cpu import int_mm_is_exact
+from tests.compute.tiny import dequantized, int8_tiny_seed3, logits, quantize
 
 SHAPES = [(96, 64), (48, 128)]
 
@@ -28,16 +25,6 @@ SHAPES = [(96, 64), (48, 128)]
 @pytest.mark.parametrize("m, want", [(1, 0), (2, 1), (8, 1), (9, 2), (64, 2), (65, 3), (4096, 3)])
 def test_buckets(m, want):
     assert int8.bucket(m) == want
-
-
-def int_mm_is_exact() -> bool:
-    """Whether ``torch._int_mm`` gives the exact int32 product here. With VNNI / AMX-int8 it does; without
-    (an AVX2-only CPU, or ATEN_CPU_CAPABILITY=avx2|default with ONEDNN_MAX_CPU_ISA capped) oneDNN's u8s8
-    pairs saturate at int16: max error 28592 of 141136 measured on a 5x64 @ 64x96 product."""
-    g = torch.Generator().manual_seed(0)
-    a = torch.randint(-127, 128, (5, 64), generator=g, dtype=torch.int8)
-    b = torch.randint(-127, 128, (64, 96), generator=g, dtype=torch.int8)
-    return torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
 
 
 @pytest.mark.parametrize("name", int8.KERNELS)
@@ -101,55 +88,28 @@ def test_plan_is_cached_per_machine_key_and_extended_for_new_shapes(tmp_path):
     assert not [p for p in (tmp_path / "k").iterdir() if p.suffix == ".tmp"]
 
 
-def _int8_tiny():
-    fp = tiny_model(seed=3)
-    m = Transformer.build(fp.config)
-    m.load_weights(int8_state({k: v for k, v in fp.state_dict().items() if v is not None}))
-    assert m.ready and m.int8_shapes()
-    return m
-
-
-def _logits(model, ps: list[list[int]]) -> torch.Tensor:
-    """Last-token logits of each prompt, all in one forward (M = total prompt tokens)."""
-    tables = [[i * 8 + j for j in range(8)] for i in range(len(ps))]
-    return model(ForwardBatch.build(ps, [0] * len(ps), tables, 8), KVCache(model.config, 8 * len(ps), 8))
-
-
 @pytest.mark.parametrize("plan", [("int8mm",) * 4, ("bf16",) * 4, ("dequant",) * 4, ("int8mm", "bf16", "bf16", "bf16")])
 def test_a_model_runs_any_plan_within_bf16_rounding_of_the_fixed_rule(plan):
-    model = _int8_tiny()
+    model = int8_tiny_seed3()
     mods = model.kernel_modules()
     assert mods and all(x.plan is None for x in mods)
     one, many = [[5, 9, 33, 7]], [[5, 9, 33, 7], list(range(40, 80)), list(range(100, 130))]  # M = 4 | 74
     ref = dequantized(model)
-    fixed = [_logits(model, ps) for ps in (one, many)]
+    fixed = [logits(model, ps) for ps in (one, many)]
     model.use_kernels({"shapes": {f"{n}x{k}": {"choice": list(plan)} for n, k in model.int8_shapes()}})
     assert all(x.plan == plan for x in mods)
     assert all((x.w_bf16 is not None) == ("bf16" in plan) for x in mods)  # the copy only where a bucket runs it
     for ps, f in zip((one, many), fixed):
-        got, want = _logits(model, ps), _logits(ref, ps)
+        got, want = logits(model, ps), logits(ref, ps)
         assert float((got - want).norm() / want.norm()) < 0.02  # bf16 rounding of activations / weights
         assert float((f - want).norm() / want.norm()) < 0.02
     model.use_kernels(None)
     assert all(x.plan is None and x.w_bf16 is None for x in mods)
-    assert torch.equal(_logits(model, many), fixed[1])  # back on the fixed rule
-
-
-def dequantized(model):
-    """The same model with its int8 weights dequantized to fp32 (the reference)."""
-    ref = Transformer.build(model.config)
-    state = {}
-    for k, v in model.state_dict().items():
-        if v is None or k.endswith("_scale"):
-            continue
-        scale = model.state_dict().get(k + "_scale")
-        state[k] = v.float() * scale[:, None] if scale is not None and v.dtype == torch.int8 else v
-    ref.load_weights(state)
-    return ref
+    assert torch.equal(logits(model, many), fixed[1])  # back on the fixed rule
 
 
 def test_a_plan_naming_an_unknown_kernel_is_refused():
-    model = _int8_tiny()
+    model = int8_tiny_seed3()
     with pytest.raises(ValueError, match="one of"):
         model.kernel_modules()[0].use_kernels(("int8mm", "magic", "bf16", "bf16"))
 

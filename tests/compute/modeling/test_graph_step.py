@@ -10,18 +10,9 @@ from compute.modeling.batch import ForwardBatch
 from compute.modeling.graph_step import GraphStep, bucket_len, decode, step_inputs
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
-from tests.compute.kernels.test_int4 import _int4_tiny
-from tests.compute.modeling.test_model_parity import int8_state
-from tests.compute.tiny import tiny_model
+from tests.compute.tiny import int4_tiny, int8_tiny, tiny_model
 
 BS = 16
-
-
-def _int8_tiny() -> Transformer:
-    ref = tiny_model()
-    model = Transformer.build(ref.config, torch.float32)
-    model.load_weights(int8_state(dict(ref.state_dict())))
-    return model
 
 
 def _prefilled(model: Transformer, prompts: list[list[int]], keys: int):
@@ -35,16 +26,16 @@ def _prefilled(model: Transformer, prompts: list[list[int]], keys: int):
     return caches, tables, first
 
 
-@pytest.mark.parametrize("build", [_int8_tiny, _int4_tiny], ids=["int8", "int4"])
+@pytest.mark.parametrize("build", [int8_tiny, int4_tiny], ids=["int8", "int4"])
 @pytest.mark.parametrize("lens", [[5], [5, 17, 30]], ids=["1-stream", "3-streams"])
 def test_graph_step_equals_the_eager_forward_bitwise(build, lens):
     model = build()
-    assert model.int4_modules() if build is _int4_tiny else model.kernel_modules()
+    assert model.int4_modules() if build is int4_tiny else model.kernel_modules()
     prompts = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate(lens)]
     keys = bucket_len(max(lens) + 8 + 1)
     caches, tables, tok = _prefilled(model, prompts, keys)
     step = GraphStep(model, len(lens))
-    assert set(step.kinds.values()) == ({"int4", "float"} if build is _int4_tiny else {"int8mm"})
+    assert set(step.kinds.values()) == ({"int4", "float"} if build is int4_tiny else {"int8mm"})
     graph_tok, pos = list(tok), list(lens)
     with torch.inference_mode():
         for _ in range(8):  # 8 greedy steps each way: logits and the caches stay identical

@@ -18,7 +18,7 @@ from compute.modeling.batch import ForwardBatch
 from compute.modeling.config import ModelConfig
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import MLP, RMSNorm, apply_rope, rope_cos_sin
-from tests.compute.modeling.test_model_parity import quantize
+from tests.compute.tiny import quantize
 from tests.conftest import tiny_llama_config
 
 

@@ -22,7 +22,7 @@ from compute.modeling.batch import ForwardBatch
 from compute.modeling.config import ModelConfig
 from compute.modeling.kv_cache import KVCache
 from compute.modeling.model import Transformer
-from paramstore.quant import quantize_int8
+from tests.compute.tiny import int8_state, quantize
 
 torch.set_num_threads(2)
 TOL = 1e-4
@@ -209,19 +209,6 @@ def test_weight_errors():
 
 
 # -- INT8 ---------------------------------------------------------------------------------
-
-
-quantize = quantize_int8  # the store's int8-absmax-per-row scheme: w ~= q * scale[:, None]
-
-
-def int8_state(state: dict) -> dict:
-    out = {}
-    for k, v in state.items():
-        if v.dim() == 2 and k.endswith("weight"):
-            out[k], out[k + "_scale"] = quantize(v)
-        else:
-            out[k] = v
-    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tests.autoscaler.test_config_file import PDSERVE, resolved
+from tests.cli import PDSERVE, resolved
 
 TOKEN = {"PDSERVE_INTERNAL_TOKEN": "t"}
 
@@ -18,7 +18,7 @@ def test_prefix_cache_is_on_by_default_off_by_flag_or_file(tmp_path):
 
 
 def test_node_config_refuses_a_non_boolean(tmp_path):
-    from tests.autoscaler.test_config_file import run
+    from tests.cli import run
 
     path = tmp_path / "pdserve.toml"
     path.write_text('[node]\nprefix_cache = "no"\n')

@@ -85,7 +85,7 @@ def test_a_node_builds_publishes_and_a_later_node_loads_from_the_store(tmp_path,
 
 def test_step_is_auto_by_default_graph_by_flag_file_or_env_and_refused_under_invariant(tmp_path):
     from compute.node.config import NodeConfig
-    from tests.autoscaler.test_config_file import PDSERVE, resolved, run
+    from tests.cli import PDSERVE, resolved, run
 
     node, token = PDSERVE + ["node", "--role", "both", "--model", "m"], {"PDSERVE_INTERNAL_TOKEN": "t"}
     assert resolved(node, token)["step"] == "auto"  # (the suite's own $PDSERVE_STEP=eager is not passed here)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from compute.node.config import NodeConfig
-from tests.autoscaler.test_config_file import PDSERVE, resolved, run
+from tests.cli import PDSERVE, resolved, run
 
 TOKEN = {"PDSERVE_INTERNAL_TOKEN": "t"}
 NODE = PDSERVE + ["node", "--role", "both", "--model", "m"]
