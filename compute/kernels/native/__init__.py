@@ -1,7 +1,7 @@
 """pdserve's own CPU kernels: a C++ library built once per install for this machine, loaded by path.
 
 Lifecycle:
- 1. ``build()`` (``make venv`` runs ``python -m compute.kernels.native``; a test session builds it if missing)
+ 1. ``build()`` (``make venv`` runs ``python -m compute.kernels.native``, so `make demo` and `make test` have it)
     compiles ``int8_linear.cpp`` against the installed torch with g++ into ``build/`` beside this file (staged
     in a temp file, renamed into place: never a half-written library). It names the source's sha256 and
     torch's version, so a changed source or torch is rebuilt, never loaded stale. No ``-march``: one library
