@@ -23,7 +23,7 @@ import pytest
 from tests.procs import alive, children, kill_left, started
 from tests.services import admin_headers, wait_for
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # bursts and kills under load: make test-long
 TOKEN = "capacity-test-token"
 
 

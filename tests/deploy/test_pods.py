@@ -23,7 +23,7 @@ from tests.deploy.manifests import render
 from tests.deploy.netpol import allowed
 from tests.deploy.pods import PodFailed, PodRunner
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # every manifest's containers run: make test-long
 HMAC_KEY = secrets.token_hex(32)
 
 

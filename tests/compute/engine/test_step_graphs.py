@@ -17,7 +17,7 @@ from compute.engine.step_graphs import GraphBuilder, StepGraphs, ranges
 from compute.modeling.batch import ForwardBatch
 from tests.compute.tiny import int4_tiny, int8_tiny
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(600)]  # compiles packages: make test-long
 BS, STREAMS = 16, 4
 
 

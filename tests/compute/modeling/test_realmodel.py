@@ -232,6 +232,7 @@ def test_int4_import_answers_and_stays_within_one_percent_of_int8(real, int8):
         assert ppl4 <= 1.01 * ppl8, name
 
 
+@pytest.mark.long  # compiles the real model's step: make test-long
 def test_the_compiled_decode_step_keeps_the_answers_and_the_perplexity(int8, prompts, tmp_path):
     """``[node] step = graph`` on SmolLM2 (the 1-stream graph, built here with AOTInductor): each question alone gets
     the eager engine's answer (the France one exactly), and a held text decoded token by token (teacher-forced) through

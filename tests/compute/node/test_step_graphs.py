@@ -15,7 +15,7 @@ from compute.node.launcher import Services
 from paramstore import ParamStore, StoreConfig
 from tests.services import TOKEN, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(600)]  # compiles packages: make test-long
 SEQS = 4
 
 

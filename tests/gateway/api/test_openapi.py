@@ -105,6 +105,7 @@ def test_405_names_every_allowed_method(svc):
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
 
 
+@pytest.mark.long  # the fuzzer's minutes: make test-long
 def test_schemathesis_finds_no_failure(svc, tmp_path):
     """Every check, coverage and fuzzing phases, every operation, bounded: a fixed seed, a few examples per
     operation, a time limit. (Fuzzing POST /admin/nodes found a 500: a host httpx cannot encode.)"""
