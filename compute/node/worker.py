@@ -1,6 +1,6 @@
 """The engine thread of a node: one thread owns the engine; the HTTP side talks to it by message.
 
-Only this thread calls the engine's verbs: it alone touches the scheduler, the KV cache and the model (thread
+Only this thread calls the engine's verbs: it alone touches the engine's queues, the KV cache and the model (thread
 confinement, no locks in the engine). The asyncio side:
   - ``call(fn)`` runs ``fn(engine)`` on the engine thread between two steps and
     returns an awaitable result (add a request, abort, export/import bookkeeping);
