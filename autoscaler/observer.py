@@ -7,7 +7,7 @@ Observation (what the loop reads every tick):
     the worst, nodes are the union by URL);
  2. ``loads_from_status`` turns it into {(model, role): RoleLoad}: per model, queue depth,
     held requests, p99 queue wait / TTFT / TPOT and idle time from the gateway
-    (``status["models"]``); queued prompt tokens, running and queued streams, KV use and the
+    (``status.models``, typed in gateway/api/status.py); queued prompt tokens, running and queued streams, KV use and the
     measured capacity from the nodes holding that model (``load.models[model]``), summed over
     those that answer their health checks. The loop then overlays the replica counts from the
     actuator (the truth about what runs) and calls the pure policy.
@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 import httpx
+import msgspec
 
 from compute.node.auth import SignedAuth
+from gateway.api.status import GatewayStatus, ModelTraffic, NodeEntry
+from gateway.api.status import read as read_status
 
 from .actuator import NodeInfo, TemporaryActuatorError
 from .config import ROLES, AutoscalerConfig
@@ -38,28 +40,13 @@ from .policy import Key, RoleLoad, key_str
 
 log = logging.getLogger("pdserve.autoscaler")
 
-Status = Callable[[], Mapping]
+Status = Callable[[], "GatewayStatus | Mapping"]
 
 
 HOLDING = ("loading", "ready")  # model states that make a node a replica of (model, its role)
 _SUMMED = ("queue_depth", "held", "running", "requests", "recent_requests")  # per-model gateway counts that add up over gateways
 _WORST = ("queue_wait_p99_s", "ttft_p99_s", "tpot_p99_s")  # per-model p99s: the worst gateway's
 RATES = ("requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s")  # per-model arrival rates: add up
-
-
-def held_models(load: Mapping, default: str | None = None) -> dict[str, tuple[Mapping, str]]:
-    """{model: (its /load entry, its state)} that one node's /load reports.
-
-    A node from before per-model reports (no "models") holds its top-level "model" — or `default` (an old
-    gateway's one model) when its load names none — in the state its top-level flags give.
-    """
-    models = load.get("models")
-    if isinstance(models, Mapping):
-        return {m: (e or {}, str((e or {}).get("state", ""))) for m, e in models.items()}
-    name = load.get("model") or default
-    if not name:
-        return {}  # a standby runtime: it holds nothing
-    return {name: (load, "draining" if load.get("draining") else ("ready" if load.get("ready") else "loading"))}
 
 
 def _mean(xs: list) -> float | None:
@@ -79,102 +66,105 @@ def decode_tokens_at_slo(cap: Mapping) -> float | None:
     return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
-def loads_from_status(status: Mapping, roles: Sequence[str] = ROLES) -> dict[Key, RoleLoad]:
-    """{(model, role): RoleLoad} from one gateway status snapshot (gateway/routes/internal.py `snapshot`).
+@dataclasses.dataclass(slots=True)
+class _Replicas:
+    """One (model, role)'s nodes, summed as ``loads_from_status`` reads them."""
 
-    Keys: every model in ``status["models"]`` and every model a node holds, times `roles`. A node is
+    replicas: int = 0
+    ready: int = 0
+    starting: int = 0
+    queued_prompt_tokens: int = 0
+    running: int = 0
+    queued: int = 0
+    used: int = 0
+    total: int = 0
+    streams: list = dataclasses.field(default_factory=list)
+    tps: list = dataclasses.field(default_factory=list)
+    dtps: list = dataclasses.field(default_factory=list)
+
+
+def loads_from_status(status: GatewayStatus | Mapping, roles: Sequence[str] = ROLES) -> dict[Key, RoleLoad]:
+    """{(model, role): RoleLoad} from one gateway status snapshot (gateway/api/status.py, or its JSON data).
+
+    Keys: every model in ``status.models`` and every model a node holds, times `roles`. A node is
     a replica of (m, its role) while ``load.models[m].state`` is loading or ready: counted ready or
     starting by that state; its load is summed only while it answers its health checks (an
     unhealthy node is a replica with a stale load) and not while it drains. capacity_streams and
     prefill_tokens_per_s: the mean over the ready replicas that have measured them.
     """
-    per_model = status.get("models")
-    default = None
-    if not isinstance(per_model, Mapping):  # a gateway from before per-model reports: one model, its queue at the top
-        default = status.get("model") or None
-        per_model = {default: {"queue_depth": status.get("queue_depth", 0),
-                               "queue_wait_p99_s": status.get("queue_wait_p99_s", 0.0)}} if default else {}  # fmt: skip
-    acc: dict[Key, dict] = {}
-    for n in status.get("nodes", []):
-        role = n.get("role")
-        if role not in roles:
+    status = read_status(status)
+    acc: dict[Key, _Replicas] = {}
+    for n in status.nodes:
+        if n.role not in roles:
             continue
-        for model, (e, state) in held_models(n.get("load") or {}, default).items():
-            a = acc.setdefault((model, role), {"replicas": 0, "ready": 0, "starting": 0, "queued_prompt_tokens": 0,
-                                               "running": 0, "queued": 0, "used": 0, "total": 0, "streams": [],
-                                               "tps": [], "dtps": []})  # fmt: skip
-            if state not in HOLDING or n.get("state") == "draining":
+        for model, e in n.load.models.items():
+            a = acc.setdefault((model, n.role), _Replicas())
+            if e.state not in HOLDING or n.state == "draining":
                 continue
-            a["replicas"] += 1
-            if n.get("state") == "unhealthy":
+            a.replicas += 1
+            if n.state == "unhealthy":
                 continue
-            a["ready" if state == "ready" else "starting"] += 1
-            for f in ("queued_prompt_tokens", "running", "queued"):
-                a[f] += int(e.get(f, 0) or 0)
-            a["used"] += int(e.get("kv_blocks_used", 0) or 0)
-            a["total"] += int(e.get("kv_blocks_total", 0) or 0)
-            if state == "ready":
-                cap = e.get("capacity") or {}
-                a["streams"].append(cap.get("max_streams"))
-                a["tps"].append(cap.get("prefill_tokens_per_s"))
-                a["dtps"].append(decode_tokens_at_slo(cap))
+            if e.state == "ready":
+                a.ready += 1
+                a.streams.append(e.capacity.get("max_streams"))
+                a.tps.append(e.capacity.get("prefill_tokens_per_s"))
+                a.dtps.append(decode_tokens_at_slo(e.capacity))
+            else:
+                a.starting += 1
+            a.queued_prompt_tokens += e.queued_prompt_tokens
+            a.running += e.running
+            a.queued += e.queued
+            a.used += e.kv_blocks_used
+            a.total += e.kv_blocks_total
     out = {}
-    for model in [*per_model, *sorted({m for m, _ in acc} - set(per_model))]:
-        g = per_model.get(model) or {}
+    for model in [*status.models, *sorted({m for m, _ in acc} - set(status.models))]:
+        g = status.models.get(model) or ModelTraffic()
         for role in roles:
             a = acc.get((model, role))
             out[(model, role)] = RoleLoad(
-                model=model, queue_depth=int(g.get("queue_depth", 0)), held=int(g.get("held", 0)),
-                queue_wait_p99_s=float(g.get("queue_wait_p99_s", 0.0)), ttft_p99_s=float(g.get("ttft_p99_s", 0.0)),
-                tpot_p99_s=float(g.get("tpot_p99_s", 0.0)), idle_s=float(g.get("idle_s", 0.0) or 0.0),
-                **{f: float(g.get(f, 0.0) or 0.0) for f in RATES}, recent_requests=int(g.get("recent_requests", 0) or 0),
+                model=model, queue_depth=g.queue_depth, held=g.held, queue_wait_p99_s=g.queue_wait_p99_s,
+                ttft_p99_s=g.ttft_p99_s, tpot_p99_s=g.tpot_p99_s, idle_s=g.idle_s,
+                **{f: getattr(g, f) for f in RATES}, recent_requests=g.recent_requests,
                 **({} if a is None else {
-                    "replicas": a["replicas"], "ready": a["ready"], "starting": a["starting"],
-                    "queued_prompt_tokens": a["queued_prompt_tokens"], "running_streams": a["running"],
-                    "node_queued": a["queued"], "kv_utilisation": a["used"] / a["total"] if a["total"] else 0.0,
-                    "capacity_streams": _mean(a["streams"]), "prefill_tokens_per_s": _mean(a["tps"]),
-                    "decode_tokens_per_s": _mean(a["dtps"])}),
+                    "replicas": a.replicas, "ready": a.ready, "starting": a.starting,
+                    "queued_prompt_tokens": a.queued_prompt_tokens, "running_streams": a.running,
+                    "node_queued": a.queued, "kv_utilisation": a.used / a.total if a.total else 0.0,
+                    "capacity_streams": _mean(a.streams), "prefill_tokens_per_s": _mean(a.tps),
+                    "decode_tokens_per_s": _mean(a.dtps)}),
             )  # fmt: skip
     return out
 
 
-def merge_status(snapshots: Sequence[Mapping]) -> dict:
-    """One snapshot from several gateway replicas: queues add up, the worst p99, nodes by URL.
+def merge_status(snapshots: Sequence[GatewayStatus | Mapping]) -> GatewayStatus:
+    """One snapshot from several gateway replicas: queues add up, the worst p99, nodes by URL (a healthy
+    gateway's view of a node over an unhealthy one's).
 
     Per model: counts and arrival rates add up, p99s are the worst, idle_s the least idle, last_request_t the latest.
     """
-    nodes: dict[str, Mapping] = {}
-    for s in snapshots:
-        for n in s.get("nodes", []):
-            if n.get("url") not in nodes or nodes[n["url"]].get("state") == "unhealthy":
-                nodes[n.get("url")] = n
-    out = {"queue_depth": sum(int(s.get("queue_depth", 0)) for s in snapshots),
-           "running": sum(int(s.get("running", 0)) for s in snapshots),
-           "queue_wait_p99_s": max((float(s.get("queue_wait_p99_s", 0.0)) for s in snapshots), default=0.0),
-           "nodes": list(nodes.values()), "gateways": len(snapshots)}  # fmt: skip
-    if snapshots and "model" in snapshots[0]:
-        out["model"] = snapshots[0]["model"]
-    if any(isinstance(s.get("models"), Mapping) for s in snapshots):
-        out["models"] = _merge_models([s.get("models") or {} for s in snapshots])
-    return out
-
-
-def _merge_models(per_gateway: Sequence[Mapping]) -> dict:
-    out: dict[str, dict] = {}
-    for models in per_gateway:
-        for name, e in models.items():
-            o = out.setdefault(name, {"last_request_t": None})
-            for f in _SUMMED:
-                o[f] = o.get(f, 0) + int(e.get(f, 0))
+    snaps = [read_status(s) for s in snapshots]
+    nodes: dict[str, NodeEntry] = {}
+    for s in snaps:
+        for n in s.nodes:
+            if n.url not in nodes or nodes[n.url].state == "unhealthy":
+                nodes[n.url] = n
+    models: dict[str, ModelTraffic] = {}
+    for s in snaps:
+        for name, e in s.models.items():
+            o = models.get(name)
+            if o is None:
+                models[name] = msgspec.structs.replace(e)
+                continue
+            for f in (*_SUMMED, *RATES):
+                setattr(o, f, getattr(o, f) + getattr(e, f))
             for f in _WORST:
-                o[f] = max(o.get(f, 0.0), float(e.get(f, 0.0)))
-            for f in RATES:
-                o[f] = o.get(f, 0.0) + float(e.get(f, 0.0) or 0.0)
-            if "idle_s" in e:
-                o["idle_s"] = min(o.get("idle_s", math.inf), float(e["idle_s"]))
-            if e.get("last_request_t") is not None:
-                o["last_request_t"] = max(o["last_request_t"] or 0.0, float(e["last_request_t"]))
-    return out
+                setattr(o, f, max(getattr(o, f), getattr(e, f)))
+            o.idle_s = min(o.idle_s, e.idle_s)
+            if e.last_request_t is not None:
+                o.last_request_t = max(o.last_request_t or 0.0, e.last_request_t)
+    return GatewayStatus(queue_depth=sum(s.queue_depth for s in snaps), running=sum(s.running for s in snaps),
+                         queue_wait_p99_s=max((s.queue_wait_p99_s for s in snaps), default=0.0),
+                         model=snaps[0].model if snaps else None, models=models, nodes=list(nodes.values()),
+                         gateways=len(snaps))  # fmt: skip
 
 
 class GatewayObserver:
@@ -208,7 +198,7 @@ class GatewayClient:
         self.urls: list[str] = fixed  # as of the last status()
         self._http = httpx.Client(auth=SignedAuth(token), timeout=timeout_s)  # signed requests: the token never sent
 
-    def status(self) -> dict:
+    def status(self) -> GatewayStatus:
         """The merged snapshot of every gateway; TemporaryActuatorError if any cannot be read."""
         self.urls = [u.rstrip("/") for u in self._urls()]
         if not self.urls:
@@ -218,7 +208,7 @@ class GatewayClient:
             try:
                 r = self._http.get(url + "/internal/status")
                 r.raise_for_status()
-                snaps.append(r.json())
+                snaps.append(read_status(r.json()))
             except (httpx.HTTPError, ValueError) as e:
                 raise TemporaryActuatorError(f"cannot observe the gateway at {url}: {e}") from None
         return snaps[0] if len(snaps) == 1 else merge_status(snaps)

@@ -166,7 +166,7 @@ class EngineLoad(msgspec.Struct, kw_only=True):
 class ModelLoad(EngineLoad, kw_only=True):
     """One model's entry in ``LoadReport.models`` (compute/node/held.py ``Held.view``)."""
 
-    model: str
+    model: str = ""  # its name, as the key of ``LoadReport.models`` is
     state: str = "loading"  # loading | ready | draining | failed
     ref: str | None = None
     weights: str | None = None

@@ -19,19 +19,23 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, HTTPException
+import msgspec
+from fastapi import APIRouter, HTTPException, Response
 
 from gateway.api.protocol import InternalNodeSpec, NodeSpec
+from gateway.api.status import GatewayStatus, ModelTraffic, NodeEntry
 
 
-def snapshot(gw) -> dict:
+def snapshot(gw) -> GatewayStatus:
     """What the gateway knows about load, now. Safe to call from another thread (copies the registry)."""
-    nodes = list(gw.registry.nodes.values())
-    return {"model": gw.config.model, "t": time.time(), "queue_depth": gw.admission.waiting,
-            "running": gw.admission.running, "queue_wait_p99_s": gw.admission.wait_p99(),
-            "held": gw.activator.held_total(), "served": gw.models.names, "models": model_status(gw),
-            "nodes": [n.as_dict() for n in nodes], "autoscaler": gw.autoscaler_status,
-            "prefix_index": gw.registry.index.summary() if gw.registry.index is not None else None}  # fmt: skip
+    nodes = [NodeEntry(url=n.url, role=n.role, state=n.state, models=n.held_models(), load=n.load, source=n.source)
+             for n in list(gw.registry.nodes.values())]  # fmt: skip
+    return GatewayStatus(
+        t=time.time(), model=gw.config.model, queue_depth=gw.admission.waiting, running=gw.admission.running,
+        queue_wait_p99_s=gw.admission.wait_p99(), held=gw.activator.held_total(), served=list(gw.models.names),
+        models={m: ModelTraffic(**t) for m, t in model_status(gw).items()}, nodes=nodes,
+        autoscaler=gw.autoscaler_status,
+        prefix_index=gw.registry.index.summary() if gw.registry.index is not None else None)  # fmt: skip
 
 
 def model_status(gw) -> dict[str, dict]:
@@ -60,7 +64,7 @@ def internal_router(gw) -> APIRouter:
 
     @router.get("/internal/status", include_in_schema=False)
     async def status():
-        return snapshot(gw)
+        return Response(msgspec.json.encode(snapshot(gw)), media_type="application/json")
 
     @router.post("/internal/autoscaler", include_in_schema=False)
     async def autoscaler(body: dict):

@@ -131,12 +131,16 @@ class NodeState:
     def routable_models(self) -> set[str]:
         return {m for m in self.held_models() if self.view(m).routable}
 
-    def as_dict(self) -> dict:
+    @property
+    def state(self) -> str:
+        """As the gateway sees it: unproven, unhealthy, draining, or the node's own state."""
         ld = self.load
-        state = ("unproven" if not self.proven else "unhealthy" if not self.healthy
-                 else "draining" if self.draining or ld.draining else ld.state)  # fmt: skip
-        return {"url": self.url, "role": self.role, "state": state, "models": self.held_models(),
-                "load": ld.as_dict(), "source": self.source}  # fmt: skip
+        return ("unproven" if not self.proven else "unhealthy" if not self.healthy
+                else "draining" if self.draining or ld.draining else ld.state)  # fmt: skip
+
+    def as_dict(self) -> dict:
+        return {"url": self.url, "role": self.role, "state": self.state, "models": self.held_models(),
+                "load": self.load.as_dict(), "source": self.source}  # fmt: skip
 
 
 class Sending:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
+import pytest
+
 from autoscaler.actuator import NodeInfo
 from autoscaler.loop import TickReport
 from autoscaler.observer import loads_from_status, merge_status, report_body
 from autoscaler.policy import Decision, RoleDecision
-
-
-def node(url, role, state="ready", **load):
-    """A node entry of the snapshot, with an old-style /load (one model, fields at the top)."""
-    return {"url": url, "role": role, "state": state, "source": "autoscaler", "load": load}
+from gateway.api.status import read as read_status
 
 
 def held(state="ready", max_streams=None, prefill_tps=None, **fields):
@@ -85,24 +84,6 @@ def test_nothing_measured_yet_gives_none_and_roles_can_be_restricted():
     assert empty[("m", "decode")].kv_utilisation == 0.0 and empty[("m", "decode")].replicas == 0  # no division by 0
 
 
-def test_a_node_without_models_counts_for_its_top_level_model():
-    """Nodes and gateways from before multi-model: one model, fields at the top."""
-    old = {"model": "smollm2", "queue_depth": 3, "queue_wait_p99_s": 0.7, "nodes": [
-        node("http://p1", "prefill", model="smollm2", ready=True, queued_prompt_tokens=900),
-        node("http://p2", "prefill", "unhealthy", model="smollm2", ready=True, queued_prompt_tokens=5000),
-        node("http://d1", "decode", model="smollm2", ready=True, running=4, kv_blocks_used=30, kv_blocks_total=100),
-        node("http://d2", "decode", "loading", model="smollm2", ready=False, kv_blocks_used=0, kv_blocks_total=100),
-    ]}  # fmt: skip
-    loads = loads_from_status(old)
-    assert set(loads) == {("smollm2", "prefill"), ("smollm2", "decode")}
-    p, d = loads[("smollm2", "prefill")], loads[("smollm2", "decode")]
-    assert (p.replicas, p.ready, p.queued_prompt_tokens, p.queue_depth, p.queue_wait_p99_s) == (2, 1, 900, 3, 0.7)
-    assert (d.replicas, d.ready, d.starting, d.running_streams, d.kv_utilisation) == (2, 1, 1, 4, 0.15)
-    # a new gateway's snapshot beside an old node: the node still counts for the model it names
-    mixed = {"models": {"smollm2": gw_model(queue_depth=1)}, "nodes": old["nodes"][:1]}
-    assert loads_from_status(mixed)[("smollm2", "prefill")].ready == 1
-
-
 def test_merge_status_of_gateway_replicas():
     other = {"queue_depth": 2, "running": 1, "queue_wait_p99_s": 1.5, "nodes": [
         runtime("http://d4", "decode", smollm2=held(running=1, max_streams=8)),  # this gateway still reaches d4
@@ -111,19 +92,24 @@ def test_merge_status_of_gateway_replicas():
                                       idle_s=0.1),
                   "big": gw_model(queue_depth=1, held=1, idle_s=9.0)}}  # fmt: skip
     m = merge_status([SNAP, other])
-    assert (m["queue_depth"], m["running"], m["queue_wait_p99_s"], m["gateways"]) == (9, 10, 1.5, 2)
-    by_url = {n["url"]: n for n in m["nodes"]}
-    assert len(by_url) == 8 and by_url["http://d4"]["state"] == "ready"
-    s = m["models"]["smollm2"]
-    assert (s["queue_depth"], s["requests"], s["ttft_p99_s"], s["tpot_p99_s"], s["idle_s"], s["last_request_t"]) == (
+    assert (m.queue_depth, m.running, m.queue_wait_p99_s, m.gateways) == (9, 10, 1.5, 2)
+    by_url = {n.url: n for n in m.nodes}
+    assert len(by_url) == 8 and by_url["http://d4"].state == "ready"
+    s = m.models["smollm2"]
+    assert (s.queue_depth, s.requests, s.ttft_p99_s, s.tpot_p99_s, s.idle_s, s.last_request_t) == (
         5, 125, 3.0, 0.12, 0.1, 2.0)  # fmt: skip
-    assert (m["models"]["big"]["held"], m["models"]["big"]["idle_s"], m["models"]["tiny"]["idle_s"]) == (4, 0.0, 400.0)
+    assert (m.models["big"].held, m.models["big"].idle_s, m.models["tiny"].idle_s) == (4, 0.0, 400.0)
+    assert read_status(SNAP).models["smollm2"].requests == 120  # the merge copied, never changed, its inputs
     loads = loads_from_status(m)
     assert loads[("smollm2", "decode")].running_streams == 7 and loads[("smollm2", "decode")].capacity_streams == 10.0
     assert loads[("big", "decode")].ready == 1
-    # old gateways (no "models"): the merge stays old-style
-    old = merge_status([{"model": "x", "queue_depth": 1, "nodes": []}, {"model": "x", "queue_depth": 2, "nodes": []}])
-    assert "models" not in old and loads_from_status(old)[("x", "decode")].queue_depth == 3
+
+
+def test_a_status_that_is_not_one_is_refused_naming_the_field():
+    with pytest.raises(msgspec.ValidationError, match=r"nodes\[0\].load.models"):
+        loads_from_status({"nodes": [{"url": "http://d1", "role": "decode", "load": {"models": ["m"]}}]})
+    with pytest.raises(msgspec.ValidationError, match="url"):
+        loads_from_status({"nodes": [{"role": "decode"}]})
 
 
 def test_report_body_writes_keys_as_model_slash_role():
@@ -159,4 +145,4 @@ def test_arrival_rates_and_decode_throughput_at_the_slo_batch():
     assert loads_from_status({"models": {"m": gw_model()}, "nodes": []})[("m", "prefill")].prompt_tokens_per_s == 0.0
     # two gateways: their arrivals add up
     m = merge_status([snap, {"nodes": [], "models": {"m": gw_model(requests_per_s=0.5, prompt_tokens_per_s=20.0)}}])
-    assert (m["models"]["m"]["requests_per_s"], m["models"]["m"]["prompt_tokens_per_s"]) == (10.0, 400.0)
+    assert (m.models["m"].requests_per_s, m.models["m"].prompt_tokens_per_s) == (10.0, 400.0)
