@@ -40,9 +40,9 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     svc.check_tokens(prompt + [first])
     seq = Sequence(prompt + [first], sampling_params(msg))
     seq.prompt_len = prompt_len(msg)  # the first token (from the prefill node) is output
-    await svc.constrain(seq)
     if rid in svc.active:
         raise BadNodeRequest(f"duplicate request_id {rid!r}")
+    await svc.constrain(seq)
     seq.landing = True  # an abort while the KV lands keeps its blocks until the transfer is over
     try:
         cacheable = handle.get("cacheable_blocks", 0)  # lossy (compressed) KV is never cached: not a prefill's numbers
