@@ -141,6 +141,7 @@ def test_every_deployment_has_resources_and_a_grace_period(overlay):
                 assert {"cpu", "memory"} <= set(c["resources"][part]), f"{name}/{c['name']} {part}"
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert pod_spec(dep)["securityContext"]["runAsNonRoot"] is True
+        assert pod_spec(dep)["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
 
 
 def test_secrets_are_referenced_never_inlined(overlay):
