@@ -1,12 +1,20 @@
 """Admission takes turns between callers (one per API key): a caller that fans out or floods waits behind
 itself, not in front of everyone; within one caller, first in first out. The decisions with a fake clock,
-then the asyncio hand-offs with callers named by ``CALLER`` as the API key check sets it."""
+then the asyncio hand-offs with callers named by ``CALLER`` as the API key check sets it, then a live gateway
+(one request at a time) with two keys over a real node."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 
+import httpx
+import pytest
+
+from compute.node.launcher import Services
 from gateway.admission.control import CALLER, Admission, AdmissionQueue
+from tests.conftest import import_tiny_chat_models
+from tests.services import TOKEN, wait_for
 
 
 def test_a_slot_goes_to_each_waiting_caller_in_turn_and_in_order_within_one():
@@ -61,3 +69,41 @@ def test_asyncio_slots_are_handed_out_in_turn_between_callers():
 
     started = asyncio.run(go())
     assert started[:3] == ["flood", "flood", "other"] and started.count("flood") == 10
+
+
+@pytest.mark.slow
+def test_through_a_live_gateway_a_second_key_is_served_between_the_firsts_requests(tmp_path_factory, real_model_store):
+    """A gateway running one request at a time, two API keys: key A queues six long completions, then key B asks
+    once. First in first out, B's answer would come seventh; in turn, it comes second or third."""
+    store = import_tiny_chat_models(tmp_path_factory, *real_model_store, ("tiny-f",), "fair-store", context=1024)
+    services = Services(store.locations, None, str(tmp_path_factory.mktemp("fair")), TOKEN)
+    try:
+        node = services.node("both", model="tiny-f", extra=("--kernels", "fixed"))
+        gw = services.gateway([("both", node)], ("--max-running", "1"), env={"PDSERVE_API_KEYS": "sk-a,sk-b"})
+        for p in (node, gw):
+            p.wait_ready()
+        done: list[str] = []
+
+        def ask(key: str) -> None:
+            body = {"model": "tiny-f", "prompt": [5, 6, 7, 8], "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(gw.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                           timeout=120)  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 160
+            done.append(key)
+
+        with cf.ThreadPoolExecutor(7) as pool:
+            firsts = [pool.submit(ask, "sk-a") for _ in range(6)]
+            wait_for(lambda: metric(gw.url, "pdserve_gateway_queue_depth") >= 5, 30, "A's five requests queued")
+            assert not done, "the first request ended before the others queued: make it longer"
+            second = pool.submit(ask, "sk-b")
+            for f in [*firsts, second]:
+                f.result(timeout=120)
+        assert done.index("sk-b") <= 2, done
+    finally:
+        services.stop_all()
+
+
+def metric(url: str, name: str) -> float:
+    line = next(x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines() if x.startswith(name + " "))
+    return float(line.rsplit(" ", 1)[1])
