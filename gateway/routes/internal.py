@@ -28,8 +28,7 @@ from gateway.api.status import GatewayStatus, ModelTraffic, NodeEntry
 
 def snapshot(gw) -> GatewayStatus:
     """What the gateway knows about load, now. Safe to call from another thread (copies the registry)."""
-    nodes = [NodeEntry(url=n.url, role=n.role, state=n.state, models=n.held_models(), load=n.load, source=n.source)
-             for n in list(gw.registry.nodes.values())]  # fmt: skip
+    nodes = [NodeEntry(**n.entry()) for n in list(gw.registry.nodes.values())]
     return GatewayStatus(
         t=time.time(), model=gw.config.model, queue_depth=gw.admission.waiting, running=gw.admission.running,
         queue_wait_p99_s=gw.admission.wait_p99(), held=gw.activator.held_total(), served=list(gw.models.names),

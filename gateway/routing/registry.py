@@ -138,9 +138,14 @@ class NodeState:
         return ("unproven" if not self.proven else "unhealthy" if not self.healthy
                 else "draining" if self.draining or ld.draining else ld.state)  # fmt: skip
 
-    def as_dict(self) -> dict:
+    def entry(self) -> dict:
+        """This node as a status lists it (gateway/api/status.py ``NodeEntry``'s fields; ``load`` as it is)."""
         return {"url": self.url, "role": self.role, "state": self.state, "models": self.held_models(),
-                "load": self.load.as_dict(), "source": self.source}  # fmt: skip
+                "load": self.load, "source": self.source}  # fmt: skip
+
+    def as_dict(self) -> dict:
+        """``entry`` as plain data (the admin API's)."""
+        return {**self.entry(), "load": self.load.as_dict()}
 
 
 class Sending:
