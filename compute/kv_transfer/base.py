@@ -41,12 +41,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from compute.kv_transfer.handle import HANDLE_VERSION, KVHandle
 from compute.kv_transfer.layout import BlockRegion, KVLayout, KVPool  # noqa: F401  (re-exported)
 from compute.kv_transfer.ledger import Hold, ReceiverLedger, SenderLedger, Transfer
 
 log = logging.getLogger(__name__)
-
-HANDLE_VERSION = 1
 
 
 class TransferState(str, enum.Enum):
@@ -112,7 +111,7 @@ class KVSender(abc.ABC):
     # ---- engine-facing verbs ---------------------------------------------------------------
 
     @abc.abstractmethod
-    def offer(self, request_id: str, block_ids: list[int], num_tokens: int) -> dict:
+    def offer(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
         """Hold the blocks of ``request_id`` and return a JSON-serializable handle.
 
         ``block_ids`` list the request's blocks in position order; the first
@@ -183,11 +182,11 @@ class KVSender(abc.ABC):
             raise ValueError(f"{num_tokens} tokens need {n} blocks, got {len(blocks)}")
         return self._ledger.add(request_id, blocks, n, num_tokens)
 
-    def _base_handle(self, hold: Hold, codec: str, wire_nbytes: int) -> dict:
-        return {"version": HANDLE_VERSION, "backend": self.backend, "request_id": hold.request_id,
-                "layout": self.layout.to_dict(), "num_tokens": hold.num_tokens, "num_blocks": hold.n,
-                "nbytes": hold.n * self.layout.bytes_per_block, "wire_nbytes": wire_nbytes,
-                "codec": codec, "expires_at": hold.expires_at}  # fmt: skip
+    def _handle(self, cls: type[KVHandle], hold: Hold, codec: str, **backend) -> KVHandle:
+        """The offer's handle: ``cls`` (the backend's) with the hold's fields and the backend's own."""
+        return cls(request_id=hold.request_id, layout=self.layout.to_dict(), num_tokens=hold.num_tokens,
+                   num_blocks=hold.n, nbytes=hold.n * self.layout.bytes_per_block, wire_nbytes=hold.wire_nbytes,
+                   codec=codec, expires_at=hold.expires_at, **backend)  # fmt: skip
 
     def _finish(self, request_id: str, state: TransferState, reason: str = "") -> None:
         """End a hold (first call wins), then free backend resources and tell the engine."""
@@ -244,11 +243,11 @@ class KVReceiver(abc.ABC):
         self._ledger = ReceiverLedger()
 
     @abc.abstractmethod
-    def start(self, handle: dict, dst_block_ids: list[int], first_block: int = 0) -> str:
+    def start(self, handle: KVHandle, dst_block_ids: list[int], first_block: int = 0) -> str:
         """Begin receiving ``handle``'s KV into ``dst_block_ids``; returns a transfer id.
 
         ``dst_block_ids`` are the decode engine's blocks in position order (at
-        least ``handle['num_blocks']``). ``first_block``: the receiver already
+        least ``handle.num_blocks``). ``first_block``: the receiver already
         holds blocks ``[0, first_block)`` (its own prefix cache's hit): only
         blocks ``[first_block, num_blocks)`` cross the wire, into
         ``dst_block_ids[first_block:num_blocks]``. The written blocks must stay
@@ -308,29 +307,33 @@ class KVReceiver(abc.ABC):
 
     # ---- for backends ---------------------------------------------------------------------
 
-    def _check_handle(self, handle: dict, dst_block_ids: list[int], first_block: int = 0) -> list[int]:
+    def _check_handle(self, handle: KVHandle, dst_block_ids: list[int], first_block: int = 0) -> list[int]:
         """The destination blocks written: ``dst_block_ids[first_block:num_blocks]``."""
-        if handle.get("version") != HANDLE_VERSION or handle.get("backend") != self.backend:
-            raise ValueError(f"handle for {handle.get('backend')!r} v{handle.get('version')} "
-                             f"given to a {self.backend} receiver")  # fmt: skip
-        if KVLayout.from_dict(handle["layout"]) != self.layout:
-            raise ValueError(f"layout mismatch: sender {handle['layout']} vs receiver {self.layout.to_dict()}")
+        if not isinstance(handle, KVHandle) or handle.backend != self.backend or handle.version != HANDLE_VERSION:
+            raise ValueError(f"handle for {getattr(handle, 'backend', type(handle).__name__)!r} "
+                             f"v{getattr(handle, 'version', '?')} given to a {self.backend} receiver")  # fmt: skip
+        try:
+            layout = KVLayout.from_dict(handle.layout)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"bad layout {handle.layout}: {e}") from None
+        if layout != self.layout:
+            raise ValueError(f"layout mismatch: sender {handle.layout} vs receiver {self.layout.to_dict()}")
         dst = self.pool.check_blocks(dst_block_ids)
-        if len(dst) < handle["num_blocks"]:
-            raise ValueError(f"need {handle['num_blocks']} destination blocks, got {len(dst)}")
-        if not 0 <= first_block <= handle["num_blocks"]:
-            raise ValueError(f"first_block {first_block} out of [0, {handle['num_blocks']}]")
-        return dst[first_block : handle["num_blocks"]]
+        if len(dst) < handle.num_blocks:
+            raise ValueError(f"need {handle.num_blocks} destination blocks, got {len(dst)}")
+        if not 0 <= first_block <= handle.num_blocks:
+            raise ValueError(f"first_block {first_block} out of [0, {handle.num_blocks}]")
+        return dst[first_block : handle.num_blocks]
 
-    def _new(self, handle: dict, dst: list[int], first_block: int = 0) -> Transfer:
+    def _new(self, handle: KVHandle, dst: list[int], first_block: int = 0) -> Transfer:
         """Register a transfer of ``dst`` (blocks ``[first_block, num_blocks)``: its bytes are that share of
         the handle's); FAILED('expired') at once if it could not finish before the sender's deadline (then it
         never touches the sender's blocks)."""
-        n, k = handle["num_blocks"], len(dst)
-        t = self._ledger.add(handle["request_id"], dst, self.timeout_s, handle["nbytes"] * k // n,
-                             handle["wire_nbytes"] * k // n)  # fmt: skip
+        n, k = handle.num_blocks, len(dst)
+        t = self._ledger.add(handle.request_id, dst, self.timeout_s, handle.nbytes * k // n,
+                             handle.wire_nbytes * k // n)  # fmt: skip
         t.first = first_block
-        if time.time() + self.timeout_s > handle["expires_at"]:
+        if time.time() + self.timeout_s > handle.expires_at:
             self._finish(t, TransferState.FAILED, "expired")
         return t
 

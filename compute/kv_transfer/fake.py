@@ -13,6 +13,7 @@ import uuid
 
 from compute.kv_transfer.base import KVReceiver, KVSender, TransferState
 from compute.kv_transfer.compression import get_codec
+from compute.kv_transfer.handle import FakeHandle
 
 _REGISTRY: dict[str, FakeSender] = {}
 _LOCK = threading.Lock()
@@ -31,7 +32,7 @@ class FakeSender(KVSender):
     def offer(self, request_id, block_ids, num_tokens):
         h = self._hold(request_id, block_ids, num_tokens)
         h.wire_nbytes = h.n * 2 * self.layout.num_layers * self.codec.wire_nbytes(self.layout)
-        return {**self._base_handle(h, self.codec.name, h.wire_nbytes), "address": self.address}
+        return self._handle(FakeHandle, h, self.codec.name, address=self.address)
 
     def close(self):
         self._closed.set()
@@ -63,12 +64,12 @@ class FakeReceiver(KVReceiver):
             if t.overdue():
                 self._fail(t, "timeout")
                 return
-            sender = _REGISTRY.get(h["address"])
+            sender = _REGISTRY.get(h.address)
             if sender is None:
                 self._finish(t, TransferState.FAILED, "peer_lost")
                 return
             if "hold" not in t.extra:
-                hold, reason = sender._ledger.begin(h["request_id"])
+                hold, reason = sender._ledger.begin(h.request_id)
                 if hold is None:
                     self._finish(t, TransferState.FAILED, reason)
                     return
@@ -84,7 +85,7 @@ class FakeReceiver(KVReceiver):
             if self._rng.random() < self.fail_rate:
                 self._fail(t, "injected")
                 return
-            codec = get_codec(h["codec"])
+            codec = get_codec(h.codec)
             if t.dst:  # blocks [first, n): the receiver holds the others
                 data = sender.pool.gather(hold.block_ids[t.first : hold.n])
                 if codec.name != "none":
@@ -92,7 +93,7 @@ class FakeReceiver(KVReceiver):
                 self.pool.scatter(t.dst, data)
             hold.wire_nbytes = t.wire_nbytes
             self._finish(t, TransferState.DONE)
-            sender._finish(h["request_id"], TransferState.DONE)
+            sender._finish(h.request_id, TransferState.DONE)
 
     def abort(self, transfer_id):
         with self._lock:
@@ -103,6 +104,6 @@ class FakeReceiver(KVReceiver):
     def _fail(self, t, reason):
         """Fail both ends of a begun transfer (the sender's hold ends with it)."""
         self._finish(t, TransferState.FAILED, reason)
-        sender = _REGISTRY.get(t.extra["handle"]["address"])
+        sender = _REGISTRY.get(t.extra["handle"].address)
         if sender is not None and "hold" in t.extra:
             sender._finish(t.request_id, TransferState.FAILED, reason)

@@ -5,7 +5,7 @@ Lifecycle of one request::
     prefill (NixlSender)                         decode (NixlReceiver)
     cache registered once (one DRAM region)
     offer: hold blocks; handle = agent name,
-      agent metadata (base64), region geometry,
+      agent metadata, region geometry,
       block ids (or staging slots, compressed)
                                                  start: load peer metadata (once per peer),
                                                    register a scratch [L, 2, n, wire] for it,
@@ -62,7 +62,6 @@ The environment (``UCX_NET_DEVICES``, ``NIXL_LOG_LEVEL``) is the caller's.
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
@@ -79,6 +78,7 @@ from compute.kv_transfer.base import (
     TransferState,
 )
 from compute.kv_transfer.compression import get_codec
+from compute.kv_transfer.handle import NixlHandle
 from compute.kv_transfer.layout import BlockRegion, paired_runs
 from compute.kv_transfer.nixl_agent import process_agent
 
@@ -121,9 +121,8 @@ class NixlSender(KVSender):
             self._staging[:, :, torch.tensor(slots)] = self.codec.encode(self.pool.gather(blocks))
             region, blocks = self._staging_region, slots
         h.wire_nbytes = h.n * 2 * self.layout.num_layers * self.codec.wire_nbytes(self.layout)
-        return {**self._base_handle(h, self.codec.name, h.wire_nbytes), "agent": self.agent.name,
-                "metadata": base64.b64encode(self.agent.metadata()).decode(), "sender": self.id,
-                "region": region.to_dict(), "blocks": blocks}  # fmt: skip
+        return self._handle(NixlHandle, h, self.codec.name, agent=self.agent.name, metadata=self.agent.metadata(),
+                            sender=self.id, region=region, blocks=list(blocks))  # fmt: skip
 
     def close(self):
         self._closed.set()
@@ -195,9 +194,9 @@ class NixlReceiver(KVReceiver):
         if t.terminal:
             return t.id
         if not dst:  # the receiver holds every block: nothing to READ, the sender is told done
-            t.extra.update(sender=handle["sender"], expires_at=handle["expires_at"])
+            t.extra.update(sender=handle.sender, expires_at=handle.expires_at)
             try:
-                t.extra["peer"] = self.agent.peer(base64.b64decode(handle["metadata"]))
+                t.extra["peer"] = self.agent.peer(handle.metadata)
             except Exception as e:  # noqa: BLE001 - bad metadata / dead peer: its hold expires
                 log.warning("nixl: cannot reach the sender of %s: %s", t.request_id, e)
             with self._lock:
@@ -205,14 +204,14 @@ class NixlReceiver(KVReceiver):
                 self._finish(t, TransferState.DONE)
                 self._notify(t, TransferState.DONE, "")
             return t.id
-        codec = get_codec(handle["codec"])
+        codec = get_codec(handle.codec)
         scratch, reg = self._take_scratch(len(dst), codec.wire_nbytes(self.layout))
-        t.extra.update(sender=handle["sender"], codec=codec, expires_at=handle["expires_at"], scratch=scratch,
+        t.extra.update(sender=handle.sender, codec=codec, expires_at=handle.expires_at, scratch=scratch,
                        scratch_reg=reg, posting=True)  # fmt: skip
         try:
-            t.extra["peer"] = self.agent.peer(base64.b64decode(handle["metadata"]))
-            remote, local = BlockRegion.from_dict(handle["region"]), BlockRegion.of(scratch)
-            remote_blocks = handle["blocks"][first_block : handle["num_blocks"]]  # those the receiver lacks
+            t.extra["peer"] = self.agent.peer(handle.metadata)
+            remote, local = handle.region, BlockRegion.of(scratch)
+            remote_blocks = handle.blocks[first_block : handle.num_blocks]  # those the receiver lacks
             so, do, ln = paired_runs(remote.offsets(remote_blocks), local.offsets(list(range(len(dst)))),
                                      local.unit_nbytes)  # fmt: skip
             zero = np.zeros_like(ln)

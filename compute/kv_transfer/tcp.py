@@ -35,6 +35,7 @@ import xxhash
 
 from compute.kv_transfer.base import KVReceiver, KVSender, TransferState, TransportDead
 from compute.kv_transfer.compression import get_codec
+from compute.kv_transfer.handle import TcpHandle
 from compute.kv_transfer.layout import flat_bytes
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,7 @@ class TcpSender(KVSender):
         h = self._hold(request_id, block_ids, num_tokens)
         h.wire_nbytes = h.n * 2 * self.layout.num_layers * self.codec.wire_nbytes(self.layout)
         h.extra["secret"] = secrets.token_hex(16)
-        return {**self._base_handle(h, self.codec.name, h.wire_nbytes),
-                "address": list(self.address), "secret": h.extra["secret"]}  # fmt: skip
+        return self._handle(TcpHandle, h, self.codec.name, address=self.address, secret=h.extra["secret"])
 
     def close(self):
         self._closed.set()
@@ -253,21 +253,21 @@ class TcpReceiver(KVReceiver):
         h, cut = t.extra["handle"], t.extra["cut"]
         reason, sock = "peer_lost", None
         try:
-            sock = socket.create_connection(tuple(h["address"]), timeout=max(t.remaining(), 1e-3))
+            sock = socket.create_connection(h.address, timeout=max(t.remaining(), 1e-3))
             t.extra["sock"] = sock
             if cut.is_set():
                 raise _Cut
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _send_frame(sock, {"op": "get", "request_id": h["request_id"], "secret": h["secret"], "first": t.first})
+            _send_frame(sock, {"op": "get", "request_id": h.request_id, "secret": h.secret, "first": t.first})
             resp = _recv_frame(sock)
             if not resp.get("ok"):
                 reason = str(resp.get("reason", "rejected"))
                 raise ConnectionError(reason)
-            if resp.get("wire_nbytes") != t.wire_nbytes or resp.get("codec") != h["codec"]:
+            if resp.get("wire_nbytes") != t.wire_nbytes or resp.get("codec") != h.codec:
                 reason = "rejected"
                 raise ConnectionError("stream does not match the handle")
             self._ledger.moving(t)
-            codec = get_codec(h["codec"])
+            codec = get_codec(h.codec)
             if not t.dst:
                 payload, views = None, []
             elif codec.name == "none":

@@ -35,8 +35,6 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     svc.check_accepting()
     check_request(msg)
     rid, prompt, first, handle = msg.request_id, msg.prompt_token_ids, msg.first_token_id, msg.kv
-    if not handle:
-        raise BadNodeRequest("decode needs first_token_id (int) and kv (the prefill handle)")
     svc.check_tokens(prompt + [first])
     seq = Sequence(prompt + [first], sampling_params(msg))
     seq.prompt_len = prompt_len(msg)  # the first token (from the prefill node) is output
@@ -45,8 +43,7 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     await svc.constrain(seq)
     seq.landing = True  # an abort while the KV lands keeps its blocks until the transfer is over
     try:
-        cacheable = handle.get("cacheable_blocks", 0)  # lossy (compressed) KV is never cached: not a prefill's numbers
-        cacheable = cacheable if type(cacheable) is int and handle.get("codec") == "none" else 0
+        cacheable = handle.cacheable_blocks if handle.codec == "none" else 0  # lossy KV: not a prefill's numbers
         blocks, first = await svc.worker.call(lambda e: e.import_prompt(seq, len(prompt), cacheable))
     except RequestTooLarge as e:
         raise BadNodeRequest(str(e)) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from compute.kv_transfer.handle import KVHandle
 from compute.node.errors import BadNodeRequest, TransferFailed
 
 
@@ -46,7 +47,7 @@ def make_ends(svc, layout, cache_tensor) -> None:
         make_receiver(svc, layout, cache_tensor)
 
 
-async def receive_kv(svc, handle: dict, blocks: list[int], rid: str, first: int = 0) -> None:
+async def receive_kv(svc, handle: KVHandle, blocks: list[int], rid: str, first: int = 0) -> None:
     """Pull a peer's KV named by ``handle`` into this node's ``blocks`` (from token block ``first``), polling until it
     lands: a bad handle is ``BadNodeRequest``, a transfer that fails or outlives ``kv_timeout_s`` is ``TransferFailed``
     (retry elsewhere) and is aborted. The decode handoff and the peer pull/import share it."""

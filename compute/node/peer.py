@@ -76,46 +76,45 @@ async def export(svc: NodeService, msg: ExportRequest) -> ExportReply:
         svc.held.pop(xid, None)
         svc.worker.post(lambda e: e.release(key))
         raise TransferFailed(f"cannot offer the cached KV: {e}") from None
-    kv["block_hashes"] = [h.hex() for h in hashes[: len(blocks)]]
-    kv["cacheable_blocks"] = len(blocks)
+    kv.block_hashes, kv.cacheable_blocks = list(hashes[: len(blocks)]), len(blocks)
     metrics.PEER_EXPORTS.labels(svc.config.model).inc()
     metrics.PEER_EXPORTED_BLOCKS.labels(svc.config.model).inc(len(blocks))
-    return ExportReply(KVHandle(kv), len(blocks))
+    return ExportReply(kv, len(blocks))
 
 
-def _refusal(svc: NodeService, seq: Sequence, handle: dict) -> str | None:
+def _refusal(svc: NodeService, seq: Sequence, handle: KVHandle) -> str | None:
     """Why this node will not pull ``handle`` for ``seq`` (a fallback reason), or None."""
     if svc.receiver is None or not svc.config.prefix_cache:
         return "off"
     p = seq.params
     if p.prompt_logprobs is not None or p.fork_group or seq.replay_from is not None:
         return "unsupported"  # computes every prompt row / forks from a leader / replays output one token a step
-    n, hx = handle.get("num_blocks"), handle.get("block_hashes")
-    if type(n) is not int or n < 1 or not isinstance(hx, list) or len(hx) != n:
-        return "bad_handle"
-    if handle.get("codec") != "none":
+    n = handle.num_blocks
+    if len(handle.block_hashes) != n:
+        return "bad_handle"  # not an export: its blocks are not named
+    if handle.codec != "none":
         return "lossy"  # compressed on the wire: not the numbers a prefill makes, never cached
     mine = svc.engine.prompt_hashes(seq.token_ids[: seq.prompt_len], p.cache_salt)
-    if len(mine) < n or [h.hex() for h in mine[:n]] != hx:
+    if mine[:n] != handle.block_hashes:
         return "mismatch"  # another model, weights, KV dtype, block size or salt: its blocks are not this prompt's
     return None
 
 
-def puller(handle: dict | None):
+def puller(handle: KVHandle | None):
     """How ``NodeService.add`` queues a request that carries a peer's export (None: as any request)."""
     if not handle:
         return None
     return lambda svc, rid, seq: pull_then_add(svc, rid, seq, handle)
 
 
-async def pull_then_add(svc: NodeService, rid: str, seq: Sequence, handle: dict) -> None:
+async def pull_then_add(svc: NodeService, rid: str, seq: Sequence, handle: KVHandle) -> None:
     """Queue ``seq`` (registered in ``svc.active``) starting from the prefix a peer offered in ``handle``;
     on any failure, queue it to compute its prompt (``RequestTooLarge`` propagates as ``add``'s does)."""
     model = svc.config.model
     reason = _refusal(svc, seq, handle)
     if reason is None:
         bs = svc.engine.block_size
-        n = handle["num_blocks"]
+        n = handle.num_blocks
         seq.landing = True  # an abort while the blocks land keeps them until the transfer is over
         try:
             blocks, k = await svc.worker.call(lambda e: e.add_pull(seq, n * bs))
@@ -125,7 +124,7 @@ async def pull_then_add(svc: NodeService, rid: str, seq: Sequence, handle: dict)
             reason = await _land(svc, rid, seq, handle, blocks, k)
             if reason is None:
                 metrics.PEER_PULLED_BLOCKS.labels(model).inc(n - k)
-                metrics.PEER_PULLED_BYTES.labels(model).inc(handle["nbytes"] * (n - k) // n)
+                metrics.PEER_PULLED_BYTES.labels(model).inc(handle.share(k))
                 return
     log.info("request %s: no pull from the peer (%s): computing its prompt", rid, reason)
     metrics.PEER_PULL_FALLBACKS.labels(model, reason).inc()
@@ -133,7 +132,7 @@ async def pull_then_add(svc: NodeService, rid: str, seq: Sequence, handle: dict)
     await svc.worker.call(lambda e: e.add(seq))
 
 
-async def _land(svc: NodeService, rid: str, seq: Sequence, handle: dict, blocks: list[int], k: int) -> str | None:
+async def _land(svc: NodeService, rid: str, seq: Sequence, handle: KVHandle, blocks: list[int], k: int) -> str | None:
     """Receive blocks [k, n) into ``blocks`` and queue ``seq``: None, or why not (its blocks are then freed)."""
     try:
         await receive_kv(svc, handle, blocks, rid, k)
@@ -152,19 +151,15 @@ async def _land(svc: NodeService, rid: str, seq: Sequence, handle: dict, blocks:
     return None
 
 
-async def import_chain(svc: NodeService, handle: dict) -> int:
+async def import_chain(svc: NodeService, handle: KVHandle) -> int:
     """Pull a peer's export into this node's prefix cache (a pre-pull); -> the blocks newly cached here.
     ``TransferFailed`` (503) if the pull fails, ``NodeBusy`` if there is no room, ``BadNodeRequest`` on a bad handle."""
     svc.check_accepting()
     if svc.receiver is None or not svc.config.prefix_cache:
         raise NodeBusy("this node pulls no KV (peer_kv off, no prefix cache, or a device other than cpu)")
-    n, hx = handle.get("num_blocks"), handle.get("block_hashes")
-    if type(n) is not int or n < 1 or not isinstance(hx, list) or len(hx) != n or handle.get("codec") != "none":
+    n, hashes = handle.num_blocks, handle.block_hashes
+    if len(hashes) != n or handle.codec != "none":
         raise BadNodeRequest("kv must be an uncompressed export: num_blocks and as many block_hashes")
-    try:
-        hashes = [bytes.fromhex(h) for h in hx]
-    except (TypeError, ValueError):
-        raise BadNodeRequest("block_hashes must be hex strings") from None
     try:
         key, blocks, k = await svc.worker.call(lambda e: e.pin_for_import(hashes))
     except CacheFull as e:
@@ -176,5 +171,5 @@ async def import_chain(svc: NodeService, handle: dict) -> int:
         raise
     named = await svc.worker.call(lambda e: e.land_import(key, hashes, k))
     metrics.PEER_PULLED_BLOCKS.labels(svc.config.model).inc(n - k)
-    metrics.PEER_PULLED_BYTES.labels(svc.config.model).inc(handle["nbytes"] * (n - k) // n)
+    metrics.PEER_PULLED_BYTES.labels(svc.config.model).inc(handle.share(k))
     return named

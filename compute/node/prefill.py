@@ -22,7 +22,7 @@ import time
 from compute.node.errors import BadNodeRequest, TransferFailed
 from compute.node.metrics import TTFT
 from compute.node.peer import puller
-from compute.node.protocol import GenerateRequest, KVHandle, PrefillReply
+from compute.node.protocol import GenerateRequest, PrefillReply
 from compute.node.service import NodeService, check_request, new_sequence, output_line, sampling_params
 
 
@@ -59,9 +59,9 @@ async def prefill(svc: NodeService, msg: GenerateRequest) -> PrefillReply:
     blocks = await svc.worker.call(lambda e: e.held_blocks(seq.seq_id))
     svc.held[rid] = seq.seq_id
     try:
-        reply.kv = KVHandle(svc.sender.offer(rid, blocks, len(prompt)))
+        reply.kv = svc.sender.offer(rid, blocks, len(prompt))
         # the leading full blocks computed here by prefill (or hit): a decode node may cache those, not the rest
-        reply.kv["cacheable_blocks"] = min(seq.num_published, seq.cache_stop // svc.engine.block_size)
+        reply.kv.cacheable_blocks = min(seq.num_published, seq.cache_stop // svc.engine.block_size)
     except Exception as e:  # noqa: BLE001 - TransferFailed/TransportDead: this request only
         svc.held.pop(rid, None)
         svc.worker.post(lambda e: e.release(seq.seq_id))

@@ -31,11 +31,11 @@ line is paid once per token per request on both sides; pydantic stays at the pub
 from __future__ import annotations
 
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import msgspec
 
 from compute.engine.sampling import SamplingParams
+from compute.kv_transfer.handle import AnyHandle, KVHandle  # noqa: F401  (re-exported)
 
 # ---- requests and replies -----------------------------------------------------------------------
 
@@ -51,14 +51,14 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=
     output_tokens: int = 0  # the prompt's last tokens are earlier output (penalties and min_tokens count them)
     # a peer's export of this prompt's cached prefix (ExportReply.kv): the node pulls the blocks it lacks before
     # computing the rest; a pull that fails is computed instead (compute/node/peer.py)
-    pull: dict[str, Any] | None = None
+    pull: AnyHandle | None = None
 
 
 class DecodeRequest(GenerateRequest, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """The rest of a request on a decode node: the prefill node's first token and its KV handle."""
 
     first_token_id: int
-    kv: dict[str, Any]
+    kv: AnyHandle
 
 
 class ExportRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -73,9 +73,9 @@ class ExportRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
 
 
 class ExportReply(msgspec.Struct):
-    """The KV handle of the held blocks (compute/kv_transfer; ``block_hashes``: their hex hashes, in order)."""
+    """The KV handle of the held blocks (compute/kv_transfer/handle.py; ``block_hashes``: theirs, in order)."""
 
-    kv: dict[str, Any]
+    kv: AnyHandle
     num_blocks: int
 
 
@@ -83,7 +83,7 @@ class ImportRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     """POST /internal/kv/import: pull a peer's export (``ExportReply.kv``, exported by block hashes) into this node's
     prefix cache, no request attached (a node joining the pool pre-pulls the hottest prefixes)."""
 
-    kv: dict[str, Any]
+    kv: AnyHandle
     model: str | None = None
 
 
@@ -105,7 +105,7 @@ class StreamLine(msgspec.Struct, omit_defaults=True):
 class PrefillReply(StreamLine, omit_defaults=False):
     """The first token (and its logprobs) and the handle a decode node pulls the KV with (None: finished)."""
 
-    kv: dict[str, Any] | None = None
+    kv: AnyHandle | None = None
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -269,23 +269,6 @@ class NodeError(msgspec.Struct):
 
     detail: str
     kind: ErrorKind = "internal"
-
-
-# ---- the KV handle -------------------------------------------------------------------------------
-
-
-class KVHandle(dict):
-    """What a prefill node offers its KV with (compute/kv_transfer: backend, address or NIXL metadata,
-    layout, descriptors); the gateway hands it, made reachable, to a decode node."""
-
-    def reachable_from(self, prefill_url: str) -> KVHandle:
-        """A prefill node listening on every interface (0.0.0.0 in a pod) offers its KV at that wildcard
-        address, which means "this host" to whoever dials it: the decode node must dial the host the
-        gateway reached the prefill node at instead."""
-        addr = self.get("address")
-        if isinstance(addr, list) and len(addr) == 2 and addr[0] in ("0.0.0.0", "::", ""):
-            return KVHandle(self, address=[urlsplit(prefill_url).hostname, addr[1]])
-        return self
 
 
 # ---- codecs (reused: msgspec's encoders and decoders are cheapest built once) ----------------------

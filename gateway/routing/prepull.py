@@ -21,7 +21,7 @@ import logging
 
 from prometheus_client import Counter
 
-from compute.node.protocol import ExportRequest, ImportRequest, KVHandle
+from compute.node.protocol import ExportRequest, ImportRequest
 from gateway.routing.nodes import NodeFailed, RequestRejected
 
 log = logging.getLogger("pdserve.gateway")
@@ -71,7 +71,7 @@ class Prepuller:
             try:
                 reply = await self.client.export(holder, ExportRequest(block_hashes=hashes[:n],
                                                                        model=model))  # fmt: skip
-                got = await self.client.import_kv(url, ImportRequest(KVHandle(reply.kv).reachable_from(holder), model))
+                got = await self.client.import_kv(url, ImportRequest(reply.kv.reachable_from(holder), model))
             except (NodeFailed, RequestRejected) as e:
                 log.info("pre-pull of a %d-block chain from %s to %s skipped: %s", n, holder, url, e)
                 continue

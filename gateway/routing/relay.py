@@ -36,7 +36,7 @@ import msgspec
 from prometheus_client import Counter
 
 from compute.engine.sampling import SamplingParams
-from compute.node.protocol import DecodeRequest, ExportRequest, GenerateRequest, KVHandle, StreamLine
+from compute.node.protocol import DecodeRequest, ExportRequest, GenerateRequest, StreamLine
 from gateway.routing.activator import Activator
 from gateway.routing.nodes import NodeClient, NodeFailed, RequestRejected
 from gateway.routing.registry import NodeRegistry
@@ -153,7 +153,7 @@ class Relay:
                      route.pull_from, e)  # fmt: skip
             return None
         PULLS.inc()
-        return KVHandle(reply.kv).reachable_from(route.pull_from)
+        return reply.kv.reachable_from(route.pull_from)
 
     async def _attempt(self, req: GenRequest, route: Route, rid: str, holding: list[str]):
         body, model, sending = self._body(req, rid), req.model or None, self.registry.sending
@@ -183,7 +183,7 @@ class Relay:
         params = msgspec.structs.replace(body.params, max_tokens=body.params.max_tokens - len(toks), prompt_logprobs=None)
         dbody = DecodeRequest(body.request_id, body.prompt_token_ids, params, body.model,
                               output_tokens=body.output_tokens, first_token_id=toks[-1],
-                              kv=KVHandle(first.kv).reachable_from(route.prefill))  # fmt: skip
+                              kv=first.kv.reachable_from(route.prefill))  # fmt: skip
         with sending(route.decode, model, streams=1):
             async for msg in self.client.decode(route.decode, dbody):
                 holding[:] = [route.decode]  # the decode side confirmed the KV: prefill has freed it

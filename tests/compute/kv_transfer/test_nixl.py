@@ -8,6 +8,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from compute.kv_transfer import (
     metrics,
     wait,
 )
+from compute.kv_transfer.handle import AnyHandle, NixlHandle
 from tests.compute.kv_transfer.conftest import DST_BLOCKS, NUM_TOKENS, SRC_BLOCKS
 from tests.compute.kv_transfer.peer import Peer, random_cache
 from tests.services import wait_for
@@ -44,7 +46,8 @@ def test_nixl_two_processes_bit_identical(peer, receiver, layout):
     receiver.pool.tensor.zero_()
     before = metrics.BYTES.labels("nixl", "received")._value.get()
     h = peer.call("offer", "nixl", "n1", SRC_BLOCKS, NUM_TOKENS)
-    assert h["backend"] == "nixl" and len(h["region"]) and h["blocks"] == SRC_BLOCKS
+    h = msgspec.json.decode(msgspec.json.encode(h), type=AnyHandle)  # as it travels: JSON, checked as it is decoded
+    assert isinstance(h, NixlHandle) and h.region.nbytes > 0 and h.blocks == SRC_BLOCKS and h.metadata
     tid = receiver.start(h, DST_BLOCKS)
     assert wait(receiver.poll, tid, 10) == DONE, receiver.failure(tid)
     assert torch.equal(receiver.pool.gather(DST_BLOCKS), _expected(layout))
@@ -56,7 +59,7 @@ def test_nixl_two_processes_bit_identical(peer, receiver, layout):
 
 def test_nixl_int8_staged_round_trip(peer, receiver, layout):
     h = peer.call("offer", "nixl-int8", "z1", SRC_BLOCKS, NUM_TOKENS)
-    assert h["codec"] == "int8" and h["nbytes"] / h["wire_nbytes"] == pytest.approx(256 / 128)  # unit 4x2x8 fp32: q 64 + scales 32 + channels 32
+    assert h.codec == "int8" and h.nbytes / h.wire_nbytes == pytest.approx(256 / 128)  # unit 4x2x8 fp32: q 64 + scales 32 + channels 32
     tid = receiver.start(h, DST_BLOCKS)
     assert wait(receiver.poll, tid, 10) == DONE, receiver.failure(tid)
     want = _expected(layout)
@@ -160,7 +163,7 @@ def test_nixl_abort_after_done_changes_nothing(peer, receiver):
 
 def test_nixl_expired_handle_is_refused(peer, receiver):
     h = peer.call("offer", "nixl", "old1", SRC_BLOCKS, NUM_TOKENS)
-    tid = receiver.start(dict(h, expires_at=time.time() + 1.0), DST_BLOCKS)  # less than timeout_s left
+    tid = receiver.start(msgspec.structs.replace(h, expires_at=time.time() + 1.0), DST_BLOCKS)  # less than timeout_s left
     assert receiver.poll(tid) == FAILED and receiver.failure(tid).reason == "expired"
 
 

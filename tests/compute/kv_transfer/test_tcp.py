@@ -7,6 +7,7 @@ import threading
 import time
 from collections import Counter
 
+import msgspec
 import pytest
 import torch
 
@@ -36,7 +37,7 @@ def test_tcp_two_processes_bit_identical(peer, layout):
         assert peer.call("wait", "tcp", "p1", 5) == ("done", "")
         assert peer.call("held", "tcp", 5) == 0
         assert metrics.BYTES.labels("tcp", "received")._value.get() - before == 3 * layout.bytes_per_block
-        bad = dict(h, request_id="p1", secret="0" * 32)  # a replay / a stranger
+        bad = msgspec.structs.replace(h, request_id="p1", secret="0" * 32)  # a replay / a stranger
         tid = r.start(bad, DST_BLOCKS)
         assert wait(r.poll, tid, 5) == FAILED and r.failure(tid).reason in ("unknown", "done")
 
@@ -69,7 +70,7 @@ def test_tcp_receiver_abort_and_sender_kill_mid_transfer(layout):
         t0 = time.monotonic()
         assert wait(r.poll, tid, 5) == FAILED and time.monotonic() - t0 < stream_s / 4
         assert r.failure(tid).reason == "peer_lost" and r.active() == 0
-        tid = r.start(dict(r._ledger.get(tid).extra["handle"], request_id="k2"), DST_BLOCKS)
+        tid = r.start(msgspec.structs.replace(r._ledger.get(tid).extra["handle"], request_id="k2"), DST_BLOCKS)
         assert wait(r.poll, tid, 5) == FAILED  # connection refused: fails, does not hang
         r.close()
     finally:
@@ -114,7 +115,7 @@ def test_tcp_200_transfers_with_injected_failures_leak_nothing(layout):
         if fate == "sender_abort":
             s.abort(rid)
         if fate == "bad_secret":
-            h = dict(h, secret="f" * 32)
+            h = msgspec.structs.replace(h, secret="f" * 32)
         tid = r.start(h, [3 * i, 3 * i + 1, 3 * i + 2])
         tids.append(tid)
         fate_of[tid] = fate

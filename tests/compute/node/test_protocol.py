@@ -39,14 +39,33 @@ def test_stream_line_always_carries_its_finish_reason():
     assert line.finish_reason == "stop" and line.logprobs == [[-0.1, [[5, -0.1]]]]
 
 
+def _handle(**backend) -> bytes:
+    common = {"request_id": "r1", "layout": {"num_layers": 1, "block_size": 4, "n_kv_heads": 1, "head_dim": 8},
+              "num_tokens": 5, "num_blocks": 2, "nbytes": 256, "wire_nbytes": 256, "codec": "none", "expires_at": 1e10}
+    return P.encode({**common, **backend})
+
+
 def test_kv_handle_is_made_reachable_from_the_address_the_gateway_dialled():
-    h = P.KVHandle(backend="tcp", address=["0.0.0.0", 4100])
-    assert h.reachable_from("http://10.0.0.7:8001")["address"] == ["10.0.0.7", 4100]
-    assert h["address"] == ["0.0.0.0", 4100]  # a copy: the offer itself is unchanged
-    named = P.KVHandle(backend="tcp", address=["prefill-0", 4100])
+    h = P.decode(_handle(backend="tcp", address=["0.0.0.0", 4100], secret="s"), P.AnyHandle)
+    assert h.reachable_from("http://10.0.0.7:8001").address == ("10.0.0.7", 4100)
+    assert h.address == ("0.0.0.0", 4100)  # a copy: the offer itself is unchanged
+    named = P.decode(_handle(backend="tcp", address=["prefill-0", 4100], secret="s"), P.AnyHandle)
     assert named.reachable_from("http://10.0.0.7:8001") is named
-    fake = P.KVHandle(backend="fake", address="fake://x")
+    fake = P.decode(_handle(backend="fake", address="fake://x"), P.AnyHandle)
     assert fake.reachable_from("http://h:1") is fake
+
+
+@pytest.mark.parametrize("change, names", [
+    ({"backend": "udp"}, "udp"),  # no such transport
+    ({"backend": "tcp", "address": ["h", 1]}, "secret"),  # a tcp handle without its secret
+    ({"backend": "fake", "address": "fake://x", "num_blocks": 0}, "at least one block"),
+    ({"backend": "fake", "address": "fake://x", "block_hashes": ["AAAA"]}, "1 block_hashes for 2 blocks"),
+    ({"backend": "fake", "address": "fake://x", "cacheable_blocks": 3}, "cacheable_blocks 3"),
+    ({"backend": "fake", "address": "fake://x", "extra": 1}, "extra"),
+])
+def test_a_bad_kv_handle_is_refused_as_it_is_decoded_naming_what_is_wrong(change, names):
+    with pytest.raises(msgspec.ValidationError, match=names):
+        P.decode(_handle(**change), P.AnyHandle)
 
 
 @pytest.mark.parametrize("kind, status, error", [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from compute.engine.sampling import SamplingParams
+from compute.kv_transfer.handle import FakeHandle
 from compute.node.protocol import PrefillReply, StreamLine
 from gateway.routing.registry import Sending
 from gateway.routing.relay import GenRequest, Relay
@@ -38,7 +39,9 @@ class Client:
         if self.drain:  # scale-down begins meanwhile: the gateway marks the node draining
             old = self.registry.v[self.drain]
             self.registry.v[self.drain] = NodeView(old.url, old.role, draining=True, kv_blocks_free=old.kv_blocks_free)
-        return PrefillReply([7], None, kv={"handle": "h"})
+        kv = FakeHandle(request_id="r", layout={}, num_tokens=1, num_blocks=1, nbytes=0, wire_nbytes=0, codec="none",
+                        expires_at=0.0, address="fake://prefill")  # fmt: skip
+        return PrefillReply([7], None, kv=kv)
 
     async def decode(self, url, body):
         self.calls.append(("decode", url))
