@@ -193,7 +193,7 @@ def _bench_layout(layout, num_tokens: int, reps: int, methods: dict) -> dict:
                 src, dstb = _blocks(pattern, n)
                 conn.send(("offer", (backend, comp, storage), f"{name}-{rep}", src, num_tokens))
                 handle, o = conn.recv()
-                wire[name] = handle["wire_nbytes"]
+                wire[name] = handle.wire_nbytes
                 sample[name] = _time_until_done(receivers[(backend, storage)], handle, dstb)
                 offer_s[name].append(o)
             if rep:
