@@ -16,8 +16,12 @@ attention needs per layer is derived once here, on the CPU, from plain lists.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from compute.modeling.lora import LoraRows
 
 # Keys per attention call are padded (masked) to a multiple of this. SDPA's CPU kernel sums a tail of
 # fewer than 16 keys another way than a masked full vector, so a row's result depended on how many keys
@@ -91,6 +95,7 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [N] long: rows whose logits are computed
     prefills: list[PrefillSeq] = field(default_factory=list)  # derived
     decodes: DecodeGroup | None = None  # derived
+    lora: LoraRows | None = None  # rows by adapter (compute/modeling/lora.py); None: every row runs the base
 
     @classmethod
     def build(
@@ -146,6 +151,8 @@ class ForwardBatch:
         if d is not None:
             d.rows, d.slots, d.mask = mv(d.rows), mv(d.slots), mv(d.mask)
             d._bias.clear()
+        if self.lora is not None:
+            self.lora.groups = [(w, mv(rows)) for w, rows in self.lora.groups]
         return self
 
     @property

@@ -34,6 +34,7 @@ from compute.modeling.attention import paged_attention
 from compute.modeling.batch import ForwardBatch
 from compute.modeling.config import ModelConfig
 from compute.modeling.kv_cache import KVCache
+from compute.modeling.lora import LoraRows
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
 RMS_NORM_MAX_ROWS = 64  # torch.rms_norm up to this many rows (decode: fewer calls), the in-place formula beyond
@@ -117,7 +118,10 @@ class Attention(nn.Module):
         # bf16 from int8mm as it is (RoPE promotes it to fp32 exactly); q and k rotated together, then rounded
         # once to the cache dtype, the dtype attention, the cache and o_proj's kernel read (the values of
         # rounding q, k and the output each on its own, with 3 fewer conversions per layer)
-        qkv = self.qkv(x, cast=False).view(t, h + 2 * kvh, self.dh)  # [T, H + 2 KVH, Dh]
+        qkv = self.qkv(x, cast=False)  # [T, (H + 2 KVH) Dh]
+        if batch.lora is not None:  # each row's adapter (compute/modeling/lora.py)
+            batch.lora.add(qkv, x, self.layer, "qkv")
+        qkv = qkv.view(t, h + 2 * kvh, self.dh)  # [T, H + 2 KVH, Dh]
         qk = qkv[:, : h + kvh]  # [T, H + KVH, Dh]
         if qkv.dtype == cache.dtype:  # rotated q, k written back over their rows: q | k | v in one buffer, so the
             qk.copy_(apply_rope(qk, cos, sin))  # cache takes k and v in one write
@@ -126,23 +130,29 @@ class Attention(nn.Module):
             qk = apply_rope(qk, cos, sin).to(cache.dtype)
             q, kv = qk[:, :h], torch.cat((qk[:, h:], qkv[:, h + kvh :].to(cache.dtype)), 1)  # [T, 2 KVH, Dh]
         o = paged_attention(q, kv, self.layer, cache, batch, self.scale, self.aligned)  # [T, H, Dh]
-        return self.o_proj(o.reshape(t, h * self.dh), cast=False)  # bf16 from int8mm: the residual add promotes
+        o = o.reshape(t, h * self.dh)  # [T, H Dh]
+        y = self.o_proj(o, cast=False)  # bf16 from int8mm: the residual add promotes
+        return y if batch.lora is None else batch.lora.add(y, o, self.layer, "o")
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype, int8mm_max_m: int) -> None:
+    def __init__(self, c: ModelConfig, layer: int, dtype: torch.dtype, int8mm_max_m: int) -> None:
         super().__init__()
-        self.f = c.intermediate_size
+        self.layer, self.f = layer, c.intermediate_size
         self.gate_up = FusedLinear(c.hidden_size, (self.f, self.f), False, dtype, int8mm_max_m)
         self.gate_proj, self.up_proj = self.gate_up.parts  # HF names; rows of gate_up
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, False, dtype, int8mm_max_m)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
         # x: [T, D] -> [T, 2F] -> [T, F] -> [T, D]
         # both halves to x's dtype in one contiguous conversion (a strided half, or a product of mixed dtypes,
         # converts off the vectorized path: 1.2x the time at 512 rows), then SiLU and the product in place
         gu = self.gate_up(x)  # [T, 2F] in x's dtype, a fresh tensor
-        return self.down_proj(F.silu(gu[:, : self.f], inplace=True).mul_(gu[:, self.f :]), cast=False)
+        if lora is not None:
+            lora.add(gu, x, self.layer, "gate_up")
+        h = F.silu(gu[:, : self.f], inplace=True).mul_(gu[:, self.f :])  # [T, F]
+        y = self.down_proj(h, cast=False)
+        return y if lora is None else lora.add(y, h, self.layer, "down")
 
 
 class DecoderLayer(nn.Module):
@@ -151,13 +161,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.self_attn = Attention(c, layer, dtype, int8mm_max_m)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.mlp = MLP(c, dtype, int8mm_max_m)
+        self.mlp = MLP(c, layer, dtype, int8mm_max_m)
 
     def forward(self, x, cos, sin, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, D], the forward's own residual stream (added to in place); the sublayers' outputs may be bf16
         # (int8 kernels): ``x += y`` stays in x's dtype
         x += self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        return x.add_(self.mlp(self.post_attention_layernorm(x), batch.lora))
 
 
 class DecoderStack(nn.Module):

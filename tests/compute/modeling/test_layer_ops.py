@@ -107,7 +107,7 @@ def test_write_kv_equals_writing_k_and_v_apart(kv_dtype):
 def test_mlp_in_place_equals_silu_times_up(rows):
     cfg = ModelConfig.from_hf(tiny_llama_config(layers=1, hidden=64, ffn=128))
     gen = torch.Generator().manual_seed(rows)
-    mlp = MLP(cfg, torch.float32, 64)
+    mlp = MLP(cfg, 0, torch.float32, 64)
     for name in ("gate_proj", "up_proj", "down_proj"):
         lin = getattr(mlp, name)
         q, s = quantize(0.1 * torch.randn(lin.out_features, lin.in_features, generator=gen))
