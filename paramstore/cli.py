@@ -3,6 +3,7 @@
     paramstore [--store URL ...] [--config FILE] [--hmac-key-file F] COMMAND ...
     (the [store] table of the config file: --config, $PDSERVE_CONFIG or $PARAMSTORE_CONFIG)
     import SRC --name NAME [--dtype int8|int4|bf16|fp32] [--k 8 --m 3] [--shard-mb 128]
+    import-adapter DIR --base MODEL[@vN] --name NAME   a PEFT LoRA adapter of a stored model (adapters.py)
     ls | show REF | verify REF [--deep] | repair REF | rm REF | gc [--grace S] | warm REF | stats
     plans [show ID | rm ID]     kernel plans per machine class (nodes publish them; see plans.py)
     graphs [show ID | rm ID]    compiled decode-step packages (nodes publish them; see graphs.py)
@@ -72,12 +73,33 @@ def cmd_import(store, args) -> int:
     return 0
 
 
+def cmd_import_adapter(store, args) -> int:
+    res = store.import_adapter(args.src, args.base, args.name, k=args.k, m=args.m)
+    m, a = res.manifest, res.manifest.adapter
+    out = {"adapter": m.ref, "base": a["base"], "ranks": a["ranks"], "targets": a["targets"], "digest": a["digest"],
+           "shards": len(m.weight_shards()), "adapter_bytes": m.model_bytes, "stored_bytes": m.stored_bytes,
+           "codec": f"zfec k={m.k} m={m.m}", "seconds": round(res.seconds, 3)}  # fmt: skip
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"imported {m.ref}: LoRA adapter of {a['base']}, rank {'/'.join(map(str, a['ranks']))}, "
+              f"{','.join(a['targets'])}; {_human(m.model_bytes)}, {_human(m.stored_bytes)} stored "
+              f"(zfec {m.k}+{m.m}), {res.seconds:.2f} s")  # fmt: skip
+    return 0
+
+
+def _adapter_row(m) -> dict | None:
+    a = m.adapter
+    return None if a is None else {"base": a["base"], "ranks": a["ranks"], "targets": a["targets"]}
+
+
 def cmd_ls(store, args) -> int:
     rows = []
     for name, versions in store.models().items():
         m = store.manifest(f"{name}@v{versions[-1]}")
         rows.append({"name": name, "versions": [f"v{v}" for v in versions], "latest": m.ref, "dtype": m.dtype,
-                     "model_bytes": m.model_bytes, "shards": len(m.shards)})  # fmt: skip
+                     "model_bytes": m.model_bytes, "shards": len(m.shards),
+                     "adapter": _adapter_row(m)})  # fmt: skip
     if args.json:
         print(json.dumps(rows, indent=1))
     elif not rows:
@@ -85,8 +107,10 @@ def cmd_ls(store, args) -> int:
     else:
         print(f"{'NAME':24} {'LATEST':10} {'DTYPE':6} {'SIZE':>10} {'SHARDS':>6}  VERSIONS")
         for r in rows:
+            a = r["adapter"]
+            lora = f"  LoRA of {a['base']}, r {'/'.join(map(str, a['ranks']))}, {','.join(a['targets'])}" if a else ""
             print(f"{r['name']:24} {r['latest'].split('@')[1]:10} {r['dtype']:6} {_human(r['model_bytes']):>10} "
-                  f"{r['shards']:>6}  {','.join(r['versions'])}")  # fmt: skip
+                  f"{r['shards']:>6}  {','.join(r['versions'])}{lora}")  # fmt: skip
     return 0
 
 
@@ -100,13 +124,18 @@ def cmd_show(store, args) -> int:
     cfg = m.config
     info = {"model": m.ref, "created": m.created, "dtype": m.dtype, "quant": m.quant, "codec": f"zfec k={m.k} m={m.m}",
             "digest": m.digest, "model_bytes": m.model_bytes, "stored_bytes": m.stored_bytes,
-            "config": cfg, "source": m.source, "locations": m.locations, "shards": shards}  # fmt: skip
+            "config": cfg, "source": m.source, "adapter": m.adapter, "locations": m.locations,
+            "shards": shards}  # fmt: skip
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
     print(f"{m.ref}  {cfg.get('architectures', ['?'])[0]}  layers={cfg.get('num_hidden_layers')} "
           f"hidden={cfg.get('hidden_size')} heads={cfg.get('num_attention_heads')}/{cfg.get('num_key_value_heads')} "
           f"vocab={cfg.get('vocab_size')}")  # fmt: skip
+    if m.adapter:
+        a = m.adapter
+        print(f"LoRA adapter of {a['base']}: rank {'/'.join(map(str, a['ranks']))}, targets {', '.join(a['targets'])}, "
+              f"digest {a['digest'][:16]}")  # fmt: skip
     print(f"dtype {m.dtype}{' (' + m.quant['scheme'] + ')' if m.quant else ''}; codec zfec k={m.k} m={m.m}; "
           f"{_human(m.model_bytes)} model, {_human(m.stored_bytes)} stored on {len(m.locations)} locations")  # fmt: skip
     print(f"{'SHARD':14} {'LAYERS':12} {'SIZE':>10} {'FRAG':>10}  HEALTH")
@@ -267,7 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--shard-mb", type=float, default=None, help="target shard size in MiB (default 128)")
     sp.add_argument("--chat-template", metavar="FILE", default=None, help="a jinja chat template to serve the "
                     "model with instead of its own (e.g. deploy/chat-templates/chatml-tools.jinja: tool calls)")
-    add("ls", cmd_ls, "list models and versions")
+    sp = add("import-adapter", cmd_import_adapter, "import a PEFT LoRA adapter of a stored model as a new version")
+    sp.add_argument("src", metavar="DIR", help="a PEFT adapter directory (adapter_config.json, "
+                    "adapter_model.safetensors)")
+    sp.add_argument("--base", required=True, metavar="MODEL[@vN]", help="the stored model it adapts (latest version "
+                    "if none is named; the version is pinned)")
+    sp.add_argument("--name", required=True)
+    sp.add_argument("--k", type=int, default=None, help="data fragments per shard (default: the base's)")
+    sp.add_argument("--m", type=int, default=None, help="parity fragments per shard (default: the base's)")
+    add("ls", cmd_ls, "list models, adapters and versions")
     for name, fn, help_ in (("show", cmd_show, "config, shards, placement and health of a model"),
                             ("repair", cmd_repair, "rebuild lost or corrupt fragments"),
                             ("rm", cmd_rm, "delete NAME@vN (or every version of NAME)")):  # fmt: skip

@@ -12,8 +12,8 @@ What a node cannot apply is refused here, one line naming it (``UnservableAdapte
 ``modules_to_save``, a bias other than ``none``, a target other than the decoder layers' seven linears
 (embeddings, ``lm_head``), a layer or shape the base does not have, an A without its B.
 
-Canonical tensor names (how the store keeps them, whatever PEFT called them):
-``layers.L.PROJ.lora_A`` ``[r, K]`` and ``layers.L.PROJ.lora_B`` ``[N, r]``.
+Canonical tensor names (how the store keeps them, whatever PEFT called them; layer-aligned as a model's are):
+``model.layers.L.PROJ.lora_A`` ``[r, K]`` and ``model.layers.L.PROJ.lora_B`` ``[N, r]``.
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ class LoraTarget:
     def rank(self) -> int:
         return self.a.shape[0]
 
+    @property
+    def key(self) -> str:
+        return f"model.layers.{self.layer}.{self.proj}"
+
 
 @dataclass(slots=True)
 class LoraAdapter:
@@ -74,12 +78,12 @@ class LoraAdapter:
         """The canonical tensors (see the module's docstring)."""
         out = {}
         for t in self.targets:
-            out[f"layers.{t.layer}.{t.proj}.lora_A"] = t.a
-            out[f"layers.{t.layer}.{t.proj}.lora_B"] = t.b
+            out[f"{t.key}.lora_A"] = t.a
+            out[f"{t.key}.lora_B"] = t.b
         return out
 
     def scalings(self) -> dict[str, float]:
-        return {f"layers.{t.layer}.{t.proj}": t.scaling for t in self.targets}
+        return {t.key: t.scaling for t in self.targets}
 
     def digest(self) -> str:
         """Content hash (sha256 of the scalings and every tensor's bytes, in name order): what names this adapter
@@ -95,7 +99,7 @@ class LoraAdapter:
         """Back from the store's canonical form (``tensors()`` and ``scalings()``)."""
         targets = []
         for key, scaling in sorted(scalings.items()):
-            _, layer, proj = key.split(".")
+            _, _, layer, proj = key.split(".")
             targets.append(LoraTarget(int(layer), proj, tensors[f"{key}.lora_A"], tensors[f"{key}.lora_B"], scaling))
         return cls(targets, config)
 

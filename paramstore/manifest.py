@@ -60,6 +60,8 @@ class Manifest:
     locations: list[str]
     shards: list[ShardInfo]
     source: dict = field(default_factory=dict)  # {"format": hf|gguf, "path": ..., "quant_error": {...}}
+    # a LoRA adapter's (paramstore/adapters.py): {base (NAME@vN), digest, scalings, ranks, targets, peft}; None: a model
+    adapter: dict | None = None
     format: str = FORMAT
 
     @property

@@ -1,6 +1,6 @@
 """ParamStore: the facade that the admin CLI and compute nodes use.
 
-Verbs: ``import_model``, ``models``, ``manifest``, ``reader``, ``verify``,
+Verbs: ``import_model``, ``import_adapter`` (a LoRA adapter of a model: ``adapters``), ``adapter``, ``models``, ``manifest``, ``reader``, ``verify``,
 ``repair``, ``remove``, ``gc``, ``warm``, ``stats``; kernel plans per machine class
 through ``store.plans`` (``plans``), compiled decode-step packages (AOTInductor) through
 ``store.graphs`` (``graphs``; ``gc`` leaves both alone). See ``locations`` for the
@@ -85,6 +85,19 @@ class ParamStore:
             self._discard(w)
             raise
         return ImportResult(manifest, summary.as_dict() if _writer.DTYPES[dtype] is None else None, time.perf_counter() - t0)
+
+    def import_adapter(self, src, base: str, name: str, progress=None, k: int | None = None,
+                       m: int | None = None) -> ImportResult:  # fmt: skip
+        """Import a PEFT LoRA adapter of model ``base`` (NAME or NAME@vN) as a new version of ``name``."""
+        from .adapters import import_adapter
+
+        return import_adapter(self, src, base, name, progress, k, m)
+
+    def adapter(self, ref: str | Manifest, cache=None):
+        """A stored adapter's ``LoraAdapter`` (paramstore/lora.py)."""
+        from .adapters import read_adapter
+
+        return read_adapter(self, ref, cache)
 
     def _discard(self, w: _writer.ShardWriter) -> None:
         """Best effort after a failed import: remove fragments no published manifest uses."""

@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from compute.modeling.batch import ForwardBatch
@@ -18,6 +17,7 @@ from compute.modeling.kv_cache import KVCache
 from compute.modeling.lora import LoraRows, LoraWeights
 from compute.modeling.model import Transformer
 from paramstore.lora import LoraAdapter, UnservableAdapter, check, read_peft
+from tests.lora import save_peft_adapter
 
 torch.set_num_threads(2)
 TOL = 1e-4
@@ -43,18 +43,6 @@ def _base():
     return hf, d
 
 
-def _save_adapter(hf, options: dict, path, seed: int) -> None:
-    """A PEFT adapter with random A and B (B is zero at init: the update would be nothing), saved as PEFT does."""
-    peft = get_peft_model(hf, LoraConfig(**options, lora_dropout=0.0, bias="none"))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    peft.save_pretrained(str(path))
-    peft.unload()  # the base model back, without the adapter's layers
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     hf, d = _base()
@@ -63,7 +51,7 @@ def setup(tmp_path_factory):
     dirs = {}
     for i, (name, options) in enumerate(ADAPTERS.items()):
         dirs[name] = tmp_path_factory.mktemp(name)
-        _save_adapter(hf, options, dirs[name], seed=i)
+        save_peft_adapter(hf, options, dirs[name], seed=i)
     return hf, d, ours, dirs
 
 
