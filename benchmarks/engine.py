@@ -251,8 +251,9 @@ class Ours:
 
 def _graphs(ours: Ours, store, max_streams: int) -> tuple:
     """(StepGraphs, {graph id: local | store | built}) of ``ours``' model for 1..max_streams streams."""
-    from compute.engine.step_graphs import GraphBuilder, StepGraphs
+    from compute.engine.step_graphs import StepGraphs
     from compute.kernels.int8 import DEFAULT_CACHE
+    from compute.node.graph_builder import GraphBuilder
 
     graphs = StepGraphs()
     b = GraphBuilder(ours.model, ours._engine(64).runner.cache, max_streams, store=store,

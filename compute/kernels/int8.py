@@ -53,8 +53,6 @@ Candidates (``KERNELS``), all taking x in any float dtype and returning y in ``o
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import tempfile
@@ -65,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from compute.kernels import native
+from compute.kernels.artefacts import machine_lock
 from compute.kernels.machine import ISA_FLAGS, cpu, machine, machine_key  # noqa: F401 - re-exported (plans, tests)
 from compute.kernels.nocopy import _OTF_MAX, SCRATCH_BYTES, W8A16_LO, otf_weight, scratch, w8a16  # noqa: F401 - some re-exported
 from paramstore.buffers import (
@@ -352,24 +351,14 @@ def save_table(cache_path: str | None, table: dict) -> dict:
     return merged
 
 
-@contextlib.contextmanager
 def cache_lock(cache_path: str | None, block: bool):
-    """The machine's measuring lock (a file beside the cache): yields True if held, False if another process
-    holds it and ``block`` is False. No cache path: nothing to share, always True."""
-    if not cache_path:
-        yield True
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
-    with open(cache_path + ".lock", "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """The machine's measuring lock (``artefacts.machine_lock``, a file beside the cache): yields True if held,
+    False if another process holds it and ``block`` is False. No cache path: nothing to share, always True."""
+    return machine_lock(lock_path(cache_path), block)
+
+
+def lock_path(cache_path: str | None) -> str | None:
+    return cache_path + ".lock" if cache_path else None
 
 
 def _read(cache_path: str | None) -> dict[str, dict]:

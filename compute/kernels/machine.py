@@ -1,7 +1,7 @@
 """This machine as its kernels see it: the key that names a class of machines (CPU model, the ISA flags that decide
 kernel speed, torch's dispatch level, the native kernels' body, torch version, threads). Kernel tables and step-graph
 packages are valid only for their key (``compute.kernels.int8``, ``compute.kernels.plans``,
-``compute.engine.step_graphs``)."""
+``compute.node.graph_builder``)."""
 
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ Lifecycle of one model's kernels (``compute/modeling/loader.py`` runs 1-2 once t
  2. without one, the safe rule (``rule_table``: the native kernel up to M = 64 where it is built, else int8mm;
     dequant beyond; native (else int8mm) at every M under ``invariant``): correct on every CPU. The model is ready
     and serves at once, at the memory bandwidth for decode;
- 3. a ``BackgroundMeasure`` thread measures what the plan lacks: one process per machine (the lock beside
-    the cache file; the others poll the cache for its result and take over if it dies), niced to 19, in
-    slices of milliseconds (``int8.measure_steps``), sleeping between slices so that it takes at most
-    ``share`` of the time while the engine has work (full speed while it is idle); each measured shape is
-    saved at once (progress survives the process);
+ 3. a ``BackgroundMeasure`` thread (an ``artefacts.Builder``, as step graphs are) measures what the plan lacks:
+    one process per machine (the lock beside the cache file; the others poll the cache for its result and take
+    over if it dies), niced to 19, in slices of milliseconds (``int8.measure_steps``), sleeping between slices
+    so that it takes at most ``share`` of the time while the engine has work (full speed while it is idle); each
+    measured shape is saved at once (progress survives the process);
  4. the table is saved, published to the store (so no other node of this class measures; a store the
     node cannot write is one log line), and handed to ``apply``: the node swaps it in on its engine thread
     between two steps (``measured``), or — ``invariant`` — only if it has not served a request yet (a
@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
 
 from prometheus_client import Counter
 
-from compute.kernels import int8
+from compute.kernels import artefacts, int8
 
 log = logging.getLogger("pdserve.node")
 SHAPES_MEASURED = Counter("pdserve_node_kernel_shapes_measured_total",
@@ -112,17 +110,9 @@ def lookup(shapes: Iterable[tuple[int, int]], threads: int, cache_path: str | No
 
 
 def _from_store(store, key: str, threads: int) -> dict | None:
-    from paramstore.errors import NotFound, StoreError
-
     pid = key.split(" ", 1)[0]
-    try:
-        table = store.plans.get(key)["table"]
-    except NotFound:
-        return None
-    except (StoreError, OSError) as e:  # corrupt, unsigned, tampered, unreachable: never trusted
-        log.warning("kernel plan %s in the store ignored: %s", pid, e)
-        return None
-    why = valid_table(table, threads)
+    table = artefacts.fetch("kernel plan", pid, lambda: store.plans.get(key)["table"])
+    why = None if table is None else valid_table(table, threads)
     if why:
         log.warning("kernel plan %s in the store ignored: %s", pid, why)
         return None
@@ -131,25 +121,21 @@ def _from_store(store, key: str, threads: int) -> dict | None:
 
 def publish(store, table: dict, threads: int) -> bool:
     """Put ``table`` in the store as its machine key's plan (merged with the valid shapes already there)."""
-    from paramstore.errors import StoreError
-
     key = table["key"]
-    if not getattr(store.plans, "can_publish", True):
-        log.info("kernel plan %s kept on this machine: the store takes plans signed by the publisher key only",
-                 key.split(" ", 1)[0])  # fmt: skip
-        return False
-    try:
+
+    def write() -> dict:
         shapes = (_from_store(store, key, threads) or {}).get("shapes", {})
-        body = store.plans.publish(key, {**table, "shapes": {**shapes, **table["shapes"]}})
-    except (StoreError, OSError) as e:
-        log.warning("kernel plan %s not published to the store: %s", key.split(" ", 1)[0], e)
+        return store.plans.publish(key, {**table, "shapes": {**shapes, **table["shapes"]}})
+
+    body = artefacts.publish(store.plans, "kernel plan", key.split(" ", 1)[0], write)
+    if body is None:
         return False
     log.info("kernel plan %s published to the store (revision %d, %d shapes)", key.split(" ", 1)[0],
              body["revision"], len(body["table"]["shapes"]))  # fmt: skip
     return True
 
 
-class BackgroundMeasure:
+class BackgroundMeasure(artefacts.Builder):
     """Measures the shapes a model's plan lacks, off the request path (steps 3-4 above).
 
     ``busy()`` says whether the engine has work (pace to ``share``); ``apply(table, source)`` receives
@@ -162,36 +148,19 @@ class BackgroundMeasure:
                  share: float = 0.25, poll_s: float = 1.0, nice: int = 19, name: str = "kernels"):  # fmt: skip
         if not 0 < share <= 1:
             raise ValueError("share must be in (0, 1]")
+        super().__init__(f"{name}-measure", nice)
         self.shapes, self.threads, self.cache_path, self.store = sorted(set(shapes)), threads, cache_path, store
-        self.apply, self.busy, self.share, self.poll_s, self.nice = apply, busy, share, poll_s, nice
+        self.apply, self.busy, self.share, self.poll_s = apply, busy, share, poll_s
         self.state, self.source, self.error = "waiting", "", None
         self.table: dict | None = None  # the result, once done
         self.measured_s = 0.0  # seconds of measuring work (excluding pauses)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-measure", daemon=True)
 
     def start(self) -> "BackgroundMeasure":
         _LIVE.add(self)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 5.0) -> bool:
-        """Stop after the current slice; True once the thread has ended."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return super().start()
 
     # --- the measuring thread ---------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)  # this thread (and its OMP team)
-        except (OSError, AttributeError):
-            pass
+    def run(self) -> None:
         try:
             table, source = self._obtain()
             if table is None:
@@ -207,22 +176,21 @@ class BackgroundMeasure:
 
     def _obtain(self) -> tuple[dict | None, str]:
         """The complete table: from the cache (another process measured it), or measured here under the lock."""
-        waited = False
-        while not self._stop.is_set():
-            table = self._cached()
-            if complete(table, self.shapes):
-                return table, "peer" if waited else "local"
+        while True:
+            lock = int8.lock_path(self.cache_path)
             try:
-                with int8.cache_lock(self.cache_path, block=False) as held:
-                    if held:
-                        return self._measure(), "measured"
+                table, how = self.take(self._complete, lock, None, self._measure, self.poll_s)
             except OSError as e:  # an unwritable cache: measure for this process alone
+                if not self.cache_path:
+                    raise
                 log.warning("kernel cache %s unusable (%s): measuring without it", self.cache_path, e)
                 self.cache_path = None
                 continue
-            self.state, waited = "waiting", True
-            self._stop.wait(self.poll_s)
-        return None, ""
+            return table, {"cached": "local", "built": "measured"}.get(how, how)
+
+    def _complete(self) -> dict | None:
+        table = self._cached()
+        return table if complete(table, self.shapes) else None
 
     def _cached(self) -> dict | None:
         try:

@@ -28,7 +28,7 @@ import torch
 
 from compute.engine.cuda_graphs import CudaGraphs
 from compute.engine.engine import Engine, StepOutput
-from compute.engine.step_graphs import GraphBuilder, StepGraphs
+from compute.engine.step_graphs import StepGraphs
 from compute.modeling.config import ModelConfig
 from compute.modeling.graph_step import GraphStep
 from compute.modeling.kv_cache import KVCache, kv_dtype
@@ -43,6 +43,7 @@ from compute.node import kv_ends
 from compute.node import protocol as P
 from compute.node.capacity import CapacityMeter
 from compute.node.config import NodeConfig
+from compute.node.graph_builder import GraphBuilder
 from compute.node.service import NodeService
 from compute.node.worker import EngineWorker
 

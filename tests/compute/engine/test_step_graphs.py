@@ -13,8 +13,9 @@ import torch
 
 from compute.engine.engine import Engine
 from compute.engine.sampling import SamplingParams
-from compute.engine.step_graphs import GraphBuilder, StepGraphs, ranges
+from compute.engine.step_graphs import StepGraphs, ranges
 from compute.modeling.batch import ForwardBatch
+from compute.node.graph_builder import GraphBuilder
 from tests.compute.tiny import int4_tiny, int8_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(600)]  # compiles packages: make test-long
@@ -126,14 +127,14 @@ def test_a_killed_build_leaves_nothing_a_later_builder_keeps(tmp_path):
     import subprocess
     import sys
 
-    from compute.engine.step_graphs import _sweep
+    from compute.node.graph_process import sweep
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale, live = tmp_path / f".0123456789abcdef.{int(dead.stdout)}.building.pt2", tmp_path / (
         f".0123456789abcdef.{os.getpid()}.building.pt2")  # fmt: skip
     for f in (stale, live, tmp_path / "0123456789abcdef.pt2"):
         f.write_bytes(b"x")
-    _sweep(str(tmp_path))
+    sweep(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "0123456789abcdef.pt2"])
 
 
@@ -149,7 +150,7 @@ def _builders() -> list[int]:
         except OSError:
             continue
         if state != "Z" and int(d) != me and _descends(int(d), me) and (
-                "compute.engine.graph_build" in cmd or any(c in cmd for c in ("cc1plus", "g++", " ld "))):
+                "compute.node.graph_process" in cmd or any(c in cmd for c in ("cc1plus", "g++", " ld "))):
             out.append(int(d))
     return out
 
@@ -169,7 +170,7 @@ def _descends(pid: int, root: int) -> bool:
 
 
 def test_stopping_mid_build_kills_the_builder_process_group(tmp_path):
-    """The build runs in a process of its own (compute/engine/graph_build.py), niced, its own process group: a stop
+    """The build runs in a process of its own (compute/node/graph_process.py), niced, its own process group: a stop
     kills the group at once, builder and compilers, and nothing half-built is installed or left under its name."""
     import time
 

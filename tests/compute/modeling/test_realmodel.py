@@ -239,8 +239,9 @@ def test_the_compiled_decode_step_keeps_the_answers_and_the_perplexity(int8, pro
     the graph keeps its perplexity within 1% of the eager step's and its top-1 token in >= 97% of positions."""
     from compute.engine.engine import Engine
     from compute.engine.sampling import SamplingParams
-    from compute.engine.step_graphs import GraphBuilder, StepGraphs
+    from compute.engine.step_graphs import StepGraphs
     from compute.modeling.batch import ForwardBatch
+    from compute.node.graph_builder import GraphBuilder
 
     graphs, model = StepGraphs(), int8.model
     engine = Engine.for_model(model, num_blocks=64)

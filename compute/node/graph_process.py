@@ -1,7 +1,7 @@
-"""The step-graph builder process: one package compiled outside the serving process.
+"""The step-graph builder process: one package compiled outside the serving process, killed as a group.
 
-Lifecycle (``GraphBuilder`` in ``compute.engine.step_graphs`` runs ``build``, under its per-machine lock):
- 1. ``build`` starts ``python -m compute.engine.graph_build`` in a session and process group of its own and writes
+Lifecycle (``GraphBuilder`` in ``compute.node.graph_builder`` runs ``build``, under its per-machine lock):
+ 1. ``build`` starts ``python -m compute.node.graph_process`` in a session and process group of its own and writes
     the request on its stdin as JSON: the graph's spec (``step_graphs.spec``: kernel per linear, every bound
     tensor's name, shape and dtype, aliases, dims), the batch range, torch's threads, the output path;
  2. the child nices itself to 19 (the compiler processes it starts inherit it), asks the kernel to SIGTERM it if
@@ -11,7 +11,9 @@ Lifecycle (``GraphBuilder`` in ``compute.engine.step_graphs`` runs ``build``, un
     (``export_package``) into the output path, and exits 0; on failure it writes one line on stderr and exits 1;
  3. ``build`` polls it: a stop (the node closing, a plan swap) or the time limit SIGKILLs the group — the child and
     every compiler below it — and raises ``BuildStopped``. Serving threads share no interpreter (no GIL) with the
-    trace, and nothing the build started outlives the node.
+    trace, and nothing the build started outlives the node;
+ 4. the partial file of a build whose process was killed (``partial_path``: the builder's pid in its name) is
+    removed by the next build in that folder (``sweep``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def build(spec: dict, lo: int, hi: int, out: str, stop: threading.Event, limit_s
     ``on_start(popen)`` gets the child once started (for a caller that kills it from another thread)."""
     request = json.dumps({"spec": spec, "lo": lo, "hi": hi, "out": out, "threads": torch.get_num_threads()})
     with tempfile.TemporaryFile() as err:
-        child = subprocess.Popen([sys.executable, "-m", "compute.engine.graph_build"], stdin=subprocess.PIPE,
+        child = subprocess.Popen([sys.executable, "-m", "compute.node.graph_process"], stdin=subprocess.PIPE,
                                  stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)  # fmt: skip
         if on_start is not None:
             on_start(child)
@@ -74,6 +76,25 @@ def kill(child: subprocess.Popen) -> None:
         os.killpg(child.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         child.wait(10)
+
+
+def partial_path(folder: str, gid: str) -> str:
+    """Where this process writes package ``gid`` before it is renamed into place (``sweep`` reads the pid back)."""
+    return os.path.join(folder, f".{gid}.{os.getpid()}.building.pt2")
+
+
+def sweep(folder: str) -> None:
+    """Remove the partial files of builds whose process is gone (killed mid-build)."""
+    for name in os.listdir(folder):
+        parts = name.split(".")
+        if name.startswith(".") and name.endswith(".building.pt2") and len(parts) == 5 and parts[2].isdigit():
+            try:
+                os.kill(int(parts[2]), 0)
+            except ProcessLookupError:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, name))
+            except PermissionError:  # another user's live process
+                pass
 
 
 def export_package(step, lo: int, hi: int, cache, keys: int, path: str) -> str:
