@@ -127,11 +127,11 @@ def test_paramstore_commands_named_exist():
     sub = next(a for a in build_parser()._actions if a.dest == "cmd")
     named = set()
     for page in PAGES:
-        named |= set(re.findall(r"(?:`|^|bin/)paramstore (?:-q )?([a-z]+)\b", text(page), re.MULTILINE))
+        named |= set(re.findall(r"(?:`|^|bin/)paramstore (?:-q )?([a-z][a-z-]*[a-z])\b", text(page), re.MULTILINE))
     commands = set(sub.choices)
     assert named <= commands, f"`paramstore CMD` named in the docs but not a command: {named - commands}"
     usage = re.compile(r"^paramstore \[--store.*?^```", re.DOTALL | re.MULTILINE)  # the Admin CLI block
-    listed = set(re.findall(r"(?:^  |\| )([a-z]+)\b", usage.search(text(ROOT / "docs" / "paramstore.md")).group(0),
+    listed = set(re.findall(r"(?:^  |\| )([a-z][a-z-]*[a-z])\b", usage.search(text(ROOT / "docs" / "paramstore.md")).group(0),
                             re.MULTILINE))  # fmt: skip
     assert commands <= listed, f"admin CLI commands missing from docs/paramstore.md: {commands - listed}"
 
