@@ -9,6 +9,8 @@ Lifecycle of one model here:
     shard -> ``TextBundle``), once — concurrent first requests wait on the same load;
  3. kept for the life of the gateway (a bundle is a few MB); a model that leaves the store's
     listing is no longer served, its bundle dropped.
+A LoRA adapter in the store is served under its own name like a model: its ``Text`` is its base's bundle with the
+adapter's version and digest; a new version imported while the gateway runs replaces it at the next listing.
 A model whose bundle cannot serve text (no tokenizer: a token-ids-only import) is left out of the
 served names from its first read on (the gateway reads every served bundle in the background at
 start). So is one whose manifest or bundle fails its integrity check (a manifest edited or not signed
@@ -27,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from compute.engine.sampling import AdapterRef
 from compute.modeling.tokenizer import TextBundle
 
 log = logging.getLogger("pdserve.gateway")
@@ -39,12 +42,20 @@ class UnknownModel(LookupError):
 
 @dataclass(slots=True)
 class Text:
-    """One model's text side: what validating, tokenizing and detokenizing a request needs."""
+    """One model's text side: what validating, tokenizing and detokenizing a request needs. A LoRA adapter's
+    (``adapter`` set) is its base's, and its requests go to the nodes of its base (``routed``)."""
 
     name: str
     bundle: TextBundle
     max_model_len: int  # context limit, in tokens
     vocab_size: int  # token ids are 0 .. vocab_size - 1 (read once: the tokenizer is slow to ask)
+    adapter: AdapterRef | None = None  # a LoRA adapter (paramstore/adapters.py): its version and digest
+    base: str = ""  # an adapter's base, NAME@vN as it was made for
+
+    @property
+    def routed(self) -> str:
+        """The model whose nodes run this name's requests (its own; an adapter's base model)."""
+        return self.base.split("@")[0] if self.adapter is not None else self.name
 
 
 def text_from_store(ps, name: str, max_model_len: int | None = None) -> Text:
@@ -52,10 +63,14 @@ def text_from_store(ps, name: str, max_model_len: int | None = None) -> Text:
     from paramstore import ReaderConfig
 
     m = ps.manifest(name)  # its hash, and its HMAC signature where the store has a key: IntegrityError
+    adapter, base = None, ""
+    if m.adapter is not None:  # a LoRA adapter: its base's text, its own version and digest
+        adapter, base = AdapterRef(m.ref, m.adapter["digest"]), m.adapter["base"]
+        m = ps.manifest(base)
     with ps.reader(m, ReaderConfig(verify_digest="always")) as r:  # a few MB: the digest costs a millisecond
         bundle = TextBundle.from_files(r.bundle())
     ctx = max_model_len or int(m.config.get("max_position_embeddings", 2048))
-    return Text(name, bundle, ctx, bundle.tokenizer.get_vocab_size(with_added_tokens=True))
+    return Text(name, bundle, ctx, bundle.tokenizer.get_vocab_size(with_added_tokens=True), adapter, base)
 
 
 class ModelCatalogue:
@@ -91,14 +106,18 @@ class ModelCatalogue:
             self._listed_at = time.monotonic()
             return self.names
         try:
-            listed = sorted(self.store.models())
+            versions = self.store.models()
+            listed = sorted(versions)
         except Exception as e:  # noqa: BLE001 - a store that does not answer keeps the last listing
             log.warning("listing the store's models failed: %s", e)
-            listed = self._listed
+            versions, listed = {}, self._listed
         with self._lock:
             self._listed, self._listed_at = listed, time.monotonic()
             for gone in set(self._texts) - set(listed):
                 self._texts.pop(gone, None)
+            for name, t in list(self._texts.items()):  # an adapter imported again: its new version from now on
+                if t.adapter is not None and versions.get(name) and t.adapter.ref != f"{name}@v{versions[name][-1]}":
+                    self._texts.pop(name, None)
             for gone in self._refused - set(listed):  # removed from the store: nothing left to refuse
                 self._refused.discard(gone)
                 self._unservable.pop(gone, None)

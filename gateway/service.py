@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
-from compute.engine.sampling import SamplingParams
+from compute.engine.sampling import AdapterRef, SamplingParams
 from gateway.admission.control import Admission
 from gateway.admission.traffic import Traffic
 from gateway.api import tools
@@ -55,7 +55,7 @@ for _by in ("hit", "load"):
 _SAMPLING_FIELDS = SamplingParams.__struct_fields__
 # sampling fields the API spells or bounds otherwise (or the relay sets): translated in node_params
 _TRANSLATED = {"max_tokens", "top_k", "seed", "logit_bias", "stop_token_ids", "logprobs", "prompt_logprobs",
-               "grammar", "fork_group", "cache_salt"}  # fmt: skip
+               "grammar", "fork_group", "cache_salt", "adapter"}  # fmt: skip
 
 class BadRequest(ValueError):
     """The request is invalid (HTTP 400); `param` names the offending field."""
@@ -200,17 +200,19 @@ class Gateway:
         return min(self.config.max_tokens_limit or ctx, ctx), vocab, takes_tools
 
     def node_params(self, req, extra: dict | None = None, grammar: dict | None = None,
-                    cache_salt: str | None = None) -> SamplingParams:  # fmt: skip
+                    cache_salt: str | None = None, adapter: AdapterRef | None = None) -> SamplingParams:  # fmt: skip
         """The engine's parameters of an API request, made (and checked) once: every field of the request named
         as one of ``SamplingParams`` is taken as it is (a field added to both needs nothing here); the rest are
         translated below. ``extra``: one choice's own (seed, fork_group); ``grammar``: the tools' (over the
-        response format's); ``cache_salt``: the tenant's salted one. max_tokens is set per attempt by the relay."""
+        response format's); ``cache_salt``: the tenant's salted one; ``adapter``: the LoRA adapter the request's model
+        names. max_tokens is set per attempt by the relay."""
         same = {f: getattr(req, f) for f in _SAMPLING_FIELDS if f not in _TRANSLATED and getattr(req, f, None) is not None}
         seed = None if req.seed is None else req.seed % 2**63
         kw = dict(same, top_k=max(0, req.top_k), seed=seed, logit_bias=req.logit_bias or {},
                   stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=req.num_logprobs(),
                   prompt_logprobs=req.num_logprobs() if getattr(req, "echo", False) else None,
-                  grammar=grammar if grammar is not None else grammar_spec(req.response_format), cache_salt=cache_salt)
+                  grammar=grammar if grammar is not None else grammar_spec(req.response_format), cache_salt=cache_salt,
+                  adapter=adapter)
         return SamplingParams(**(kw | (extra or {})))
 
     # --- generation ------------------------------------------------------------------
@@ -220,7 +222,7 @@ class Gateway:
         carries finish_reason. One bound on the whole wait before the start (queue_timeout_s):
         the hold, admission, then a node to exist — past it NotPlaced / Overloaded / Unavailable."""
         t0 = time.monotonic()
-        model, traffic = text.name, self.traffic
+        model, traffic = text.routed, self.traffic  # an adapter's requests are its base's demand
         deadline = t0 + self.config.queue_timeout_s
         traffic.arrived(model, len(prompt), max_tokens)
         if self.activator.route(model) is None:  # held outside admission: a cold model takes no slot

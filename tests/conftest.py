@@ -109,10 +109,11 @@ def write_hf_folder(path, cfg: dict, tensors: dict[str, torch.Tensor], files: in
 
 
 def import_tiny_chat_models(tmp_path_factory, real_locations: list[str], real_name: str, models, store_name: str,
-                            chat_template: str | None = None, context: int = 256):  # fmt: skip
+                            chat_template: str | None = None, context: int = 256, dtype: str = "int8"):  # fmt: skip
     """Tiny Llamas (different random weights, one per name in ``models``) that carry the real model's tokenizer
     bundle (a chat template, a 49152 vocabulary), imported into a store of their own; -> its StoreConfig.
-    ``chat_template``: a template file served instead of SmolLM2's own; ``context``: their max_position_embeddings."""
+    ``chat_template``: a template file served instead of SmolLM2's own; ``context``: their max_position_embeddings;
+    ``dtype``: as stored. The model named ``models[i]`` has the weights ``tiny_chat_tensors(context, seed=i)``."""
     from paramstore import ParamStore, StoreConfig
 
     with ParamStore(StoreConfig(locations=real_locations)) as ps, ps.reader(ps.manifest(real_name)) as r:
@@ -121,15 +122,20 @@ def import_tiny_chat_models(tmp_path_factory, real_locations: list[str], real_na
         with open(chat_template, "rb") as f:
             files["chat_template.jinja"] = f.read()  # readers prefer it to tokenizer_config.json's
     store = StoreConfig.local_default(str(tmp_path_factory.mktemp(store_name)), k=4, m=2)
-    cfg = tiny_llama_config(vocab=49152, tied=True) | {"max_position_embeddings": context}
+    cfg = tiny_chat_config(context)
     with ParamStore(store) as ps:
         for seed, model in enumerate(models):
             folder = write_hf_folder(tmp_path_factory.mktemp(model), cfg, tiny_llama_tensors(cfg, seed=seed), files=1)
             for fname, data in files.items():
                 with open(os.path.join(folder, fname), "wb") as f:
                     f.write(data)
-            ps.import_model(folder, model)
+            ps.import_model(folder, model, dtype)
     return store
+
+
+def tiny_chat_config(context: int = 256) -> dict:
+    """The HF config of ``import_tiny_chat_models``'s models."""
+    return tiny_llama_config(vocab=49152, tied=True) | {"max_position_embeddings": context}
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ Lifecycle of a request's blocks through the cache (the block manager keeps the b
 decides which are named and which are taken):
 
 1. ``prepare`` (``Scheduler.add``): the chained hashes of the prompt's full blocks
-   (``compute.engine.prefix_hash``, with the engine's extra keys and the request's ``cache_salt``).
+   (``compute.engine.prefix_hash``, with the engine's extra keys and the request's ``hash_salt``: its cache salt and adapter).
 2. ``lookup`` (when the sequence leaves WAITING with an empty table: first admission or after a
    preemption): the longest run of cached blocks matching the prompt, cut so that at least
    ``MIN_COMPUTED`` tokens are left to compute (``_usable``); the table starts with them (the block
@@ -77,7 +77,7 @@ class PrefixCache:
         seq.num_published = 0
         if self.enabled:
             seq.block_hashes = block_hashes(seq.token_ids[: seq.prompt_len], self.bs, self.extra,
-                                            seq.params.cache_salt)  # fmt: skip
+                                            seq.params.hash_salt)  # fmt: skip
 
     def lookup(self, seq: Sequence) -> list[int]:
         """The cached blocks ``seq`` can start from (an empty table, nothing computed); counts the query."""

@@ -15,6 +15,7 @@ from compute.engine.sequence import Sequence
 from compute.engine.step_graphs import StepGraphs
 from compute.modeling.batch import ForwardBatch
 from compute.modeling.kv_cache import KVCache
+from compute.modeling.lora import LoraRows
 from compute.modeling.model import Transformer
 
 
@@ -30,9 +31,12 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.graphs: StepGraphs | CudaGraphs | None = None  # compiled/captured decode steps ([node] step = graph)
 
-    def forward(self, batch: ScheduledBatch, scored: list[bool]):
-        """Logits of ``batch``: a pure-decode batch through a compiled step graph where one covers it, else eager."""
-        if self.graphs is not None and not any(scored) and all(len(s.token_ids) == 1 for s in batch.seqs):
+    def forward(self, batch: ScheduledBatch, scored: list[bool], loras: list | None = None):
+        """Logits of ``batch``: a pure-decode batch through a compiled step graph where one covers it, else eager
+        (always with an adapter: ``loras``, each sequence's LoraWeights or None, compute/modeling/lora.py)."""
+        lora = LoraRows.of(loras, [len(s.token_ids) for s in batch.seqs]) if loras else None
+        if (self.graphs is not None and lora is None and not any(scored)
+                and all(len(s.token_ids) == 1 for s in batch.seqs)):  # fmt: skip
             logits = self.graphs.decode([s.token_ids[0] for s in batch.seqs], [s.start_pos for s in batch.seqs],
                                         [s.block_table for s in batch.seqs], self.cache)  # fmt: skip
             if logits is not None:
@@ -43,13 +47,14 @@ class ModelRunner:
             [s.block_table for s in batch.seqs],
             self.cache.block_size,
             all_logits=scored,
-        ).to(self.cache.device)
-        return self.model(fb, self.cache)  # [rows, V]: the last token of each, every token of a scored chunk
+        )
+        fb.lora = lora
+        return self.model(fb.to(self.cache.device), self.cache)  # [rows, V]: the last token of each, every token of a scored chunk
 
     def run(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> StepResult:
         """Compute every scheduled chunk and sample where a chunk reached the end of its sequence."""
         scored = [_scores_prompt(seqs[s.seq_id], s.start_pos) for s in batch.seqs]
-        logits = self.forward(batch, scored)
+        logits = self.forward(batch, scored, [seqs[s.seq_id].lora for s in batch.seqs])
         last, start = [], 0  # each chunk's last logits row
         prompts: dict[int, list] = {}
         for s, full in zip(batch.seqs, scored):

@@ -37,6 +37,18 @@ import torch
 MAX_LOGPROBS = 20  # top logprobs per token at most (the OpenAI API's bound)
 
 
+class AdapterRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The LoRA adapter a request runs: its store version and content digest (paramstore/adapters.py). The digest
+    names the adapter in the prefix cache's hashes (``request_salt``): a re-imported adapter never reuses KV."""
+
+    ref: str  # NAME@vN
+    digest: str  # sha256 hex of its scalings and tensors
+
+    def __post_init__(self) -> None:
+        if "@v" not in self.ref or len(self.digest) != 64:
+            raise ValueError(f"adapter must name NAME@vN and a sha256 digest, got {self.ref!r}")
+
+
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """What a request asks of generation: the one shape from the gateway to the sampler. The gateway builds it
     once from the API request; it travels to a node as itself (msgspec: a field the node does not know is
@@ -61,6 +73,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     grammar: dict | None = None  # structured output (compute.engine.grammar): json_object | json_schema | regex spec
     fork_group: str | None = None  # the choices of one n > 1 request: they share the prompt's KV (compute.engine.scheduler)
     cache_salt: str | None = None  # enters the first KV block's hash: only requests with this salt share cached KV
+    adapter: AdapterRef | None = None  # a LoRA adapter of the model (compute/modeling/lora.py); None: the base
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -99,6 +112,14 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def hash_salt(self) -> str | None:
+        """What enters a prompt's first block hash besides its tokens: the cache salt and the adapter's digest
+        (KV computed under an adapter is that adapter's). The one reading of both, on every node and the gateway."""
+        if self.adapter is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.adapter.digest}"
 
 
 class History(NamedTuple):

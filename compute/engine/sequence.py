@@ -66,6 +66,7 @@ class Sequence:
         self.prompt_len = len(prompt_token_ids)
         self.prompt_logprobs: list = []  # params.prompt_logprobs: per prompt token, None for the first
         self.matcher = None  # params.grammar: its matcher (compute.engine.grammar), advanced by the sampler
+        self.lora = None  # params.adapter: its LoraWeights (compute.modeling.lora), attached by the node
         # prefix cache (compute.engine.prefix_cache): the chained hashes of the prompt's full blocks, how many of this
         # table's blocks are named by them, where KV fit to share ends (positions computed one token a step went
         # down the decode path: other numbers than a prefill's), and the tokens a hit gave it on first admission

@@ -54,6 +54,8 @@ class NodeConfig:
     # builder process and published: compute/engine/step_graphs.py; on cuda captured as CUDA graphs:
     # compute/engine/cuda_graphs.py) | auto (graph on the CPU where it may run: kernels measured or fixed; else eager)
     import_nice: int = 0  # heavy imports in a thread niced by this much (pool refill); serving threads are not
+    max_loras: int = 16  # LoRA adapters kept in memory per model (compute/node/adapters.py; the rest fetched again)
+    max_lora_mb: float = 512.0  # and their bytes at most (fp32 pairs), whichever bound comes first
 
     @property
     def compiled_step(self) -> bool:
@@ -71,6 +73,8 @@ class NodeConfig:
             raise ValueError(f"advertise_url {self.advertise_url!r} is not an http(s) URL")
         if self.weights not in ("int8", "bf16", "fp32"):
             raise ValueError(f"invalid weights {self.weights!r}: int8, bf16 or fp32")
+        if self.max_loras < 1 or self.max_lora_mb <= 0:
+            raise ValueError("max_loras must be >= 1 and max_lora_mb > 0")
         if min(self.kv_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
             raise ValueError("kv_blocks, block_size, max_num_seqs, max_num_batched_tokens must be >= 1")
         if not 0 < self.kv_timeout_s < self.kv_hold_s:

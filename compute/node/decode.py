@@ -40,14 +40,16 @@ async def decode(svc: NodeService, msg: DecodeRequest):
     seq.prompt_len = prompt_len(msg)  # the first token (from the prefill node) is output
     if rid in svc.active:
         raise BadNodeRequest(f"duplicate request_id {rid!r}")
-    await svc.constrain(seq)
+    await svc.prepare(seq)
     seq.landing = True  # an abort while the KV lands keeps its blocks until the transfer is over
     try:
         cacheable = handle.cacheable_blocks if handle.codec == "none" else 0  # lossy KV: not a prefill's numbers
         blocks, first = await svc.worker.call(lambda e: e.import_prompt(seq, len(prompt), cacheable))
     except RequestTooLarge as e:
+        svc.unpin(seq.seq_id)
         raise BadNodeRequest(str(e)) from None
     except CacheFull as e:
+        svc.unpin(seq.seq_id)
         raise NodeBusy(str(e)) from None
     q = svc.worker.open_stream(seq.seq_id)
     svc.active[rid] = Active(seq.seq_id, time.monotonic(), "decode")

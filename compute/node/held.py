@@ -41,6 +41,7 @@ from compute.modeling.loader import (
 )
 from compute.node import kv_ends
 from compute.node import protocol as P
+from compute.node.adapters import AdapterCache
 from compute.node.capacity import CapacityMeter
 from compute.node.config import NodeConfig
 from compute.node.graph_builder import GraphBuilder
@@ -202,6 +203,8 @@ def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeSe
     worker = EngineWorker(engine, loop, meter=meter, name=f"engine-{name}", model=name)
     svc = NodeService(dataclasses.replace(cfg, model=name, weights=inj.weights), worker, model.config.vocab_size)
     svc.tokenizer_json, svc.eos_token_ids = inj.tokenizer_json, tuple(eos or ())
+    svc.adapters = AdapterCache(name, inj.manifest.ref, model.config, inj.store, inj.cache, cfg.max_loras,
+                                int(cfg.max_lora_mb * 2**20), cfg.device)  # fmt: skip
     cache_t = engine.runner.cache
     layout = KVLayout(model.config.num_layers, cfg.block_size, model.config.num_kv_heads, model.config.head_dim,
                       cache_t.dtype)  # fmt: skip

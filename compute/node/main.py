@@ -67,6 +67,8 @@ def add_arguments(p) -> None:
                    help="decode steps: graph (the step compiled ahead of time per range of batch sizes, from this "
                         "machine, the store, or built once per machine class after ready, in a builder process), eager, "
                         "or auto (default: graph on the CPU unless kernels = invariant; $PDSERVE_STEP)")
+    p.add_argument("--max-loras", type=int, help="LoRA adapters kept in memory per model (default 16)")
+    p.add_argument("--max-lora-mb", type=float, help="and their fp32 bytes at most, MiB (default 512)")
     p.add_argument("--measure-share", type=float,
                    help="a kernel measurement after ready takes at most this share of the time while serving (0.25)")
     p.add_argument("--advertise-url", help="the URL callers reach this node by, the only one it proves "
@@ -109,7 +111,8 @@ def node_config(args):
              "memory_gb": args.memory_gb, "tpot_target_s": args.tpot_target_s,
              "import_nice": args.import_nice, "kernels": args.kernels, "device": args.device,
              "measure_share": args.measure_share, "weight_copies_gb": args.weight_copies_gb, "step": args.step,
-             "advertise_url": args.advertise_url}  # fmt: skip
+             "advertise_url": args.advertise_url, "max_loras": args.max_loras,
+             "max_lora_mb": args.max_lora_mb}  # fmt: skip
     token = env_secret("PDSERVE_INTERNAL_TOKEN", args.token_file)  # --token-file, else $PDSERVE_INTERNAL_TOKEN[_FILE]
     env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None, "internal_token": token or None,
            "advertise_url": os.environ.get("PDSERVE_ADVERTISE_URL") or None, "step": os.environ.get("PDSERVE_STEP") or None}

@@ -94,7 +94,7 @@ def _refusal(svc: NodeService, seq: Sequence, handle: KVHandle) -> str | None:
         return "bad_handle"  # not an export: its blocks are not named
     if handle.codec != "none":
         return "lossy"  # compressed on the wire: not the numbers a prefill makes, never cached
-    mine = svc.engine.prompt_hashes(seq.token_ids[: seq.prompt_len], p.cache_salt)
+    mine = svc.engine.prompt_hashes(seq.token_ids[: seq.prompt_len], p.hash_salt)
     if mine[:n] != handle.block_hashes:
         return "mismatch"  # another model, weights, KV dtype, block size or salt: its blocks are not this prompt's
     return None

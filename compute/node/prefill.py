@@ -37,7 +37,7 @@ async def prefill(svc: NodeService, msg: GenerateRequest) -> PrefillReply:
     # the context check must cover the whole request, not just this first token
     if len(prompt) + want.max_tokens > svc.engine.max_len:
         raise BadNodeRequest(f"prompt {len(prompt)} + max_tokens {want.max_tokens} exceeds {svc.engine.max_len}")
-    await svc.constrain(seq)
+    await svc.prepare(seq)
     started = time.monotonic()
     q = await svc.add(rid, seq, "prefill", puller(msg.pull))
     try:

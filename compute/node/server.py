@@ -105,7 +105,7 @@ def create_app(host: ModelHost) -> FastAPI:
         check_request(msg)
         svc.check_tokens(msg.prompt_token_ids)
         seq = new_sequence(msg, sampling_params(msg))
-        await svc.constrain(seq)
+        await svc.prepare(seq)
         q = await svc.add(msg.request_id, seq, "generate", peer.puller(msg.pull))
         return StreamingResponse(svc.relay(msg.request_id, q), media_type="application/x-ndjson")
 

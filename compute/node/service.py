@@ -68,7 +68,7 @@ def output_line(o) -> StreamLine:
 
 def new_sequence(msg: GenerateRequest, sp: SamplingParams) -> Sequence:
     """A sequence whose last ``msg.replay_tokens`` prompt tokens are replayed output (failover); its grammar's
-    matcher, if it asks for one, comes from ``NodeService.constrain``."""
+    matcher and adapter, if it asks for them, come from ``NodeService.prepare``."""
     prompt = msg.prompt_token_ids
     seq = Sequence(prompt, sp)
     seq.prompt_len = prompt_len(msg)
@@ -101,11 +101,34 @@ class NodeService:
         self._grammars_lock = threading.Lock()  # compiles run in worker threads: one at a time
         self.cache_feed = CacheFeed(worker)  # the prefix cache's changes, for POST /internal/cache
         self.pull_fallbacks = 0  # peer pulls that failed: the prompt computed instead (compute/node/peer.py)
+        self.adapters = None  # the LoRA adapters this model serves (compute/node/adapters.py; set by held.build)
+        self._pinned: dict = {}  # seq id -> the AdapterRef it runs (released when its request ends here)
         start_series(config.model)
 
-    async def constrain(self, seq: Sequence) -> None:
-        """With a grammar, ``seq``'s matcher past its output so far, compiled in a worker thread (never on the event
-        loop: the other streams go on meanwhile); BadNodeRequest if it cannot be."""
+    async def prepare(self, seq: Sequence) -> None:
+        """What ``seq`` needs besides its KV, before it is queued: its adapter's weights (``adapters``: fetched on a
+        miss, pinned until the request ends here) and, with a grammar, its matcher past its output so far, compiled
+        in a worker thread (never on the event loop: the other streams go on meanwhile). BadNodeRequest if either
+        cannot be had, NodeBusy if no adapter can be kept now."""
+        ref = seq.params.adapter
+        if ref is not None:
+            if self.adapters is None:
+                raise BadNodeRequest("this node serves no adapters")
+            seq.lora = await self.adapters.acquire(ref)
+            self._pinned[seq.seq_id] = ref
+        try:
+            await self._constrain(seq)
+        except BaseException:
+            self.unpin(seq.seq_id)
+            raise
+
+    def unpin(self, seq_id: int) -> None:
+        """The request of ``seq_id`` no longer runs here: its adapter may be evicted."""
+        ref = self._pinned.pop(seq_id, None)
+        if ref is not None:
+            self.adapters.release(ref)
+
+    async def _constrain(self, seq: Sequence) -> None:
         spec = seq.params.grammar
         if spec is None:
             return
@@ -144,9 +167,11 @@ class NodeService:
         prefix of the prompt is pulled first, ``await pull(self, rid, seq)`` (compute/node/peer.py ``puller``; a
         failed pull is computed instead)."""
         if rid in self.active:
+            self.unpin(seq.seq_id)
             raise BadNodeRequest(f"duplicate request_id {rid!r}")
         allowed = seq.params.allowed_token_ids
         if allowed is not None and max(allowed) >= self.vocab_size:
+            self.unpin(seq.seq_id)
             raise BadNodeRequest(f"allowed_token_ids: token id {max(allowed)} out of range [0, {self.vocab_size})")
         q = self.worker.open_stream(seq.seq_id)
         self.active[rid] = Active(seq.seq_id, time.monotonic(), kind)
@@ -167,6 +192,7 @@ class NodeService:
         a = self.active.pop(rid, None)
         if a is not None:
             self.worker.close_stream(a.seq_id)
+            self.unpin(a.seq_id)
 
     def abort(self, rid: str) -> bool:
         a = self.active.get(rid)

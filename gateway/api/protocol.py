@@ -282,6 +282,8 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); null for a model
+    root: str | None = None  # what it is made from: a model's own name, an adapter's version (NAME@vN)
 
 
 class ModelList(BaseModel):

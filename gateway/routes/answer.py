@@ -78,7 +78,7 @@ class Answers:
         rid = rid or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = created or int(time.time())
         grammar = plan.grammar if plan is not None else None
-        params = self.gw.node_params(req, extra, grammar, salted(getattr(req, "cache_salt", None)))
+        params = self.gw.node_params(req, extra, grammar, salted(getattr(req, "cache_salt", None)), text.adapter)
         stops = req.stop_list()
         timing: dict = {}
         t0 = time.monotonic()

@@ -20,7 +20,7 @@ from gateway.models import UnknownModel
 from gateway.routes.answer import Answers
 from gateway.routes.auth import authorized
 from gateway.routes.errors import error_reply
-from gateway.routes.model_card import model_card_router
+from gateway.routes.model_card import listed, model_card_router
 from gateway.routes.responses import responses_router
 from gateway.routes.tokens import token_router
 from gateway.service import BadRequest, Gateway
@@ -32,8 +32,10 @@ def openai_router(gw: Gateway) -> APIRouter:
     @router.get("/v1/models", response_model=p.ModelList, responses=errors(401))
     async def models():
         await gw.models.refresh()
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve"}
-                                           for name in gw.models.names]}  # fmt: skip
+        names = gw.models.names
+        texts = await asyncio.gather(*(gw.models.text(n) for n in names), return_exceptions=True)  # read once each
+        return {"object": "list", "data": [listed(n, t if not isinstance(t, BaseException) else None)
+                                           for n, t in zip(names, texts)]}  # fmt: skip
 
     async def _text(name: str):
         """The model's text, or the 404 (not served) / 503 (its bundle unreadable now) to return."""

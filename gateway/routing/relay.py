@@ -89,7 +89,7 @@ class Relay:
         def hold():  # scored by the prompt's cached prefix too (router.py), unless the node will take none of it
             sp = req.params  # (a request for prompt logprobs computes every prompt row: compute/engine/prefix_cache.py)
             prompt = req.prompt_ids if sp.prompt_logprobs is None else None
-            return self.activator.hold(req.model or None, req.deadline, exclude, prompt, sp.cache_salt)
+            return self.activator.hold(req.model or None, req.deadline, exclude, prompt, sp.hash_salt)
 
         if aff is None or req.attempts or exclude:
             return await hold()
@@ -144,7 +144,7 @@ class Relay:
         pull, or the holder could not: the node computes the prefix, as without a pull)."""
         if route.pull_from is None or req.produced or req.params.fork_group or req.params.prompt_logprobs is not None:
             return None
-        msg = ExportRequest(prompt_token_ids=req.prompt_ids, cache_salt=req.params.cache_salt, model=req.model or None)
+        msg = ExportRequest(prompt_token_ids=req.prompt_ids, cache_salt=req.params.hash_salt, model=req.model or None)
         try:
             reply = await self.client.export(route.pull_from, msg, self.export_timeout_s)
         except (NodeFailed, RequestRejected) as e:

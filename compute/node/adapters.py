@@ -1,0 +1,117 @@
+"""The LoRA adapters one held model serves: fetched from the store on first use, kept in memory, least recently used
+out first.
+
+Lifecycle of a request naming an adapter (``SamplingParams.adapter``: its ``NAME@vN`` and content digest):
+ 1. ``acquire(ref)`` on the event loop: a hit returns the kept ``LoraWeights`` at once; a miss fetches the adapter
+    from the store in a worker thread (any k of n fragments per shard, through the node cache like a model's shards:
+    ``paramstore/adapters.py``), checks that it adapts this model's weights (its pinned base) and that its digest is
+    the one asked for, fuses its pairs (``compute/modeling/lora.py``) and keeps it. Concurrent misses of one adapter
+    share one fetch. A refusal is ``BadNodeRequest`` (not an adapter of this model, another digest) or
+    ``NodeBusy`` (every kept adapter is in use and the bounds are reached: retry elsewhere).
+ 2. the sequence carries the weights (``seq.lora``) for its life: the runner groups its rows by adapter;
+ 3. ``release(ref)`` when the request ends on this node: the adapter stays kept, no longer pinned.
+Bounds: ``max_loras`` adapters and ``max_lora_mb`` of their fp32 pairs; an adapter in use is never evicted (a sequence
+holds its weights anyway: eviction only drops the cache's reference).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Histogram
+
+from compute.engine.sampling import AdapterRef
+from compute.modeling.config import ModelConfig
+from compute.modeling.lora import LoraWeights
+from compute.node.errors import BadNodeRequest, NodeBusy
+
+LOAD_SECONDS = Histogram("pdserve_node_lora_load_seconds", "A LoRA adapter fetched from the store and fused, on a miss",
+                         ["model"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))  # fmt: skip
+LOOKUPS = Counter("pdserve_node_lora_lookups_total", "Requests naming an adapter, by whether it was kept here",
+                  ["model", "result"])  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Kept:
+    weights: LoraWeights
+    users: int = 0
+
+
+class AdapterCache:
+    def __init__(self, model: str, base_ref: str, config: ModelConfig, store, node_cache=None, max_loras: int = 16,
+                 max_bytes: int = 512 * 2**20, device: str = "cpu") -> None:  # fmt: skip
+        """``base_ref``: the held model's ``NAME@vN`` (an adapter is served only on the weights it was made for)."""
+        self.model, self.base_ref, self.config, self.device = model, base_ref, config, device
+        self.store, self.node_cache = store, node_cache
+        self.max_loras, self.max_bytes = max_loras, max_bytes
+        self._kept: OrderedDict[AdapterRef, _Kept] = OrderedDict()  # least recently used first
+        self._loading: dict[AdapterRef, asyncio.Future] = {}
+        self.loads = 0
+
+    async def acquire(self, ref: AdapterRef) -> LoraWeights:
+        kept = self._kept.get(ref)
+        if kept is None:
+            LOOKUPS.labels(self.model, "miss").inc()
+            fut = self._loading.get(ref)
+            if fut is None:
+                fut = self._loading[ref] = asyncio.ensure_future(asyncio.to_thread(self._fetch, ref))
+                fut.add_done_callback(lambda _f, r=ref: self._loading.pop(r, None))
+            weights = await asyncio.shield(fut)
+            kept = self._kept.get(ref)
+            if kept is None:
+                self._make_room(weights.nbytes)
+                kept = self._kept[ref] = _Kept(weights)
+        else:
+            LOOKUPS.labels(self.model, "hit").inc()
+        self._kept.move_to_end(ref)
+        kept.users += 1
+        return kept.weights
+
+    def release(self, ref: AdapterRef) -> None:
+        kept = self._kept.get(ref)
+        if kept is not None and kept.users > 0:
+            kept.users -= 1
+
+    def names(self) -> dict[str, int]:
+        """Kept adapters (NAME@vN) -> requests running them."""
+        return {r.ref: k.users for r, k in self._kept.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.weights.nbytes for k in self._kept.values())
+
+    def _make_room(self, incoming: int) -> None:
+        """Evict unused adapters, least recently used first, until one more of ``incoming`` bytes fits."""
+        if incoming > self.max_bytes:
+            raise NodeBusy(f"adapter of {incoming} bytes exceeds max_lora_mb on this node")
+        while len(self._kept) >= self.max_loras or self.nbytes + incoming > self.max_bytes:
+            idle = next((r for r, k in self._kept.items() if k.users == 0), None)
+            if idle is None:
+                raise NodeBusy(f"all {len(self._kept)} adapters kept on this node are in use (max_loras)")
+            del self._kept[idle]
+
+    def _fetch(self, ref: AdapterRef) -> LoraWeights:
+        """Worker thread: the adapter from the store, checked against this model and the digest asked for."""
+        from paramstore.errors import StoreError
+
+        t0 = time.perf_counter()
+        try:
+            m = self.store.manifest(ref.ref)
+            if m.adapter is None:
+                raise BadNodeRequest(f"{ref.ref} is not an adapter")
+            if m.adapter["base"] != self.base_ref:
+                raise BadNodeRequest(f"{ref.ref} adapts {m.adapter['base']}, this node holds {self.base_ref}")
+            if m.adapter["digest"] != ref.digest:
+                raise BadNodeRequest(f"{ref.ref} in the store is not the adapter asked for (digest differs)")
+            adapter = self.store.adapter(m, self.node_cache)
+        except StoreError as e:
+            raise BadNodeRequest(f"adapter {ref.ref}: {e}") from None
+        if adapter.digest() != ref.digest:  # the shards were verified; this checks the whole, as named
+            raise BadNodeRequest(f"adapter {ref.ref}: its tensors do not hash to its digest")
+        weights = LoraWeights(adapter.targets, self.config, self.device)
+        LOAD_SECONDS.labels(self.model).observe(time.perf_counter() - t0)
+        self.loads += 1
+        return weights

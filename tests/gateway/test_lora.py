@@ -1,0 +1,160 @@
+"""LoRA adapters served end to end: adapters made by PEFT on a tiny chat model, imported into the store beside it,
+asked for by name through a real gateway and node with the ``openai`` client. The reference is transformers + PEFT
+(unmerged, fp32, greedy) on the same weights: a node that ran the base, another adapter, or the base's cached KV
+for an adapter's prompt would answer otherwise."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+
+import httpx
+import pytest
+import torch
+
+from compute.node.launcher import Services
+from tests.conftest import import_tiny_chat_models, tiny_chat_config, tiny_llama_tensors
+from tests.lora import save_peft_adapter
+from tests.services import TOKEN, wait_for
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny-lora-base"
+ADAPTERS = {"tiny-qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+            "tiny-mlp": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj", "o_proj"])}
+STEPS = 12
+
+
+def _hf():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaForCausalLM(LlamaConfig(**tiny_chat_config())).eval()
+    hf.load_state_dict(tiny_llama_tensors(tiny_chat_config(), seed=0), strict=False)  # import_tiny_chat_models' seed 0
+    return hf
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory, real_model_store):
+    from paramstore import ParamStore
+
+    store = import_tiny_chat_models(tmp_path_factory, *real_model_store, (MODEL,), "lora-store", dtype="fp32")
+    hf, dirs = _hf(), {}
+    with ParamStore(store) as ps:
+        for i, (name, options) in enumerate(ADAPTERS.items()):
+            dirs[name] = tmp_path_factory.mktemp(name)
+            save_peft_adapter(hf, options, dirs[name], seed=10 + i, std=0.3)
+            ps.import_adapter(dirs[name], MODEL, name)
+    services = Services(store.locations, None, str(tmp_path_factory.mktemp("lora")), TOKEN)
+    try:
+        node = services.node("both", kv_blocks=256, model=MODEL, extra=("--weights", "fp32", "--step", "eager"))
+        conf = tmp_path_factory.mktemp("lora-conf") / "pdserve.toml"
+        conf.write_text("[gateway]\nmodels_refresh_s = 1.0\n")  # a new adapter version is seen within a second
+        gw = services.gateway([("both", node)], env={"PDSERVE_CONFIG": str(conf)})
+        node.wait_ready(), gw.wait_ready()
+        gw.store = store
+        yield {"node": node, "gw": gw, "store": store, "hf": hf, "dirs": dirs, "tmp": tmp_path_factory}
+    finally:
+        services.stop_all()
+
+
+def _reference(hf, adapter_dir, ids: list[int], steps: int = STEPS) -> list[int]:
+    """Greedy tokens of transformers (+ PEFT, unmerged, when ``adapter_dir``) recomputing the whole sequence."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(hf, str(adapter_dir)).eval() if adapter_dir else hf
+    out = list(ids)
+    try:
+        with torch.no_grad():
+            for _ in range(steps):
+                out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    finally:
+        if adapter_dir:
+            model.unload()
+    return out[len(ids):]
+
+
+def _text(gw, model: str, ids: list[int]) -> str:
+    r = httpx.post(gw.url + "/v1/completions", json={"model": model, "prompt": ids, "max_tokens": STEPS,
+                                                     "temperature": 0, "ignore_eos": True}, timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == model and body["usage"]["completion_tokens"] == STEPS
+    return body["choices"][0]["text"]
+
+
+def _decoded(gw, ids: list[int]) -> str:
+    """The text of ``ids`` as an answer shows it (special tokens left out)."""
+    from compute.modeling.tokenizer import TextBundle
+    from paramstore import ParamStore
+
+    global _BUNDLE
+    if _BUNDLE is None:
+        with ParamStore(gw.store) as ps, ps.reader(ps.manifest(MODEL)) as r:
+            _BUNDLE = TextBundle.from_files(r.bundle())
+    return _BUNDLE.decode(ids)
+
+
+_BUNDLE = None
+
+
+def test_each_adapter_answers_as_peft_does_and_the_base_as_itself(svc):
+    hf, gw = svc["hf"], svc["gw"]
+    ids = random.Random(1).choices(range(200, 40000), k=40)
+    want = {None: _reference(hf, None, ids)} | {n: _reference(hf, svc["dirs"][n], ids) for n in ADAPTERS}
+    want = {n: _decoded(gw, t) for n, t in want.items()}
+    assert len(set(want.values())) == 3  # the adapters change the answer: the checks can fail
+    # the base first: its prompt's blocks are cached on the node; an adapter must not be served from them
+    assert _text(gw, MODEL, ids) == want[None]
+    for name in ADAPTERS:
+        assert _text(gw, name, ids) == want[name], name
+    assert _text(gw, "tiny-qv", ids) == want["tiny-qv"]  # again: its own cached blocks, the same answer
+
+
+def test_mixed_requests_in_one_batch_each_get_their_own_answer(svc):
+    hf, gw = svc["hf"], svc["gw"]
+    prompts = [random.Random(10 + i).choices(range(200, 40000), k=24 + 5 * i) for i in range(6)]
+    names = [MODEL, "tiny-qv", "tiny-mlp", "tiny-qv", MODEL, "tiny-mlp"]
+    want = [_decoded(gw, _reference(hf, svc["dirs"].get(n), p)) for n, p in zip(names, prompts)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda a: _text(gw, *a), zip(names, prompts)))
+    assert got == want
+
+
+def test_models_lists_adapters_with_their_parent_and_the_openai_client_names_one(svc):
+    from openai import OpenAI
+
+    gw = svc["gw"]
+    listed = {m["id"]: m for m in httpx.get(gw.url + "/v1/models", timeout=30).json()["data"]}
+    assert listed[MODEL]["parent"] is None and listed[MODEL]["root"] == MODEL
+    assert listed["tiny-qv"]["parent"] == MODEL and listed["tiny-qv"]["root"] == "tiny-qv@v1"
+    card = httpx.get(gw.url + "/v1/models/tiny-mlp", timeout=30).json()
+    assert card["parent"] == MODEL and card["nodes_ready"] == 1  # runs on its base's node
+    client = OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    out = client.chat.completions.create(model="tiny-qv", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                         temperature=0)  # fmt: skip
+    assert out.model == "tiny-qv" and out.usage.completion_tokens >= 1
+
+
+def test_an_adapter_imported_while_serving_is_served_and_a_new_version_replaces_the_old(svc):
+    from paramstore import ParamStore
+
+    hf, gw, node = svc["hf"], svc["gw"], svc["node"]
+    ids = random.Random(3).choices(range(200, 40000), k=33)
+    first = svc["tmp"].mktemp("live-v1")
+    save_peft_adapter(hf, dict(r=4, lora_alpha=8, target_modules=["k_proj", "down_proj"]), first, seed=20, std=0.3)
+    with ParamStore(svc["store"]) as ps:
+        ps.import_adapter(first, MODEL, "tiny-live")
+    old = _decoded(gw, _reference(hf, first, ids))
+    listed = lambda: httpx.post(gw.url + "/v1/completions", json={"model": "tiny-live", "prompt": ids, "max_tokens": 1},
+                                timeout=60).status_code != 404  # fmt: skip
+    wait_for(listed, 10, "the new adapter listed")  # no restart: the next listing (or a miss's) finds it
+    assert _text(gw, "tiny-live", ids) == old
+    second = svc["tmp"].mktemp("live-v2")
+    save_peft_adapter(hf, dict(r=4, lora_alpha=8, target_modules=["k_proj", "down_proj"]), second, seed=21, std=0.3)
+    with ParamStore(svc["store"]) as ps:
+        ps.import_adapter(second, MODEL, "tiny-live")
+    want = _decoded(gw, _reference(hf, second, ids))
+    assert want != old
+    got = wait_for(lambda: (t := _text(gw, "tiny-live", ids)) != old and t, 10, "v2 served after a listing")
+    assert got == want  # v2's weights, and none of v1's cached KV
+    loads = httpx.get(node.url + "/metrics", timeout=10).text
+    assert 'pdserve_node_lora_load_seconds_count{model="tiny-lora-base"}' in loads
