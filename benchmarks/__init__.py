@@ -14,6 +14,7 @@ Layout: one module per thing measured, each a `pdserve bench NAME` command with
     kernels.py       pdserve bench kernels   int8 linears vs the measured memory bandwidth, native vs ATen's kernels
     weight_copies.py  pdserve bench weight-copies  int8-weight matmuls without a bf16 copy vs with one, per shape
     served.py        pdserve bench served    pdserve's defaults vs llama.cpp's llama-server on the same GGUF, served
+    lora.py          pdserve bench lora      LoRA adapters mixed in one batch vs the base alone; a cold adapter's cost
     graph_step.py    python -m benchmarks.graph_step  the decode step compiled whole (torch.compile, AOTInductor) vs eager
   and what they share:
     served_systems.py  llama-server and `pdserve up` as servers started, settled and stopped (used by served.py)
