@@ -56,7 +56,7 @@ def test_asyncio_slots_are_handed_out_in_turn_between_callers():
             CALLER.set(who)  # as the API key check sets it for the request's task
             async with adm.slot():
                 started.append(who)
-                await gate.wait() if len(started) == 1 else asyncio.sleep(0)
+                await (gate.wait() if len(started) == 1 else asyncio.sleep(0))
 
         tasks = [asyncio.create_task(request("flood")) for _ in range(10)]
         await asyncio.sleep(0.01)  # the first runs, nine wait
