@@ -53,8 +53,13 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> StepResult:
         """Compute every scheduled chunk and sample where a chunk reached the end of its sequence."""
+        loras = [seqs[s.seq_id].lora for s in batch.seqs]
+        if any(w is not None for w in loras):  # each adapter's rows together: a slice per adapter, no gathers
+            order = sorted(range(len(loras)), key=lambda i: 0 if loras[i] is None else id(loras[i]))
+            batch.seqs[:] = [batch.seqs[i] for i in order]
+            loras = [loras[i] for i in order]
         scored = [_scores_prompt(seqs[s.seq_id], s.start_pos) for s in batch.seqs]
-        logits = self.forward(batch, scored, [seqs[s.seq_id].lora for s in batch.seqs])
+        logits = self.forward(batch, scored, loras)
         last, start = [], 0  # each chunk's last logits row
         prompts: dict[int, list] = {}
         for s, full in zip(batch.seqs, scored):

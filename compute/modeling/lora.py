@@ -1,12 +1,14 @@
 """LoRA adapters on a mixed batch: each row's linears add ``B (A x)`` of that row's own adapter (or nothing).
 
-Layout: ``LoraWeights`` holds one pair per fused linear of the model, keyed ``(layer, slot)`` with slot one of
-``qkv``, ``o``, ``gate_up``, ``down`` (the linears ``compute.modeling.model`` runs)::
+Layout: ``LoraWeights`` holds, per fused linear of the model, keyed ``(layer, slot)`` with slot one of ``qkv``,
+``o``, ``gate_up``, ``down`` (the linears ``compute.modeling.model`` runs)::
 
-    A [R, K]   the targets' A matrices stacked by rows (q, k, v for qkv), R = the sum of their ranks
-    B [N, R]   block-diagonal: each target's B (times its scaling) in its own output rows and rank columns
+    A [R, K]             the targets' A matrices stacked by rows (q, k, v for qkv), R = the sum of their ranks
+    parts [(cols, hcols, B [n, r])]   each target's B times its scaling, the output columns it adds to and the
+                                      columns of ``h = x A^T`` that are its rank
 
-so a fused linear takes one pair of small matmuls whatever subset of its parts an adapter targets.
+so a fused linear takes one matmul for ``h`` and one per target for the update, and no zeros are kept or read (the
+pairs are read every step: their bytes are what adapters cost a memory-bound decode).
 
 A step's rows are grouped by adapter (``LoraRows``: ``[(weights, rows [n] long)]``; base rows are in no group).
 Each group costs a gather of its rows, two matmuls of its own rank (none padded to the largest in the batch) and
@@ -36,38 +38,43 @@ def part_sizes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 class LoraWeights:
     """One adapter's pairs, fused as the model's linears are (see the module's docstring)."""
 
-    def __init__(self, targets, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, targets, config: ModelConfig, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
         """``targets``: objects with ``layer``, ``proj``, ``a [r, K]``, ``b [N, r]``, ``scaling``
-        (``paramstore.lora.LoraTarget``)."""
+        (``paramstore.lora.LoraTarget``); ``dtype``: of the pairs kept and multiplied (the update is added in the
+        base's output dtype)."""
         sizes = part_sizes(config)
         grouped: dict[tuple[int, str], list] = {}
         for t in targets:
             grouped.setdefault((t.layer, SLOTS[t.proj][0]), []).append(t)
-        self.pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.dtype = dtype
+        self.pairs: dict[tuple[int, str], tuple[torch.Tensor, list[tuple[slice, slice, torch.Tensor]]]] = {}
         for (layer, slot), ts in grouped.items():
             ts.sort(key=lambda t: SLOTS[t.proj][1])
             offsets = [0]
             for n in sizes[slot]:
                 offsets.append(offsets[-1] + n)
-            a = torch.cat([t.a.to(torch.float32) for t in ts])  # [R, K]
-            b = torch.zeros(offsets[-1], a.shape[0], dtype=torch.float32)  # [N, R]
-            col = 0
-            for t in ts:
-                row = offsets[SLOTS[t.proj][1]]
-                b[row : row + t.b.shape[0], col : col + t.a.shape[0]] = t.b.to(torch.float32) * t.scaling
-                col += t.a.shape[0]
-            self.pairs[(layer, slot)] = (a.to(device).contiguous(), b.to(device).contiguous())
+            a = torch.cat([t.a.to(torch.float32) for t in ts]).to(device, dtype).contiguous()  # [R, K]
+            parts, col = [], 0
+            for t in ts:  # each target's B alone (no zeros between them): its output columns, its rank's h columns
+                row, r = offsets[SLOTS[t.proj][1]], t.a.shape[0]
+                b = (t.b.to(torch.float32) * t.scaling).to(device, dtype).contiguous()  # [n, r]
+                parts.append((slice(row, row + b.shape[0]), slice(col, col + r), b))
+                col += r
+            self.pairs[(layer, slot)] = (a, parts)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.pairs.values())
+        return sum(a.nbytes + sum(b.nbytes for _, _, b in parts) for a, parts in self.pairs.values())
 
 
 @dataclass(slots=True)
 class LoraRows:
-    """A step's rows grouped by adapter; ``rows`` None: every row of the step."""
+    """A step's rows grouped by adapter: ``(weights, rows)``, rows a ``slice`` where the group's rows are contiguous
+    (the runner orders a step's sequences by adapter so that they are: two small ops per group and linear), else an
+    index tensor (a gather and an ``index_add_``)."""
 
-    groups: list[tuple[LoraWeights, torch.Tensor | None]]
+    groups: list[tuple[LoraWeights, slice | torch.Tensor]]
 
     @classmethod
     def of(cls, adapters: list[LoraWeights | None], query_lens: list[int]) -> LoraRows | None:
@@ -75,15 +82,17 @@ class LoraRows:
         sequence runs an adapter."""
         if not any(w is not None for w in adapters):
             return None
-        if all(w is adapters[0] for w in adapters):
-            return cls([(adapters[0], None)])
         rows: dict[int, tuple[LoraWeights, list[int]]] = {}
         start = 0
         for w, q in zip(adapters, query_lens):
             if w is not None:
                 rows.setdefault(id(w), (w, []))[1].extend(range(start, start + q))
             start += q
-        return cls([(w, torch.tensor(r, dtype=torch.long)) for w, r in rows.values()])
+        groups = []
+        for w, r in rows.values():
+            contiguous = r[-1] - r[0] + 1 == len(r)
+            groups.append((w, slice(r[0], r[-1] + 1) if contiguous else torch.tensor(r, dtype=torch.long)))
+        return cls(groups)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, slot: str) -> torch.Tensor:
         """``y [T, N]`` (the base linear's output of ``x [T, K]``, written in place) plus each group's update."""
@@ -91,11 +100,19 @@ class LoraRows:
             pair = w.pairs.get((layer, slot))
             if pair is None:
                 continue
-            a, b = pair
-            xs = x if rows is None else x.index_select(0, rows)  # [n, K]
-            d = torch.mm(torch.mm(xs.to(torch.float32), a.t()), b.t())  # [n, R] -> [n, N]
-            if rows is None:
-                y.add_(d.to(y.dtype))
+            a, parts = pair
+            dt = w.dtype
+            if isinstance(rows, slice):
+                xs, ys = x[rows], y[rows]  # views: [n, K], [n, N]
+                h = torch.mm(xs if xs.dtype == dt else xs.to(dt), a.t())  # [n, R]
+                for cols, hcols, b in parts:
+                    out = ys[:, cols]  # [n, n_part] view
+                    if out.dtype == dt:
+                        out.addmm_(h[:, hcols], b.t())
+                    else:
+                        out.add_(torch.mm(h[:, hcols], b.t()))
             else:
-                y.index_add_(0, rows, d.to(y.dtype))
+                h = torch.mm(x.index_select(0, rows).to(dt), a.t())  # [n, R]
+                for cols, hcols, b in parts:
+                    y[:, cols].index_add_(0, rows, torch.mm(h[:, hcols], b.t()).to(y.dtype))
         return y
