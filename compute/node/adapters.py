@@ -49,7 +49,7 @@ class AdapterCache:
         self.max_loras, self.max_bytes = max_loras, max_bytes
         self._kept: OrderedDict[AdapterRef, _Kept] = OrderedDict()  # least recently used first
         self._loading: dict[AdapterRef, asyncio.Future] = {}
-        self.loads = 0
+        self.loads, self.last_load_s = 0, 0.0
 
     async def acquire(self, ref: AdapterRef) -> LoraWeights:
         kept = self._kept.get(ref)
@@ -75,9 +75,13 @@ class AdapterCache:
         if kept is not None and kept.users > 0:
             kept.users -= 1
 
-    def names(self) -> dict[str, int]:
-        """Kept adapters (NAME@vN) -> requests running them."""
-        return {r.ref: k.users for r, k in self._kept.items()}
+    def report(self):
+        """What /load says of them (``protocol.LoraLoad``)."""
+        from compute.node.protocol import LoraLoad
+
+        return LoraLoad(kept=[r.ref for r in self._kept], running=[r.ref for r, k in self._kept.items() if k.users],
+                        waiting=[r.ref for r in self._loading], max_loras=self.max_loras, loads=self.loads,
+                        load_seconds=self.last_load_s)  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +116,7 @@ class AdapterCache:
         if adapter.digest() != ref.digest:  # the shards were verified; this checks the whole, as named
             raise BadNodeRequest(f"adapter {ref.ref}: its tensors do not hash to its digest")
         weights = LoraWeights(adapter.targets, self.config, self.device)
-        LOAD_SECONDS.labels(self.model).observe(time.perf_counter() - t0)
+        self.last_load_s = time.perf_counter() - t0
+        LOAD_SECONDS.labels(self.model).observe(self.last_load_s)
         self.loads += 1
         return weights

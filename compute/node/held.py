@@ -183,7 +183,7 @@ class Held:
             progress=self.progress.as_dict(), error=self.error, ready_s=self.ready_s,
             transient_bytes=self.transient_bytes if self.state == "loading" else 0, prefetch=self.prefetch,
             kernels=self.injector.kernel_state() if self.injector is not None else None,
-            graphs=self._graph_state(svc),
+            graphs=self._graph_state(svc), lora=svc.adapters.report() if svc is not None and svc.adapters else None,
             capacity=meter.report() if meter is not None else CapacityMeter(cfg.tpot_target_s, 1).report(),
             **msgspec.structs.asdict(engine),
         )  # fmt: skip

@@ -27,6 +27,11 @@ the models the node holds (``HeldGauges``), so a model unloaded leaves no stale 
   pdserve_node_peer_pulled_blocks_total, _bytes_total{model}  (prompt blocks read from a peer's cache)
   pdserve_node_peer_pull_fallbacks_total{model,reason}     (pulls that failed: the prompt was computed instead)
   pdserve_node_peer_exports_total, _exported_blocks_total{model}  (cached prefixes offered to peers)
+  pdserve_node_lora_load_seconds{model}                    (a LoRA adapter fetched from the store and fused, a miss)
+  pdserve_node_lora_lookups_total{model,result}            (requests naming an adapter: hit | miss)
+  /load's lora per model                                   vllm:lora_requests_info{running_lora_adapters,
+                                                           waiting_lora_adapters,max_lora} (the Gateway API
+                                                           Inference Extension's LoRA-affinity scorer reads it)
 
 Where each is measured: TTFT from a request's arrival on this node to its first token (on a prefill
 node the request's first token; on a decode node its first token after the KV handoff); TPOT between
@@ -36,6 +41,8 @@ remote KV as waiting).
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -152,9 +159,15 @@ class HeldGauges(Collector):
                                       "(pdserve: pdserve_node_requests_running)", labels=vl)  # fmt: skip
         v_waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests queued or importing their KV "
                                       "(pdserve: pdserve_node_requests_waiting)", labels=vl)  # fmt: skip
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters running and waiting, the bound (labels; the "
+                                 "value: when read, s; pdserve: /load's lora)",
+                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora", "model_name"])  # fmt: skip
         for name, m in self.view().models.items():
             if m.state not in ("ready", "draining"):
                 continue
+            if m.lora is not None:  # adapter names as clients ask for them (NAME, not NAME@vN)
+                names = lambda refs: ",".join(sorted({r.split("@")[0] for r in refs}))  # noqa: E731
+                lora.add_metric([names(m.lora.running), names(m.lora.waiting), str(m.lora.max_loras), name], time.time())
             n_used, n_total, n_wait = m.kv_blocks_used, m.kv_blocks_total, m.queued + m.importing
             used.add_metric([name], n_used)
             total.add_metric([name], n_total)
@@ -164,7 +177,7 @@ class HeldGauges(Collector):
             usage.add_metric([name, ENGINE], n_used / n_total if n_total else 0.0)
             v_running.add_metric([name, ENGINE], m.running)
             v_waiting.add_metric([name, ENGINE], n_wait)
-        yield from (used, total, running, waiting, cached, usage, v_running, v_waiting)
+        yield from (used, total, running, waiting, cached, usage, v_running, v_waiting, lora)
 
 
 def host_registry(view) -> CollectorRegistry:

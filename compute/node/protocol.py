@@ -163,10 +163,23 @@ class EngineLoad(msgspec.Struct, kw_only=True):
     peer_pull_fallbacks: int = 0  # peer pulls that failed (the prompt computed instead)
 
 
+class LoraLoad(msgspec.Struct, kw_only=True):
+    """The LoRA adapters one model keeps (compute/node/adapters.py): what routes an adapter's requests to where it is
+    warm, and vLLM's ``vllm:lora_requests_info``."""
+
+    kept: list[str] = []  # NAME@vN in memory now
+    running: list[str] = []  # of them, those requests are running (NAME@vN)
+    waiting: list[str] = []  # being fetched from the store now
+    max_loras: int = 0
+    loads: int = 0  # fetched since start (misses)
+    load_seconds: float = 0.0  # the last fetch's time (store -> fused)
+
+
 class ModelLoad(EngineLoad, kw_only=True):
     """One model's entry in ``LoadReport.models`` (compute/node/held.py ``Held.view``)."""
 
     model: str = ""  # its name, as the key of ``LoadReport.models`` is
+    lora: LoraLoad | None = None  # its adapters (None: it serves none yet)
     state: str = "loading"  # loading | ready | draining | failed
     ref: str | None = None
     weights: str | None = None

@@ -45,13 +45,19 @@ def svc(tmp_path_factory, real_model_store):
             ps.import_adapter(dirs[name], MODEL, name)
     services = Services(store.locations, None, str(tmp_path_factory.mktemp("lora")), TOKEN)
     try:
-        node = services.node("both", kv_blocks=256, model=MODEL, extra=("--weights", "fp32", "--step", "eager"))
+        flags = ("--weights", "fp32", "--step", "eager")
+        node = services.node("both", kv_blocks=256, model=MODEL, extra=flags)
+        prefill = services.node("prefill", kv_blocks=256, model=MODEL, extra=flags)
+        decode = services.node("decode", kv_blocks=256, model=MODEL, extra=flags)
         conf = tmp_path_factory.mktemp("lora-conf") / "pdserve.toml"
         conf.write_text("[gateway]\nmodels_refresh_s = 1.0\n")  # a new adapter version is seen within a second
         gw = services.gateway([("both", node)], env={"PDSERVE_CONFIG": str(conf)})
-        node.wait_ready(), gw.wait_ready()
-        gw.store = store
-        yield {"node": node, "gw": gw, "store": store, "hf": hf, "dirs": dirs, "tmp": tmp_path_factory}
+        split = services.gateway([("prefill", prefill), ("decode", decode)])
+        for p in (node, prefill, decode, gw, split):
+            p.wait_ready()
+        gw.store = split.store = store
+        yield {"node": node, "gw": gw, "split": split, "decode": decode, "store": store, "hf": hf, "dirs": dirs,
+               "tmp": tmp_path_factory}  # fmt: skip
     finally:
         services.stop_all()
 
@@ -107,6 +113,11 @@ def test_each_adapter_answers_as_peft_does_and_the_base_as_itself(svc):
     for name in ADAPTERS:
         assert _text(gw, name, ids) == want[name], name
     assert _text(gw, "tiny-qv", ids) == want["tiny-qv"]  # again: its own cached blocks, the same answer
+    lora = svc["node"].load()["models"][MODEL]["lora"]
+    assert sorted(lora["kept"]) == ["tiny-mlp@v1", "tiny-qv@v1"] and lora["running"] == [] and lora["loads"] == 2
+    info = [line for line in httpx.get(svc["node"].url + "/metrics", timeout=10).text.splitlines()
+            if line.startswith("vllm:lora_requests_info{")]  # fmt: skip
+    assert len(info) == 1 and 'max_lora="16"' in info[0] and 'running_lora_adapters=""' in info[0]
 
 
 def test_mixed_requests_in_one_batch_each_get_their_own_answer(svc):
@@ -117,6 +128,17 @@ def test_mixed_requests_in_one_batch_each_get_their_own_answer(svc):
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         got = list(pool.map(lambda a: _text(gw, *a), zip(names, prompts)))
     assert got == want
+
+
+def test_split_prefill_and_decode_carry_the_adapter_through_the_kv_handoff(svc):
+    """The prefill node computes the prompt's KV under the adapter, the decode node continues under it: both fetch
+    it from the store on their first request; the answer is PEFT's."""
+    hf, split = svc["hf"], svc["split"]
+    ids = random.Random(7).choices(range(200, 40000), k=37)
+    for name in ("tiny-mlp", MODEL, "tiny-qv"):
+        assert _text(split, name, ids) == _decoded(split, _reference(hf, svc["dirs"].get(name), ids)), name
+    metrics = httpx.get(svc["decode"].url + "/metrics", timeout=10).text
+    assert 'pdserve_node_lora_lookups_total{model="tiny-lora-base",result="miss"} 2.0' in metrics
 
 
 def test_models_lists_adapters_with_their_parent_and_the_openai_client_names_one(svc):
