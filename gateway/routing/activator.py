@@ -52,18 +52,19 @@ class Activator:
         self._tasks: set[asyncio.Task] = set()
 
     def route(self, model: str | None, exclude: frozenset[str] | set[str] = frozenset(),
-              prompt: list[int] | None = None, salt: str | None = None) -> Route | None:  # fmt: skip
+              prompt: list[int] | None = None, salt: str | None = None, adapter: str | None = None) -> Route | None:  # fmt: skip
         """A route for `model` now (None: any node, the one-model gateway of old), or None. With the request's
         `prompt` (and `cache_salt`), scored by each node's cached prefix too (the registry's prefix index),
-        and the prompt's blocks recorded on the node chosen (what this gateway sent where)."""
+        and the prompt's blocks recorded on the node chosen (what this gateway sent where); ``adapter``: the
+        request's LoRA adapter (NAME@vN), warm where a node keeps it."""
         views = self.registry.views(model or None)
         index = getattr(self.registry, "index", None)
         match = index.match(model, prompt, salt) if index is not None and model and prompt else None
         hits, n = (match.hits, len(prompt)) if match is not None else ({}, len(prompt or ()))
         pull = self.pull if match is not None else None
-        route = pick(views, exclude, hits, n, pull=pull)
+        route = pick(views, exclude, hits, n, pull=pull, adapter=adapter)
         if route is None and exclude:  # every node failed once: allow them again rather than give up
-            route = pick(views, frozenset(), hits, n, pull=pull)
+            route = pick(views, frozenset(), hits, n, pull=pull, adapter=adapter)
         if route is not None and match is not None:
             index.record(match, route.both or route.prefill)
         return route
@@ -72,10 +73,10 @@ class Activator:
         return sum(self.held.values())
 
     async def hold(self, model: str | None, deadline: float, exclude: frozenset[str] | set[str] = frozenset(),
-                   prompt: list[int] | None = None, salt: str | None = None) -> Route:  # fmt: skip
+                   prompt: list[int] | None = None, salt: str | None = None, adapter: str | None = None) -> Route:  # fmt: skip
         """A route for `model` (by `prompt`'s cached prefix too: ``route``), waiting (held) until `deadline`
         (monotonic) for one; else NotPlaced."""
-        route = self.route(model, exclude, prompt, salt)
+        route = self.route(model, exclude, prompt, salt, adapter)
         if route is not None:
             return route
         key = model or ""
@@ -90,10 +91,10 @@ class Activator:
                 if left <= 0:
                     raise self._not_placed(key, self.clock() - t0)
                 await self.registry.wait_changed(min(left, self.poll_s))
-                route = self.route(model, exclude, prompt, salt)
+                route = self.route(model, exclude, prompt, salt, adapter)
                 if route is None:
                     await self.registry.poll_stale(self.poll_s)
-                    route = self.route(model, exclude, prompt, salt)
+                    route = self.route(model, exclude, prompt, salt, adapter)
                 if route is not None:
                     log.info("model %s: held request routed after %.2f s", key or "-", self.clock() - t0)
                     return route

@@ -116,7 +116,9 @@ class NodeState:
                         queued_prompt_tokens=max(0, m.queued_prompt_tokens + tokens),
                         running=max(0, m.running + streams), kv_blocks_free=m.kv_blocks_free,
                         kv_block_bytes=m.kv_bytes // m.kv_blocks_total if m.kv_blocks_total else 0,
-                        prefill_tokens_per_s=float(m.capacity.get("prefill_tokens_per_s") or 0.0))  # fmt: skip
+                        prefill_tokens_per_s=float(m.capacity.get("prefill_tokens_per_s") or 0.0),
+                        adapters=frozenset(m.lora.kept) if m.lora else frozenset(),
+                        adapter_load_s=m.lora.load_seconds if m.lora else 0.0)  # fmt: skip
 
     def opened(self, model: str | None, tokens: int = 0, streams: int = 0) -> None:
         """This gateway sent (positive) or saw end (negative) `tokens` prompt tokens / `streams` streams here."""

@@ -89,7 +89,8 @@ class Relay:
         def hold():  # scored by the prompt's cached prefix too (router.py), unless the node will take none of it
             sp = req.params  # (a request for prompt logprobs computes every prompt row: compute/engine/prefix_cache.py)
             prompt = req.prompt_ids if sp.prompt_logprobs is None else None
-            return self.activator.hold(req.model or None, req.deadline, exclude, prompt, sp.hash_salt)
+            return self.activator.hold(req.model or None, req.deadline, exclude, prompt, sp.hash_salt,
+                                         sp.adapter.ref if sp.adapter is not None else None)
 
         if aff is None or req.attempts or exclude:
             return await hold()

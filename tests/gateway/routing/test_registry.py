@@ -44,3 +44,14 @@ def test_other_work_on_the_node_still_counts_and_the_view_never_goes_below_zero(
     assert reg.views("m")[0].queued_prompt_tokens == 0
     with reg.sending("http://127.0.0.1:9", "m", tokens=50):  # a node not (or no longer) known: nothing counted
         assert reg.views("m")[0].queued_prompt_tokens == 0
+
+
+def test_the_view_carries_the_adapters_a_node_keeps_as_its_load_reports_them():
+    reg = NodeRegistry(token=None)
+    reg.add("http://127.0.0.1:1", "both")
+    polled(reg, "http://127.0.0.1:1", "m", queued=0, running=0)
+    assert reg.views("m")[0].adapters == frozenset()
+    lora = P.LoraLoad(kept=["style@v2", "terse@v1"], max_loras=16, loads=2, load_seconds=0.04)
+    reg.nodes["http://127.0.0.1:1"].load.models["m"].lora = lora
+    view = reg.views("m")[0]
+    assert view.adapters == {"style@v2", "terse@v1"} and view.adapter_load_s == 0.04

@@ -148,3 +148,28 @@ def test_a_nodes_own_measured_prefill_rate_decides_over_the_default():
     nodes = [B("holder", q=5000, kv_block_bytes=BLOCK), B("fast", kv_block_bytes=BLOCK, prefill_tokens_per_s=2000.0)]
     assert pick(nodes, hits={"holder": 64}, prompt_tokens=100, pull=slow_default).pull_from is None  # 4 blocks: 49 ms > 32
     assert pick(nodes, hits={"holder": 960}, prompt_tokens=1000, pull=slow_default).pull_from == "holder"
+
+
+def test_an_adapters_request_goes_where_it_is_kept_until_that_node_is_busier_than_a_fetch_costs():
+    warm = NodeView("http://a", "both", adapters=frozenset({"style@v2"}), prefill_tokens_per_s=1000.0,
+                    kv_blocks_free=64)  # fmt: skip
+    cold = NodeView("http://b", "both", prefill_tokens_per_s=1000.0, kv_blocks_free=64, adapter_load_s=0.08)
+    assert pick([warm, cold], prompt_tokens=20, adapter="style@v2").both == "http://a"
+    assert pick([warm, cold], prompt_tokens=20, adapter="style@v1").both == "http://a"  # neither: the url tie-break
+    # the fetch costs the cold node 0.08 s x 1000 tokens/s = 80 prefill tokens: a warm queue past that goes there
+    busy = NodeView("http://a", "both", adapters=frozenset({"style@v2"}), prefill_tokens_per_s=1000.0,
+                    kv_blocks_free=64, queued_prompt_tokens=81)  # fmt: skip
+    assert pick([busy, cold], prompt_tokens=20, adapter="style@v2").both == "http://b"
+    assert prefill_cost(cold, 20, adapter="style@v2") == 20 + 80 and prefill_cost(cold, 20) == 20  # the base: none
+    default = NodeView("http://c", "both")  # nothing measured: the default fetch time at the default prefill rate
+    assert prefill_cost(default, 0, adapter="x@v1") == Weights().adapter_load_s * PullCost().prefill_tokens_per_s
+
+
+def test_a_decode_node_keeping_the_adapter_is_preferred_over_slightly_more_free_blocks():
+    p = NodeView("http://p", "prefill", adapters=frozenset({"s@v1"}))
+    warm = NodeView("http://d1", "decode", kv_blocks_free=60, adapters=frozenset({"s@v1"}), prefill_tokens_per_s=1000)
+    cold = NodeView("http://d2", "decode", kv_blocks_free=62, prefill_tokens_per_s=1000)  # 50 tokens = 3 blocks
+    assert pick([p, warm, cold], adapter="s@v1").decode == "http://d1"
+    assert pick([p, warm, cold]).decode == "http://d2"  # the base: the most free blocks
+    roomy = NodeView("http://d2", "decode", kv_blocks_free=70, prefill_tokens_per_s=1000)
+    assert pick([p, warm, roomy], adapter="s@v1").decode == "http://d2"  # a fetch's worth of blocks is bounded
