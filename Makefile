@@ -38,8 +38,13 @@ DTYPE ?= int8
 # class after ready, in a builder process)
 STEP ?= auto
 PIDFILE := .pdserve/up.pid
+# the demo's LoRA adapter of SmolLM2 (benchmarks/demo_adapter.py: trained here once with PEFT, about a minute on
+# 2 cores, then imported beside the model): a request naming it answers in a pirate's voice
+ADAPTER ?= $(MODEL)-pirate
+ADAPTER_DIR := .pdserve/adapters/pirate
 
-# set-up, import SmolLM2 (once), start the service in the background, ask one question
+# set-up, import SmolLM2 (once), start the service in the background, ask one question; then the same through
+# the demo's LoRA adapter (trained and imported once)
 demo: $(STAMP)
 	@$(VENV)/bin/paramstore -q show $(MODEL) >/dev/null 2>&1 || \
 	  $(VENV)/bin/paramstore import "$$($(PY) -m paramstore.realmodel)" --name $(MODEL) --dtype $(DTYPE)
@@ -48,6 +53,12 @@ demo: $(STAMP)
 	@if [ -f $(PIDFILE) ] && kill -0 $$(cat $(PIDFILE)) 2>/dev/null; then echo "service already running (pid $$(cat $(PIDFILE)))"; \
 	else nohup $(VENV)/bin/pdserve up --model $(MODEL) --port $(PORT) --step $(STEP) > .pdserve/logs/up.log 2>&1 & echo $$! > $(PIDFILE); fi
 	$(VENV)/bin/pdserve chat "What is the capital of France?" --url http://127.0.0.1:$(PORT) --model $(MODEL)
+	@if [ "$(MODEL)" = smollm2 ]; then \
+	  $(VENV)/bin/paramstore -q show $(ADAPTER) >/dev/null 2>&1 || { \
+	    test -f $(ADAPTER_DIR)/adapter_model.safetensors || $(PY) -m benchmarks.demo_adapter $(ADAPTER_DIR); \
+	    $(VENV)/bin/paramstore import-adapter $(ADAPTER_DIR) --base $(MODEL) --name $(ADAPTER); }; \
+	  echo "the same model with the LoRA adapter $(ADAPTER):"; \
+	  $(VENV)/bin/pdserve chat "What is the capital of Italy?" --url http://127.0.0.1:$(PORT) --model $(ADAPTER); fi
 	@echo "the service keeps running on http://127.0.0.1:$(PORT)/v1 (logs: .pdserve/logs/); stop it with: make stop"
 
 STOP_TIMEOUT ?= 60

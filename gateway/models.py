@@ -88,13 +88,15 @@ class ModelCatalogue:
         self._loading: dict[str, asyncio.Future] = {}
         self._listed: list[str] = list(self._texts)
         self._listed_at = 0.0
+        self._bases: dict[str, tuple[int, str | None]] = {}  # store name -> (latest version, its base if an adapter)
         self._lock = threading.Lock()  # listing may run in a worker thread
 
     # --- which models ------------------------------------------------------------------------
     @property
     def names(self) -> list[str]:
-        """The served model names, in config order (else the store's, sorted)."""
-        names = self.fixed or self._listed
+        """The served model names, in config order (else the store's, sorted); with a configured list, the store's
+        LoRA adapters of those models too."""
+        names = self.fixed + [n for n in self._listed if n not in self.fixed] if self.fixed else self._listed
         return [n for n in names if n not in self._unservable]
 
     def relist(self) -> list[str]:
@@ -102,12 +104,13 @@ class ModelCatalogue:
         if self.store is None:
             return self.names
         self._recheck()
-        if self.fixed:
-            self._listed_at = time.monotonic()
-            return self.names
         try:
             versions = self.store.models()
             listed = sorted(versions)
+            if self.fixed:  # the configured models, and the adapters of those
+                served = {f.split("@")[0] for f in self.fixed}
+                listed = self.fixed + [n for n in listed if n not in self.fixed
+                                       and (self._base(n, versions[n][-1]) or "").split("@")[0] in served]
         except Exception as e:  # noqa: BLE001 - a store that does not answer keeps the last listing
             log.warning("listing the store's models failed: %s", e)
             versions, listed = {}, self._listed
@@ -126,9 +129,21 @@ class ModelCatalogue:
     async def refresh(self, force: bool = False) -> None:
         """List the store again if the last listing is older than refresh_s (or `force`: a miss)."""
         age = time.monotonic() - self._listed_at
-        if (self.fixed and not self._refused) or self.store is None or age < (MISS_RELIST_S if force else self.refresh_s):
+        if self.store is None or age < (MISS_RELIST_S if force else self.refresh_s):
             return
         await asyncio.to_thread(self.relist)
+
+    def _base(self, name: str, version: int) -> str | None:
+        """(worker thread) The base of ``name``'s latest version if it is an adapter (its manifest read once per
+        version); None for a model or a manifest that cannot be read now."""
+        known = self._bases.get(name)
+        if known is None or known[0] != version:
+            try:
+                m = self.store.manifest(f"{name}@v{version}")
+            except Exception:  # noqa: BLE001 - unreadable now: not served as an adapter until it reads
+                return None
+            known = self._bases[name] = (version, m.adapter["base"] if m.adapter is not None else None)
+        return known[1]
 
     def _recheck(self) -> None:
         """(worker thread) Read each refused model again: served again once it verifies."""

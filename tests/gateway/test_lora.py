@@ -180,3 +180,18 @@ def test_an_adapter_imported_while_serving_is_served_and_a_new_version_replaces_
     assert got == want  # v2's weights, and none of v1's cached KV
     loads = httpx.get(node.url + "/metrics", timeout=10).text
     assert 'pdserve_node_lora_load_seconds_count{model="tiny-lora-base"}' in loads
+
+
+def test_a_gateway_serving_a_listed_model_serves_its_adapters_too(svc, tmp_path):
+    """`pdserve up --model M` lists M: its adapters are served beside it, other models are not."""
+    from gateway.models import ModelCatalogue
+    from paramstore import ParamStore
+
+    with ParamStore(svc["store"]) as ps:
+        cat = ModelCatalogue(ps, [MODEL])
+        assert cat.names == [MODEL]
+        cat.relist()
+        assert cat.names[0] == MODEL and {"tiny-qv", "tiny-mlp"} <= set(cat.names)
+        other = ModelCatalogue(ps, ["some-other-model"])
+        other.relist()
+        assert other.names == ["some-other-model"]  # no adapter of it in the store
