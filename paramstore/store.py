@@ -9,11 +9,13 @@ on-disk layout, ``writer`` for the import lifecycle, ``reader`` for reads.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from . import adapters as _adapters
 from . import writer as _writer
 from .catalog import Catalog
 from .config import StoreConfig, parse_ref
@@ -78,26 +80,34 @@ class ParamStore:
         manifest, summary, w = _writer.build_manifest(
             self.config, self.locations, self.pool, source, name, dtype, progress
         )
-        try:
-            w.check_landed(manifest.shards)
-            manifest = self.catalog.publish(manifest)
-        except BaseException:
-            self._discard(w)
-            raise
+        manifest = self._publish(manifest, w)
         return ImportResult(manifest, summary.as_dict() if _writer.DTYPES[dtype] is None else None, time.perf_counter() - t0)
 
     def import_adapter(self, src, base: str, name: str, progress=None, k: int | None = None,
                        m: int | None = None) -> ImportResult:  # fmt: skip
-        """Import a PEFT LoRA adapter of model ``base`` (NAME or NAME@vN) as a new version of ``name``."""
-        from .adapters import import_adapter
-
-        return import_adapter(self, src, base, name, progress, k, m)
+        """Import a PEFT LoRA adapter of model ``base`` (NAME or NAME@vN) as a new version of ``name`` (see adapters'
+        lifecycle); ``k``/``m``: its erasure code (None: the base's)."""
+        t0 = time.perf_counter()
+        base_m = self.manifest(base)  # NotFound names it
+        _adapters.check_names(name, base_m, self.models(), self.manifest)
+        config = dataclasses.replace(self.config, k=k or base_m.k, m=m or base_m.m)  # validated as it is made
+        manifest, w = _adapters.build(config, self.locations, self.pool, src, base_m, name, progress)
+        return ImportResult(self._publish(manifest, w), None, time.perf_counter() - t0)
 
     def adapter(self, ref: str | Manifest, cache=None):
-        """A stored adapter's ``LoraAdapter`` (paramstore/lora.py)."""
-        from .adapters import read_adapter
+        """A stored adapter's ``LoraAdapter`` (paramstore/lora.py), read through ``cache`` if given."""
+        m = ref if isinstance(ref, Manifest) else self.manifest(ref)
+        with self.reader(m, cache=cache) as r:
+            return _adapters.read(m, r)
 
-        return read_adapter(self, ref, cache)
+    def _publish(self, manifest: Manifest, w: _writer.ShardWriter) -> Manifest:
+        """Step 4 of an import: every fragment landed, then the manifest; a failure discards what was written."""
+        try:
+            w.check_landed(manifest.shards)
+            return self.catalog.publish(manifest)
+        except BaseException:
+            self._discard(w)
+            raise
 
     def _discard(self, w: _writer.ShardWriter) -> None:
         """Best effort after a failed import: remove fragments no published manifest uses."""
