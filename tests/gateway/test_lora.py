@@ -6,6 +6,7 @@ for an adapter's prompt would answer otherwise."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import random
 
 import httpx
@@ -195,3 +196,31 @@ def test_a_gateway_serving_a_listed_model_serves_its_adapters_too(svc, tmp_path)
         other = ModelCatalogue(ps, ["some-other-model"])
         other.relist()
         assert other.names == ["some-other-model"]  # no adapter of it in the store
+
+
+def test_an_adapter_with_n_logprobs_a_json_grammar_and_streaming(svc):
+    """The request features run under an adapter as on the base: n > 1 (forked choices share the adapter's prompt
+    KV), logprobs, a JSON grammar, a stream; greedy choices equal PEFT's answer."""
+    hf, gw = svc["hf"], svc["gw"]
+    ids = random.Random(11).choices(range(200, 40000), k=30)
+    want = _decoded(gw, _reference(hf, svc["dirs"]["tiny-mlp"], ids))
+    r = httpx.post(gw.url + "/v1/completions", json={"model": "tiny-mlp", "prompt": ids, "max_tokens": STEPS, "n": 2,
+                                                     "temperature": 0, "ignore_eos": True, "logprobs": 2},
+                   timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["text"] for c in choices] == [want, want]
+    assert all(len(c["logprobs"]["top_logprobs"]) == STEPS for c in choices)
+    r = httpx.post(gw.url + "/v1/chat/completions", json={"model": "tiny-qv", "max_tokens": 24, "temperature": 0,
+                                                          "messages": [{"role": "user", "content": "hi"}],
+                                                          "response_format": {"type": "json_object"}},
+                   timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    assert text.lstrip().startswith("{")  # the grammar held under the adapter (24 tokens may end mid-object)
+    with httpx.stream("POST", gw.url + "/v1/completions", json={"model": "tiny-qv", "prompt": ids, "stream": True,
+                                                                "max_tokens": STEPS, "temperature": 0,
+                                                                "ignore_eos": True}, timeout=120) as s:  # fmt: skip
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
+                           if line.startswith("data: {"))  # fmt: skip
+    assert streamed == _decoded(gw, _reference(hf, svc["dirs"]["tiny-qv"], ids))
