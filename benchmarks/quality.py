@@ -50,11 +50,13 @@ def reference_texts() -> dict[str, str]:
     return texts
 
 
-def logprobs(model, ids: list[int], chunk: int) -> torch.Tensor:
+def logprobs(model, ids: list[int], chunk: int, lora=None) -> torch.Tensor:
     """Next-token log-probabilities ``[len(ids), V]`` through our model, ``chunk`` tokens per forward, over
-    the KV cache dtype a node serves it with (``auto``: bf16 for int8 weights, fp32 for fp32 weights)."""
+    the KV cache dtype a node serves it with (``auto``: bf16 for int8 weights, fp32 for fp32 weights); ``lora``: a
+    LoRA adapter's weights (compute/modeling/lora.py) applied to every row."""
     from compute.modeling.batch import ForwardBatch
     from compute.modeling.kv_cache import KVCache, kv_dtype
+    from compute.modeling.lora import LoraRows
 
     bs = 16
     dtype = kv_dtype("auto", model.dtype, bool(model.kernel_modules()))
@@ -63,6 +65,7 @@ def logprobs(model, ids: list[int], chunk: int) -> torch.Tensor:
     out = []
     for start in range(0, len(ids), chunk):
         fb = ForwardBatch.build([ids[start : start + chunk]], [start], [table], bs, all_logits=True)
+        fb.lora = LoraRows.of([lora], [len(ids[start : start + chunk])])
         out.append(model(fb, cache).log_softmax(-1))
     return torch.cat(out)
 
@@ -85,6 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="int8 model (imported from the GGUF if absent)")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per text at most")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter of the model (e.g. make demo's "
+                   ".pdserve/adapters/pirate): both fp32 and int8 run with it (int8 + adapter vs fp32 + adapter)")
     p.add_argument("--out", default="bench-results/quality.json")
 
 
@@ -107,20 +112,27 @@ def main(args: argparse.Namespace) -> int:
             inj.wait()  # raises if the load failed
             models[weights] = inj
     bundle = models["fp32"].bundle
+    lora = {w: None for w in models}
+    if args.adapter:  # the same adapter on both: what int8 weights cost an adapter's output
+        from compute.modeling.lora import LoraWeights
+        from paramstore.lora import check, read_peft
+
+        targets = check(*read_peft(args.adapter), models["fp32"].manifest.config).targets
+        lora = {w: LoraWeights(targets, inj.model.config) for w, inj in models.items()}
     rows = []
     for name, text in reference_texts().items():
         ids = bundle.encode(text)[: args.max_tokens]
-        ref = logprobs(models["fp32"].model, ids, len(ids))
+        ref = logprobs(models["fp32"].model, ids, len(ids), lora["fp32"])
         row = {"text": name, "tokens": len(ids), "ppl_fp32": perplexity(ref, ids)}
         for path, chunk in (("prefill", len(ids)), ("decode", DECODE_CHUNK)):
-            lp = logprobs(models["int8"].model, ids, chunk)
+            lp = logprobs(models["int8"].model, ids, chunk, lora["int8"])
             kl, top1 = compare(ref, lp)
             row |= {f"ppl_int8_{path}": perplexity(lp, ids), f"kl_{path}": kl, f"top1_{path}": top1}
         rows.append(row)
         _print_row(row, header=len(rows) == 1)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"model": args.model, "rows": rows}, f, indent=2)
+        json.dump({"model": args.model, "adapter": args.adapter, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
