@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -16,7 +17,7 @@ import torch
 from compute.node.launcher import Services
 from tests.conftest import import_tiny_chat_models, tiny_chat_config, tiny_llama_tensors
 from tests.lora import save_peft_adapter
-from tests.services import TOKEN, wait_for
+from tests.services import TOKEN, node_generate, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-lora-base"
@@ -224,3 +225,32 @@ def test_an_adapter_with_n_logprobs_a_json_grammar_and_streaming(svc):
         streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
                            if line.startswith("data: {"))  # fmt: skip
     assert streamed == _decoded(gw, _reference(hf, svc["dirs"]["tiny-qv"], ids))
+
+
+def test_an_adapters_requests_go_to_the_node_that_keeps_it(tmp_path_factory, svc):
+    """Two idle `both` nodes, the adapter kept on the one the tie-break would not pick (the higher URL): the
+    gateway's requests for it go there (the other would pay the fetch); checked failing with the fetch cost off."""
+    from paramstore import ParamStore
+
+    services = Services(svc["store"].locations, None, str(tmp_path_factory.mktemp("lora-route")), TOKEN)
+    try:
+        flags = ("--weights", "fp32", "--step", "eager")
+        a, b = (services.node("both", kv_blocks=256, model=MODEL, extra=flags) for _ in range(2))
+        gw = services.gateway([("both", a), ("both", b)])
+        for p in (a, b, gw):
+            p.wait_ready()
+        gw.store = svc["store"]
+        low, high = sorted((a, b), key=lambda n: n.url)
+        with ParamStore(svc["store"]) as ps:
+            ref = {"ref": "tiny-qv@v1", "digest": ps.manifest("tiny-qv@v1").adapter["digest"]}
+        node_generate(high, "warm-1", [300, 301, 302], 2, adapter=ref)  # the adapter fetched there, not via the gateway
+        lora = lambda n: n.load()["models"][MODEL].get("lora") or {}  # noqa: E731
+        assert lora(high)["kept"] == ["tiny-qv@v1"]
+        time.sleep(1.5)  # the gateway's next /load polls (every 0.5 s) see it
+        for seed in range(5):  # one at a time: both nodes idle, only the adapter tells them apart
+            _text(gw, "tiny-qv", random.Random(100 + seed).choices(range(200, 40000), k=20))
+        assert lora(low).get("loads", 0) == 0 and lora(high)["loads"] == 1
+        _text(gw, MODEL, [400, 401, 402])  # the base: the tie-break's node, as before
+        assert low.load()["models"][MODEL]["prefix_queries"] > 0
+    finally:
+        services.stop_all()
