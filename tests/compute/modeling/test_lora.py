@@ -109,10 +109,10 @@ def test_rank_is_not_padded_and_no_zeros_are_kept(setup):
     hf, d, ours, dirs = setup
     w = _weights(d, dirs["all-patterns"])
     a, parts = w.pairs[(1, "qkv")]
-    assert a.shape == (4 + 2 + 4, 64)  # q r4, k r2 (rank_pattern), v r4 stacked: one matmul for h
+    assert a.shape == (64, 4 + 2 + 4)  # A^T: q r4, k r2 (rank_pattern), v r4 stacked: one matmul for h
     assert [(c.start, c.stop, h.start, h.stop, tuple(b.shape)) for c, h, b in parts] == [
-        (0, 64, 0, 4, (64, 4)), (64, 96, 4, 6, (32, 2)), (96, 128, 6, 10, (32, 4))]  # each B its own, no zeros
-    assert w.pairs[(0, "down")][0].shape == (8, 160)  # down_proj's own rank 8, the others' 4 untouched
+        (0, 64, 0, 4, (4, 64)), (64, 96, 4, 6, (2, 32)), (96, 128, 6, 10, (4, 32))]  # each B^T its own, no zeros
+    assert w.pairs[(0, "down")][0].shape == (160, 8)  # down_proj's own rank 8, the others' 4 untouched
     qv = _weights(d, dirs["qv-r4"])
     assert set(qv.pairs) == {(0, "qkv"), (1, "qkv")}
     assert [c for c, _, _ in qv.pairs[(0, "qkv")][1]] == [slice(0, 64), slice(96, 128)]  # k's rows untouched
