@@ -34,7 +34,7 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, scored: list[bool], loras: list | None = None):
         """Logits of ``batch``: a pure-decode batch through a compiled step graph where one covers it, else eager
         (always with an adapter: ``loras``, each sequence's LoraWeights or None, compute/modeling/lora.py)."""
-        lora = LoraRows.of(loras, [len(s.token_ids) for s in batch.seqs]) if loras else None
+        lora = LoraRows.of(loras, [len(s.token_ids) for s in batch.seqs]) if loras else None  # sorted by run()
         if (self.graphs is not None and lora is None and not any(scored)
                 and all(len(s.token_ids) == 1 for s in batch.seqs)):  # fmt: skip
             logits = self.graphs.decode([s.token_ids[0] for s in batch.seqs], [s.start_pos for s in batch.seqs],

@@ -11,12 +11,14 @@ kept transposed and contiguous: ``mm(x, A^T)`` on a transposed view of ``A`` too
 5.7 us for 4 x 576 x 192, 2 threads).
 
 so a fused linear takes one matmul for ``h`` and one per target for the update, and no zeros are kept or read (the
-pairs are read every step: their bytes are what adapters cost a memory-bound decode).
+pairs are read every step).
 
-A step's rows are grouped by adapter (``LoraRows``: ``[(weights, rows [n] long)]``; base rows are in no group).
-Each group costs a gather of its rows, two matmuls of its own rank (none padded to the largest in the batch) and
-one ``index_add_`` into the base linear's output, whose kernels (int8, int4, bf16) are unchanged. The update is
-computed in fp32 and added in the output's dtype.
+A step's rows are grouped by adapter (``LoraRows``: ``[(weights, rows slice)]``; base rows are in no group; the
+runner puts each adapter's sequences next to each other). Each group costs one matmul of its own rank for ``h`` and
+one per target for the update (no rank padded to the largest in the batch), added in place into the base linear's
+output, whose kernels (int8, int4, bf16) are unchanged. The update is computed in fp32 and added in the output's
+dtype. At a few rows per adapter these small calls, not the pairs' bytes, are what adapters cost a decode step
+(docs/benchmarks.md, ``pdserve bench lora``).
 """
 
 from __future__ import annotations
@@ -41,27 +43,25 @@ def part_sizes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 class LoraWeights:
     """One adapter's pairs, fused as the model's linears are (see the module's docstring)."""
 
-    def __init__(self, targets, config: ModelConfig, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+    def __init__(self, targets, config: ModelConfig, device: torch.device | str = "cpu") -> None:
         """``targets``: objects with ``layer``, ``proj``, ``a [r, K]``, ``b [N, r]``, ``scaling``
-        (``paramstore.lora.LoraTarget``); ``dtype``: of the pairs kept and multiplied (the update is added in the
-        base's output dtype)."""
+        (``paramstore.lora.LoraTarget``). The pairs are kept and multiplied in fp32 (bf16 was slower on the CPU at
+        these sizes); the update is added in the base's output dtype."""
         sizes = part_sizes(config)
         grouped: dict[tuple[int, str], list] = {}
         for t in targets:
             grouped.setdefault((t.layer, SLOTS[t.proj][0]), []).append(t)
-        self.dtype = dtype
         self.pairs: dict[tuple[int, str], tuple[torch.Tensor, list[tuple[slice, slice, torch.Tensor]]]] = {}
         for (layer, slot), ts in grouped.items():
             ts.sort(key=lambda t: SLOTS[t.proj][1])
             offsets = [0]
             for n in sizes[slot]:
                 offsets.append(offsets[-1] + n)
-            a = torch.cat([t.a.to(torch.float32) for t in ts]).t().to(device, dtype).contiguous()  # A^T [K, R]
+            a = torch.cat([t.a.to(torch.float32) for t in ts]).t().to(device).contiguous()  # A^T [K, R]
             parts, col = [], 0
             for t in ts:  # each target's B alone (no zeros between them): its output columns, its rank's h columns
                 row, r = offsets[SLOTS[t.proj][1]], t.a.shape[0]
-                b = (t.b.to(torch.float32) * t.scaling).t().to(device, dtype).contiguous()  # B^T [r, n]
+                b = (t.b.to(torch.float32) * t.scaling).t().to(device).contiguous()  # B^T [r, n]
                 parts.append((slice(row, row + b.shape[1]), slice(col, col + r), b))
                 col += r
             self.pairs[(layer, slot)] = (a, parts)
@@ -73,29 +73,27 @@ class LoraWeights:
 
 @dataclass(slots=True)
 class LoraRows:
-    """A step's rows grouped by adapter: ``(weights, rows)``, rows a ``slice`` where the group's rows are contiguous
-    (the runner orders a step's sequences by adapter so that they are: two small ops per group and linear), else an
-    index tensor (a gather and an ``index_add_``)."""
+    """A step's rows grouped by adapter: ``(weights, rows)``, each adapter's rows one slice (the runner orders a
+    step's sequences by adapter: ``ModelRunner.run``), so a group costs views and no gather."""
 
-    groups: list[tuple[LoraWeights, slice | torch.Tensor]]
+    groups: list[tuple[LoraWeights, slice]]
 
     @classmethod
     def of(cls, adapters: list[LoraWeights | None], query_lens: list[int]) -> LoraRows | None:
         """Sequence ``i`` brings ``query_lens[i]`` rows and runs ``adapters[i]`` (None: the base); None if no
-        sequence runs an adapter."""
-        if not any(w is not None for w in adapters):
-            return None
-        rows: dict[int, tuple[LoraWeights, list[int]]] = {}
+        sequence runs an adapter. ValueError if one adapter's sequences are not next to each other."""
+        groups: list[tuple[LoraWeights, slice]] = []
         start = 0
         for w, q in zip(adapters, query_lens):
             if w is not None:
-                rows.setdefault(id(w), (w, []))[1].extend(range(start, start + q))
+                if groups and groups[-1][0] is w and groups[-1][1].stop == start:
+                    groups[-1] = (w, slice(groups[-1][1].start, start + q))
+                elif any(g is w for g, _ in groups):
+                    raise ValueError("an adapter's sequences must be next to each other in the batch")
+                else:
+                    groups.append((w, slice(start, start + q)))
             start += q
-        groups = []
-        for w, r in rows.values():
-            contiguous = r[-1] - r[0] + 1 == len(r)
-            groups.append((w, slice(r[0], r[-1] + 1) if contiguous else torch.tensor(r, dtype=torch.long)))
-        return cls(groups)
+        return cls(groups) if groups else None
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, slot: str) -> torch.Tensor:
         """``y [T, N]`` (the base linear's output of ``x [T, K]``, written in place) plus each group's update."""
@@ -104,18 +102,12 @@ class LoraRows:
             if pair is None:
                 continue
             a, parts = pair
-            dt = w.dtype
-            if isinstance(rows, slice):
-                xs, ys = x[rows], y[rows]  # views: [n, K], [n, N]
-                h = torch.mm(xs if xs.dtype == dt else xs.to(dt), a)  # [n, R]
-                for cols, hcols, b in parts:
-                    out = ys[:, cols]  # [n, n_part] view
-                    if out.dtype == dt:
-                        out.addmm_(h[:, hcols], b)
-                    else:
-                        out.add_(torch.mm(h[:, hcols], b))
-            else:
-                h = torch.mm(x.index_select(0, rows).to(dt), a)  # [n, R]
-                for cols, hcols, b in parts:
-                    y[:, cols].index_add_(0, rows, torch.mm(h[:, hcols], b).to(y.dtype))
+            xs, ys = x[rows], y[rows]  # views: [n, K], [n, N]
+            h = torch.mm(xs.float(), a)  # [n, R] (no copy when xs is fp32)
+            for cols, hcols, b in parts:
+                out = ys[:, cols]  # [n, n_part] view
+                if out.dtype == torch.float32:
+                    out.addmm_(h[:, hcols], b)
+                else:
+                    out.add_(torch.mm(h[:, hcols], b))
         return y

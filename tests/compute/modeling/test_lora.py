@@ -96,13 +96,15 @@ def test_mixed_batch_rows_get_what_they_get_alone(setup):
     hf, d, ours, dirs = setup
     rng = random.Random(5)
     ws = [_weights(d, dirs[n]) for n in ADAPTERS]
-    prompts = [rng.choices(range(BASE["vocab_size"]), k=k) for k in (9, 14, 5, 11, 7)]
-    adapters = [ws[0], None, ws[1], ws[2], ws[0]]
+    prompts = [rng.choices(range(BASE["vocab_size"]), k=k) for k in (9, 7, 14, 5, 11)]
+    adapters = [ws[0], ws[0], None, ws[1], ws[2]]  # each adapter's sequences together, as the runner orders them
     mixed = _last_logits(ours, prompts, adapters)
     for i, (p, w) in enumerate(zip(prompts, adapters)):
         alone = _last_logits(ours, [p], [w])[0]
         assert (mixed[i] - alone).abs().max() <= 1e-5, i
     assert (mixed[0] - _last_logits(ours, [prompts[0]], [None])[0]).abs().max() > 0.05  # the adapter applied
+    with pytest.raises(ValueError, match="next to each other"):  # rows of one adapter apart: refused, not wrong
+        LoraRows.of([ws[0], None, ws[0]], [3, 2, 4])
 
 
 def test_rank_is_not_padded_and_no_zeros_are_kept(setup):
