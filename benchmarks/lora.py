@@ -64,12 +64,12 @@ def _peft_dir(path: str, config: dict, rank: int, seed: int) -> None:
 
 def _weights(config: dict, model_config, rank: int, seed: int):
     """An adapter's fused pairs, as a node holds them, without the store."""
-    from compute.modeling.lora import LoraWeights
+    from compute.modeling.lora import LoraWeights, pair_dtype
     from paramstore.lora import check, read_peft
 
     with tempfile.TemporaryDirectory() as d:
         _peft_dir(d, config, rank, seed)
-        return LoraWeights(check(*read_peft(d), config).targets, model_config)
+        return LoraWeights(check(*read_peft(d), config).targets, model_config, dtype=pair_dtype("int8"))
 
 
 def _rate(model, prompts: list[list[int]], tokens: int, loras: list) -> float:
@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
 
     from benchmarks.common import cpu_flags, cpu_model, ensure_model
     from compute.modeling.loader import WeightInjector
-    from compute.modeling.lora import LoraWeights
+    from compute.modeling.lora import LoraWeights, pair_dtype
     from paramstore import ParamStore
     from paramstore.config import store_config
 
@@ -143,7 +143,7 @@ def main(args: argparse.Namespace) -> int:
             for _ in range(args.repeat):
                 t0 = time.perf_counter()
                 adapter = store.adapter(ref)
-                w = LoraWeights(adapter.targets, model.config)
+                w = LoraWeights(adapter.targets, model.config, dtype=pair_dtype("int8"))
                 fetched = time.perf_counter() - t0
                 cold.append(fetched + _first_token(model, prompt, w))
                 warm.append(_first_token(model, prompt, w))

@@ -114,11 +114,11 @@ def main(args: argparse.Namespace) -> int:
     bundle = models["fp32"].bundle
     lora = {w: None for w in models}
     if args.adapter:  # the same adapter on both: what int8 weights cost an adapter's output
-        from compute.modeling.lora import LoraWeights
+        from compute.modeling.lora import LoraWeights, pair_dtype
         from paramstore.lora import check, read_peft
 
         targets = check(*read_peft(args.adapter), models["fp32"].manifest.config).targets
-        lora = {w: LoraWeights(targets, inj.model.config) for w, inj in models.items()}
+        lora = {w: LoraWeights(targets, inj.model.config, dtype=pair_dtype(w)) for w, inj in models.items()}
     rows = []
     for name, text in reference_texts().items():
         ids = bundle.encode(text)[: args.max_tokens]

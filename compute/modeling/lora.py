@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compute.kernels import native
 from compute.modeling.config import ModelConfig
 
 # PEFT's target name -> (this model's fused linear, which of its parts)
@@ -43,10 +44,14 @@ def part_sizes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 class LoraWeights:
     """One adapter's pairs, fused as the model's linears are (see the module's docstring)."""
 
-    def __init__(self, targets, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, targets, config: ModelConfig, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, invariant: bool = False) -> None:  # fmt: skip
         """``targets``: objects with ``layer``, ``proj``, ``a [r, K]``, ``b [N, r]``, ``scaling``
-        (``paramstore.lora.LoraTarget``). The pairs are kept and multiplied in fp32 (bf16 was slower on the CPU at
-        these sizes); the update is added in the base's output dtype."""
+        (``paramstore.lora.LoraTarget``). ``dtype``: the pairs' storage (fp32, or bf16 for a quantized base: half
+        the bytes a decode step reads, widened to fp32 in the native kernel's registers); the update is summed in
+        fp32 and added in the base's output dtype. ``invariant``: every row's update by the native kernel, whose
+        rows are the same alone and in any batch (``kernels = invariant``), else large groups by GEMM."""
+        self.invariant = invariant
         sizes = part_sizes(config)
         grouped: dict[tuple[int, str], list] = {}
         for t in targets:
@@ -57,11 +62,11 @@ class LoraWeights:
             offsets = [0]
             for n in sizes[slot]:
                 offsets.append(offsets[-1] + n)
-            a = torch.cat([t.a.to(torch.float32) for t in ts]).t().to(device).contiguous()  # A^T [K, R]
+            a = torch.cat([t.a.to(torch.float32) for t in ts]).to(device, dtype).contiguous()  # A [R, K]
             parts, col = [], 0
             for t in ts:  # each target's B alone (no zeros between them): its output columns, its rank's h columns
                 row, r = offsets[SLOTS[t.proj][1]], t.a.shape[0]
-                b = (t.b.to(torch.float32) * t.scaling).t().to(device).contiguous()  # B^T [r, n]
+                b = (t.b.to(torch.float32) * t.scaling).t().to(device, dtype).contiguous()  # B^T [r, n]
                 parts.append((slice(row, row + b.shape[1]), slice(col, col + r), b))
                 col += r
             self.pairs[(layer, slot)] = (a, parts)
@@ -96,18 +101,50 @@ class LoraRows:
         return cls(groups) if groups else None
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, slot: str) -> torch.Tensor:
-        """``y [T, N]`` (the base linear's output of ``x [T, K]``, written in place) plus each group's update."""
+        """``y [T, N]`` (the base linear's output of ``x [T, K]``, written in place) plus each group's update:
+        the native kernel, one call for every group of a few rows (decode); GEMMs for a group of many (prefill)."""
+        native_ok = _native() and x.dtype == y.dtype and x.dtype in NATIVE_DTYPES and x.stride(1) == 1
+        groups: list[int] = []
+        a_list: list[torch.Tensor] = []
+        parts: list[int] = []
+        b_list: list[torch.Tensor] = []
         for w, rows in self.groups:
             pair = w.pairs.get((layer, slot))
             if pair is None:
                 continue
-            a, parts = pair
+            a, ps = pair
+            if native_ok and (w.invariant or rows.stop - rows.start <= NATIVE_MAX_ROWS) and y.stride(1) == 1:
+                first = len(b_list)
+                groups += (rows.start, rows.stop, len(a_list), first, first + len(ps))
+                a_list.append(a)
+                for cols, hcols, b in ps:
+                    parts += (cols.start, hcols.start, len(b_list))
+                    b_list.append(b)
+                continue
             xs, ys = x[rows], y[rows]  # views: [n, K], [n, N]
-            h = torch.mm(xs.float(), a)  # [n, R] (no copy when xs is fp32)
-            for cols, hcols, b in parts:
+            h = torch.nn.functional.linear(xs.float(), a.float())  # [n, R] (no copy when xs and the pairs are fp32)
+            for cols, hcols, b in ps:
                 out = ys[:, cols]  # [n, n_part] view
                 if out.dtype == torch.float32:
-                    out.addmm_(h[:, hcols], b)
+                    out.addmm_(h[:, hcols], b.float())
                 else:
-                    out.add_(torch.mm(h[:, hcols], b))
+                    out.add_(torch.mm(h[:, hcols], b.float()))
+        if a_list:
+            torch.ops.pdserve.lora_add(y, x, groups, a_list, parts, b_list)
         return y
+
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pair_dtype(weights: str) -> torch.dtype:
+    """How a base's adapters keep their pairs: fp32 on fp32 weights (the update as PEFT computes it), else bf16 (the
+    base is rounded further than that: int8 / int4 / bf16; a decode step with 8 adapters of ranks 8-64 reads ~145
+    instead of ~290 MB of pairs: 15.7 vs 20.5 ms per step here, docs/benchmarks.md)."""
+    return torch.float32 if weights == "fp32" else torch.bfloat16
+NATIVE_MAX_ROWS = 128  # a group of more rows (a prefill) runs GEMMs: 1,024 rows of one rank-8 adapter, every linear: 38 vs 61 ms
+
+
+def _native() -> bool:
+    """Whether ``pdserve::lora_add`` runs here (compute/kernels/native/lora.cpp; PDSERVE_NATIVE=0 turns it off)."""
+    return native.available()

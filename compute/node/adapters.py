@@ -25,7 +25,7 @@ from prometheus_client import Counter, Histogram
 
 from compute.engine.sampling import AdapterRef
 from compute.modeling.config import ModelConfig
-from compute.modeling.lora import LoraWeights
+from compute.modeling.lora import LoraWeights, pair_dtype
 from compute.node.errors import BadNodeRequest, NodeBusy
 
 LOAD_SECONDS = Histogram("pdserve_node_lora_load_seconds", "A LoRA adapter fetched from the store and fused, on a miss",
@@ -42,9 +42,13 @@ class _Kept:
 
 class AdapterCache:
     def __init__(self, model: str, base_ref: str, config: ModelConfig, store, node_cache=None, max_loras: int = 16,
-                 max_bytes: int = 512 * 2**20, device: str = "cpu") -> None:  # fmt: skip
-        """``base_ref``: the held model's ``NAME@vN`` (an adapter is served only on the weights it was made for)."""
+                 max_bytes: int = 512 * 2**20, device: str = "cpu", weights: str = "fp32",
+                 invariant: bool = False) -> None:  # fmt: skip
+        """``base_ref``: the held model's ``NAME@vN`` (an adapter is served only on the weights it was made for);
+        ``weights``: the base's runtime weights (its adapters' pairs are kept in ``pair_dtype(weights)``);
+        ``invariant``: the node runs ``kernels = invariant`` (every adapter row by the row-invariant kernel)."""
         self.model, self.base_ref, self.config, self.device = model, base_ref, config, device
+        self.dtype, self.invariant = pair_dtype(weights), invariant
         self.store, self.node_cache = store, node_cache
         self.max_loras, self.max_bytes = max_loras, max_bytes
         self._kept: OrderedDict[AdapterRef, _Kept] = OrderedDict()  # least recently used first
@@ -115,7 +119,7 @@ class AdapterCache:
             raise BadNodeRequest(f"adapter {ref.ref}: {e}") from None
         if adapter.digest() != ref.digest:  # the shards were verified; this checks the whole, as named
             raise BadNodeRequest(f"adapter {ref.ref}: its tensors do not hash to its digest")
-        weights = LoraWeights(adapter.targets, self.config, self.device)
+        weights = LoraWeights(adapter.targets, self.config, self.device, self.dtype, self.invariant)
         self.last_load_s = time.perf_counter() - t0
         LOAD_SECONDS.labels(self.model).observe(self.last_load_s)
         self.loads += 1

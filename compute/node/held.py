@@ -204,7 +204,8 @@ def build(cfg: NodeConfig, name: str, inj: WeightInjector, loop) -> tuple[NodeSe
     svc = NodeService(dataclasses.replace(cfg, model=name, weights=inj.weights), worker, model.config.vocab_size)
     svc.tokenizer_json, svc.eos_token_ids = inj.tokenizer_json, tuple(eos or ())
     svc.adapters = AdapterCache(name, inj.manifest.ref, model.config, inj.store, inj.cache, cfg.max_loras,
-                                int(cfg.max_lora_mb * 2**20), cfg.device)  # fmt: skip
+                                int(cfg.max_lora_mb * 2**20), cfg.device, inj.weights,
+                                cfg.kernels == "invariant")  # fmt: skip
     cache_t = engine.runner.cache
     layout = KVLayout(model.config.num_layers, cfg.block_size, model.config.num_kv_heads, model.config.head_dim,
                       cache_t.dtype)  # fmt: skip

@@ -2,7 +2,7 @@
 
 Lifecycle:
  1. ``build()`` (``make venv`` runs ``python -m compute.kernels.native``, so `make demo` and `make test` have it)
-    compiles ``int8_linear.cpp`` against the installed torch with g++ into ``build/`` beside this file (staged
+    compiles ``int8_linear.cpp`` and ``lora.cpp`` against the installed torch with g++ into ``build/`` beside this file (staged
     in a temp file, renamed into place: never a half-written library). It names the source's sha256 and
     torch's version, so a changed source or torch is rebuilt, never loaded stale. No ``-march``: one library
     runs on any x86-64 CPU, its AVX2 / AVX-512 bodies chosen at run time (see the source's header);
@@ -32,7 +32,8 @@ import torch
 
 log = logging.getLogger("pdserve.node")
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCE = os.path.join(HERE, "int8_linear.cpp")
+SOURCES = [os.path.join(HERE, name) for name in ("int8_linear.cpp", "lora.cpp")]
+INCLUDED = [os.path.join(HERE, "lora_body.inc")]  # part of the digest, compiled through lora.cpp
 BUILD_DIR = os.path.join(HERE, "build")
 ISA_LEVELS = {"default": 0, "avx2": 1, "avx512": 2}  # torch's dispatch level -> the library's body
 _lock = threading.Lock()
@@ -45,8 +46,11 @@ class NativeBuildFailed(RuntimeError):
 
 def library_path() -> str:
     """Where this source, built against this torch, lives: a name per (source hash, torch version)."""
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + torch.__version__.encode()).hexdigest()[:16]
+    h = hashlib.sha256(torch.__version__.encode())
+    for source in SOURCES + INCLUDED:
+        with open(source, "rb") as f:
+            h.update(f.read())
+    digest = h.hexdigest()[:16]
     return os.path.join(BUILD_DIR, f"pdserve_native-{digest}.so")
 
 
@@ -55,7 +59,7 @@ def _command(out: str) -> list[str]:
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cmd = [os.environ.get("CXX", "g++"), "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H", SOURCE, "-o", out]  # fmt: skip
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H", *SOURCES, "-o", out]  # fmt: skip
     cmd += [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     for p in library_paths():
         cmd += [f"-L{p}", f"-Wl,-rpath,{p}"]

@@ -202,6 +202,10 @@ int64_t int8_isa(int64_t wanted) {
 
 }  // namespace
 
+namespace pdserve_native {
+int current_isa() { return g_isa.load(std::memory_order_relaxed); }  // lora.cpp's bodies follow the same level
+}  // namespace pdserve_native
+
 TORCH_LIBRARY(pdserve, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("int8_isa(int wanted) -> int");

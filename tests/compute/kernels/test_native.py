@@ -13,15 +13,6 @@ import torch
 from compute.kernels import int8, native, plans
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.why_unavailable()}")
-LEVELS = [lv for lv in (0, 1, 2) if lv <= native.ISA_LEVELS.get(torch.backends.cpu.get_cpu_capability().lower(), 0)]
-
-
-@pytest.fixture(params=LEVELS, ids=lambda lv: ("scalar", "avx2", "avx512")[lv])
-def isa(request):
-    was = int(torch.ops.pdserve.int8_isa(-1))
-    got = int(torch.ops.pdserve.int8_isa(request.param))
-    yield got
-    torch.ops.pdserve.int8_isa(was)
 
 
 def _weights(n: int, k: int, gen: torch.Generator):

@@ -107,14 +107,40 @@ def test_mixed_batch_rows_get_what_they_get_alone(setup):
         LoraRows.of([ws[0], None, ws[0]], [3, 2, 4])
 
 
+def test_on_int8_weights_with_invariant_kernels_a_mixed_batch_is_bitwise_each_row_alone(setup):
+    """``kernels = invariant``: the int8 base on its row-invariant kernel and every adapter row through the native
+    kernel (bf16 pairs, as a node keeps them on a quantized base): base + 3 adapters in one forward give each row
+    bit for bit the logits it gets alone."""
+    from compute.kernels import native
+    from compute.modeling.lora import pair_dtype
+    from tests.compute.tiny import int8_state
+
+    if not native.available():
+        pytest.skip(f"native kernels not built: {native.why_unavailable()}")
+    hf, d, _, dirs = setup
+    m = Transformer.build(ModelConfig.from_hf(d), torch.float32)
+    m.load_weights(int8_state(hf.state_dict()))
+    for lin in m.kernel_modules():
+        lin.use_kernels(("int8mm",) * 4)
+    ws = [LoraWeights(check(*read_peft(dirs[n]), d).targets, m.config, dtype=pair_dtype("int8"), invariant=True)
+          for n in ADAPTERS]  # fmt: skip
+    rng = random.Random(6)
+    prompts = [rng.choices(range(BASE["vocab_size"]), k=k) for k in (9, 7, 14, 5, 11, 6)]
+    adapters = [ws[0], ws[0], None, ws[1], ws[2], ws[2]]
+    mixed = _last_logits(m, prompts, adapters)
+    for i, (p, w) in enumerate(zip(prompts, adapters)):
+        assert torch.equal(mixed[i], _last_logits(m, [p], [w])[0]), i
+    assert not torch.equal(mixed[0], _last_logits(m, [prompts[0]], [None])[0])  # the adapter applied
+
+
 def test_rank_is_not_padded_and_no_zeros_are_kept(setup):
     hf, d, ours, dirs = setup
     w = _weights(d, dirs["all-patterns"])
     a, parts = w.pairs[(1, "qkv")]
-    assert a.shape == (64, 4 + 2 + 4)  # A^T: q r4, k r2 (rank_pattern), v r4 stacked: one matmul for h
+    assert a.shape == (4 + 2 + 4, 64)  # A: q r4, k r2 (rank_pattern), v r4 stacked: one pass for h
     assert [(c.start, c.stop, h.start, h.stop, tuple(b.shape)) for c, h, b in parts] == [
         (0, 64, 0, 4, (4, 64)), (64, 96, 4, 6, (2, 32)), (96, 128, 6, 10, (4, 32))]  # each B^T its own, no zeros
-    assert w.pairs[(0, "down")][0].shape == (160, 8)  # down_proj's own rank 8, the others' 4 untouched
+    assert w.pairs[(0, "down")][0].shape == (8, 160)  # down_proj's own rank 8, the others' 4 untouched
     qv = _weights(d, dirs["qv-r4"])
     assert set(qv.pairs) == {(0, "qkv"), (1, "qkv")}
     assert [c for c, _, _ in qv.pairs[(0, "qkv")][1]] == [slice(0, 64), slice(96, 128)]  # k's rows untouched
