@@ -6,11 +6,13 @@ Lifecycle of a request naming an adapter (``SamplingParams.adapter``: its ``NAME
     from the store in a worker thread (any k of n fragments per shard, through the node cache like a model's shards:
     ``paramstore/adapters.py``), checks that it adapts this model's weights (its pinned base) and that its digest is
     the one asked for, fuses its pairs (``compute/modeling/lora.py``) and keeps it. Concurrent misses of one adapter
-    share one fetch. A refusal is ``BadNodeRequest`` (not an adapter of this model, another digest) or
-    ``NodeBusy`` (every kept adapter is in use and the bounds are reached: retry elsewhere).
+    share one fetch. When the bounds are reached and every kept adapter is in use, the request waits for one to be
+    released (at most ``WAIT_S``; waiters resume in the order they came), so a rarely used adapter is late, not
+    refused. A refusal is ``BadNodeRequest`` (not an adapter of this model, another digest) or ``NodeBusy`` (still
+    no room after the wait, or one adapter larger than ``max_lora_mb``: retry elsewhere).
  2. the sequence carries the weights (``seq.lora``) for its life: the runner groups its rows by adapter;
  3. ``release(ref)`` when the request ends on this node: the adapter stays kept, no longer pinned.
-Bounds: ``max_loras`` adapters and ``max_lora_mb`` of their fp32 pairs; an adapter in use is never evicted (a sequence
+Bounds: ``max_loras`` adapters and ``max_lora_mb`` of their pairs; an adapter in use is never evicted (a sequence
 holds its weights anyway: eviction only drops the cache's reference).
 """
 
@@ -28,6 +30,7 @@ from compute.modeling.config import ModelConfig
 from compute.modeling.lora import LoraWeights, pair_dtype
 from compute.node.errors import BadNodeRequest, NodeBusy
 
+WAIT_S = 30.0  # how long a request waits for an in-use adapter to be released when the node keeps its maximum
 LOAD_SECONDS = Histogram("pdserve_node_lora_load_seconds", "A LoRA adapter fetched from the store and fused, on a miss",
                          ["model"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))  # fmt: skip
 LOOKUPS = Counter("pdserve_node_lora_lookups_total", "Requests naming an adapter, by whether it was kept here",
@@ -53,6 +56,7 @@ class AdapterCache:
         self.max_loras, self.max_bytes = max_loras, max_bytes
         self._kept: OrderedDict[AdapterRef, _Kept] = OrderedDict()  # least recently used first
         self._loading: dict[AdapterRef, asyncio.Future] = {}
+        self._freed: asyncio.Event | None = None  # set when an adapter stops being in use (created on the loop)
         self.loads, self.last_load_s = 0, 0.0
 
     async def acquire(self, ref: AdapterRef) -> LoraWeights:
@@ -64,9 +68,10 @@ class AdapterCache:
                 fut = self._loading[ref] = asyncio.ensure_future(asyncio.to_thread(self._fetch, ref))
                 fut.add_done_callback(lambda _f, r=ref: self._loading.pop(r, None))
             weights = await asyncio.shield(fut)
-            kept = self._kept.get(ref)
+            if ref not in self._kept:
+                await self._room_for(weights.nbytes)
+            kept = self._kept.get(ref)  # another waiter for the same adapter may have kept it meanwhile
             if kept is None:
-                self._make_room(weights.nbytes)
                 kept = self._kept[ref] = _Kept(weights)
         else:
             LOOKUPS.labels(self.model, "hit").inc()
@@ -78,6 +83,8 @@ class AdapterCache:
         kept = self._kept.get(ref)
         if kept is not None and kept.users > 0:
             kept.users -= 1
+            if kept.users == 0 and self._freed is not None:
+                self._freed.set()
 
     def report(self):
         """What /load says of them (``protocol.LoraLoad``)."""
@@ -91,15 +98,33 @@ class AdapterCache:
     def nbytes(self) -> int:
         return sum(k.weights.nbytes for k in self._kept.values())
 
-    def _make_room(self, incoming: int) -> None:
-        """Evict unused adapters, least recently used first, until one more of ``incoming`` bytes fits."""
+    async def _room_for(self, incoming: int) -> None:
+        """Evict unused adapters, least recently used first, until one more of ``incoming`` bytes fits; while every
+        kept one is in use, wait for a release (up to ``WAIT_S``)."""
         if incoming > self.max_bytes:
             raise NodeBusy(f"adapter of {incoming} bytes exceeds max_lora_mb on this node")
+        deadline = time.monotonic() + WAIT_S
+        while not self._evict_for(incoming):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NodeBusy(f"all {len(self._kept)} adapters kept on this node stayed in use for {WAIT_S:.0f} s "
+                               "(max_loras)")  # fmt: skip
+            if self._freed is None:
+                self._freed = asyncio.Event()
+            self._freed.clear()
+            try:
+                await asyncio.wait_for(self._freed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def _evict_for(self, incoming: int) -> bool:
+        """Whether one more adapter of ``incoming`` bytes fits, after evicting idle ones as needed."""
         while len(self._kept) >= self.max_loras or self.nbytes + incoming > self.max_bytes:
             idle = next((r for r, k in self._kept.items() if k.users == 0), None)
             if idle is None:
-                raise NodeBusy(f"all {len(self._kept)} adapters kept on this node are in use (max_loras)")
+                return False
             del self._kept[idle]
+        return True
 
     def _fetch(self, ref: AdapterRef) -> LoraWeights:
         """Worker thread: the adapter from the store, checked against this model and the digest asked for."""

@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import random
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,13 +25,15 @@ MODEL = "tiny-lora-base"
 ADAPTERS = {"tiny-qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
             "tiny-mlp": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj", "o_proj"])}
 STEPS = 12
+CONTEXT = 512  # the tools template makes a chat prompt of ~240 tokens
+TEMPLATE = str(Path(__file__).parents[2] / "deploy/chat-templates/chatml-tools.jinja")  # SmolLM2's, with tools
 
 
 def _hf():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf = LlamaForCausalLM(LlamaConfig(**tiny_chat_config())).eval()
-    hf.load_state_dict(tiny_llama_tensors(tiny_chat_config(), seed=0), strict=False)  # import_tiny_chat_models' seed 0
+    hf = LlamaForCausalLM(LlamaConfig(**tiny_chat_config(CONTEXT))).eval()
+    hf.load_state_dict(tiny_llama_tensors(tiny_chat_config(CONTEXT), seed=0), strict=False)  # import_tiny_chat_models' seed 0
     return hf
 
 
@@ -38,7 +41,8 @@ def _hf():
 def svc(tmp_path_factory, real_model_store):
     from paramstore import ParamStore
 
-    store = import_tiny_chat_models(tmp_path_factory, *real_model_store, (MODEL,), "lora-store", dtype="fp32")
+    store = import_tiny_chat_models(tmp_path_factory, *real_model_store, (MODEL,), "lora-store", dtype="fp32",
+                                    chat_template=TEMPLATE, context=CONTEXT)  # fmt: skip
     hf, dirs = _hf(), {}
     with ParamStore(store) as ps:
         for i, (name, options) in enumerate(ADAPTERS.items()):
@@ -227,6 +231,43 @@ def test_an_adapter_with_n_logprobs_a_json_grammar_and_streaming(svc):
     assert streamed == _decoded(gw, _reference(hf, svc["dirs"]["tiny-qv"], ids))
 
 
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city", "strict": True,
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}  # fmt: skip
+
+
+def test_an_adapter_with_tools_the_responses_api_and_a_cache_salt(svc):
+    """Under an adapter: the Responses API answers (as chat does), a required tool call is a valid call of the
+    function, and a ``cache_salt`` shares cached prompt blocks only with its own salt (and never with the base)."""
+    import jsonschema
+    import openai
+
+    c = openai.OpenAI(base_url=svc["gw"].url + "/v1", api_key="none", max_retries=0, timeout=120)
+    ask = [{"role": "user", "content": "What is the weather like in Paris today? Answer in one word."}]
+    chat = c.chat.completions.create(model="tiny-mlp", messages=ask, max_tokens=STEPS, temperature=0)
+    r = c.responses.create(model="tiny-mlp", input=ask, max_output_tokens=STEPS, temperature=0)
+    assert r.model == "tiny-mlp" and r.output_text == chat.choices[0].message.content
+    base = c.responses.create(model=MODEL, input=ask, max_output_tokens=STEPS, temperature=0)
+    assert base.output_text != r.output_text  # the adapter ran, not the base
+    call = c.responses.create(model="tiny-qv", input=ask, tools=[WEATHER], tool_choice="required",
+                              parallel_tool_calls=False, temperature=0, max_output_tokens=64)  # fmt: skip
+    assert [o.type for o in call.output] == ["function_call"] and call.output[0].name == "get_weather"
+    jsonschema.validate(json.loads(call.output[0].arguments), WEATHER["parameters"])
+
+    long = [{"role": "user", "content": "Tell me about the sea. " * 12}]
+
+    def cached(model: str, salt: str) -> int:
+        u = c.chat.completions.create(model=model, messages=long, max_tokens=2, temperature=0,
+                                      extra_body={"cache_salt": salt}).usage  # fmt: skip
+        return u.prompt_tokens_details.cached_tokens
+
+    assert cached("tiny-qv", "tenant-a") == 0
+    assert cached("tiny-qv", "tenant-b") == 0  # another salt: nothing shared
+    assert cached(MODEL, "tenant-a") == 0  # the base under the same salt: not the adapter's KV
+    assert cached("tiny-qv", "tenant-a") > 0  # its own salt and adapter: the prompt's blocks again
+
+
 def test_an_adapters_requests_go_to_the_node_that_keeps_it(tmp_path_factory, svc):
     """Two idle `both` nodes, the adapter kept on the one the tie-break would not pick (the higher URL): the
     gateway's requests for it go there (the other would pay the fetch); checked failing with the fetch cost off."""
@@ -252,5 +293,38 @@ def test_an_adapters_requests_go_to_the_node_that_keeps_it(tmp_path_factory, svc
         assert lora(low).get("loads", 0) == 0 and lora(high)["loads"] == 1
         _text(gw, MODEL, [400, 401, 402])  # the base: the tie-break's node, as before
         assert low.load()["models"][MODEL]["prefix_queries"] > 0
+    finally:
+        services.stop_all()
+
+
+def test_64_adapters_on_a_two_node_pool_all_answer_as_peft(svc, tmp_path_factory):
+    """64 adapters (ranks 1-8, 4 at most kept per node: LRU evictions throughout) asked 16 at a time through the
+    prefill + decode pool: none fails, each answers as transformers + PEFT with that adapter."""
+    from paramstore import ParamStore
+
+    hf, names, dirs = svc["hf"], [f"tiny-many-{i}" for i in range(64)], {}
+    with ParamStore(svc["store"]) as ps:
+        for i, name in enumerate(names):
+            dirs[name] = svc["tmp"].mktemp(name)
+            save_peft_adapter(hf, dict(r=1 + i % 8, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+                              dirs[name], seed=100 + i, std=0.3)  # fmt: skip
+            ps.import_adapter(dirs[name], MODEL, name)
+    services = Services(svc["store"].locations, None, str(tmp_path_factory.mktemp("lora-many")), TOKEN)
+    try:
+        flags = ("--weights", "fp32", "--step", "eager", "--max-loras", "4")
+        prefill = services.node("prefill", kv_blocks=256, model=MODEL, extra=flags)
+        decode = services.node("decode", kv_blocks=256, model=MODEL, extra=flags)
+        gw = services.gateway([("prefill", prefill), ("decode", decode)])
+        for p in (prefill, decode, gw):
+            p.wait_ready()
+        gw.store = svc["store"]
+        ids = random.Random(64).choices(range(200, 40000), k=20)
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            got = dict(zip(names, pool.map(lambda n: _text(gw, n, ids), names)))
+        want = {n: _decoded(gw, _reference(hf, dirs[n], ids)) for n in names}
+        assert got == want
+        assert len(set(got.values())) > 32  # the adapters answer differently: each row ran its own
+        kept = prefill.load()["models"][MODEL]["lora"]
+        assert len(kept["kept"]) <= 4 and kept["loads"] >= 64
     finally:
         services.stop_all()
