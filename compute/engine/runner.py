@@ -30,11 +30,14 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.sampler = sampler or Sampler()
         self.graphs: StepGraphs | CudaGraphs | None = None  # compiled/captured decode steps ([node] step = graph)
+        self._lora: LoraRows | None = None  # the last step's rows by adapter: a decode step like it reuses its calls
 
     def forward(self, batch: ScheduledBatch, scored: list[bool], loras: list | None = None):
         """Logits of ``batch``: a pure-decode batch through a compiled step graph where one covers it, else eager
         (always with an adapter: ``loras``, each sequence's LoraWeights or None, compute/modeling/lora.py)."""
-        lora = LoraRows.of(loras, [len(s.token_ids) for s in batch.seqs]) if loras else None  # sorted by run()
+        # sorted by run(); steady decode repeats the last step's groups (and their prepared calls)
+        lora = LoraRows.of(loras, [len(s.token_ids) for s in batch.seqs], self._lora) if loras else None
+        self._lora = lora  # (None after a step without adapters: no evicted adapter kept alive here)
         if (self.graphs is not None and lora is None and not any(scored)
                 and all(len(s.token_ids) == 1 for s in batch.seqs)):  # fmt: skip
             logits = self.graphs.decode([s.token_ids[0] for s in batch.seqs], [s.start_pos for s in batch.seqs],

@@ -23,7 +23,7 @@ dtype. At a few rows per adapter these small calls, not the pairs' bytes, are wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -82,11 +82,14 @@ class LoraRows:
     step's sequences by adapter: ``ModelRunner.run``), so a group costs views and no gather."""
 
     groups: list[tuple[LoraWeights, slice]]
+    calls: dict = field(default_factory=dict)  # (layer, slot) -> the native call's lists, made once per groups
 
     @classmethod
-    def of(cls, adapters: list[LoraWeights | None], query_lens: list[int]) -> LoraRows | None:
+    def of(cls, adapters: list[LoraWeights | None], query_lens: list[int], last: LoraRows | None = None
+           ) -> LoraRows | None:  # fmt: skip
         """Sequence ``i`` brings ``query_lens[i]`` rows and runs ``adapters[i]`` (None: the base); None if no
-        sequence runs an adapter. ValueError if one adapter's sequences are not next to each other."""
+        sequence runs an adapter. ValueError if one adapter's sequences are not next to each other. ``last``: the
+        previous step's, returned itself when the groups are the same (its prepared calls reused)."""
         groups: list[tuple[LoraWeights, slice]] = []
         start = 0
         for w, q in zip(adapters, query_lens):
@@ -98,29 +101,28 @@ class LoraRows:
                 else:
                     groups.append((w, slice(start, start + q)))
             start += q
-        return cls(groups) if groups else None
+        if not groups:
+            return None
+        if last is not None and len(last.groups) == len(groups) and all(
+                a is b and r == s for (a, r), (b, s) in zip(last.groups, groups)):  # fmt: skip
+            return last
+        return cls(groups)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, slot: str) -> torch.Tensor:
         """``y [T, N]`` (the base linear's output of ``x [T, K]``, written in place) plus each group's update:
         the native kernel, one call for every group of a few rows (decode); GEMMs for a group of many (prefill)."""
         native_ok = _native() and x.dtype == y.dtype and x.dtype in NATIVE_DTYPES and x.stride(1) == 1
-        groups: list[int] = []
-        a_list: list[torch.Tensor] = []
-        parts: list[int] = []
-        b_list: list[torch.Tensor] = []
-        for w, rows in self.groups:
+        if native_ok and y.stride(1) == 1:
+            call = self.calls.get((layer, slot))
+            if call is None:
+                call = self.calls[(layer, slot)] = self._native_call(layer, slot)
+            if call[1]:
+                torch.ops.pdserve.lora_add(y, x, *call)
+        for w, rows in self.groups:  # groups the native call leaves out: GEMMs (a few small matmuls per group)
             pair = w.pairs.get((layer, slot))
-            if pair is None:
+            if pair is None or (native_ok and y.stride(1) == 1 and self._native_rows(w, rows)):
                 continue
             a, ps = pair
-            if native_ok and (w.invariant or rows.stop - rows.start <= NATIVE_MAX_ROWS) and y.stride(1) == 1:
-                first = len(b_list)
-                groups += (rows.start, rows.stop, len(a_list), first, first + len(ps))
-                a_list.append(a)
-                for cols, hcols, b in ps:
-                    parts += (cols.start, hcols.start, len(b_list))
-                    b_list.append(b)
-                continue
             xs, ys = x[rows], y[rows]  # views: [n, K], [n, N]
             h = torch.nn.functional.linear(xs.float(), a.float())  # [n, R] (no copy when xs and the pairs are fp32)
             for cols, hcols, b in ps:
@@ -129,9 +131,30 @@ class LoraRows:
                     out.addmm_(h[:, hcols], b.float())
                 else:
                     out.add_(torch.mm(h[:, hcols], b.float()))
-        if a_list:
-            torch.ops.pdserve.lora_add(y, x, groups, a_list, parts, b_list)
         return y
+
+    @staticmethod
+    def _native_rows(w: LoraWeights, rows: slice) -> bool:
+        return w.invariant or rows.stop - rows.start <= NATIVE_MAX_ROWS
+
+    def _native_call(self, layer: int, slot: str) -> tuple[list[int], list[torch.Tensor], list[int], list[torch.Tensor]]:
+        """``lora_add``'s lists for this linear: every group of at most ``NATIVE_MAX_ROWS`` rows (or invariant)."""
+        groups: list[int] = []
+        a_list: list[torch.Tensor] = []
+        parts: list[int] = []
+        b_list: list[torch.Tensor] = []
+        for w, rows in self.groups:
+            pair = w.pairs.get((layer, slot))
+            if pair is None or not self._native_rows(w, rows):
+                continue
+            a, ps = pair
+            first = len(b_list)
+            groups += (rows.start, rows.stop, len(a_list), first, first + len(ps))
+            a_list.append(a)
+            for cols, hcols, b in ps:
+                parts += (cols.start, hcols.start, len(b_list))
+                b_list.append(b)
+        return groups, a_list, parts, b_list
 
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)

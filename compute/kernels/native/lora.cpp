@@ -10,7 +10,7 @@
 //             y[:, col_start:col_start+n]
 //   b         B^T [r, n] contiguous, the pairs' dtype (scaling folded in); bf16 pairs widened in registers
 //
-// Work: tasks of (group, block of up to MB = 4 rows); a task reads its adapter's pairs once for its rows: h as
+// Work: tasks of (group, block of up to MB = 4 rows), dealt to the threads by cost (longest first); a task reads its adapter's pairs once for its rows: h as
 // dot products over K (a row of A in vectors), the update in register tiles of B^T's columns (lora_body.inc). Each row's sums run the same loops
 // in the same order whatever the other rows, the block or the thread: a row's update is bitwise the same alone
 // and in any batch (tests/compute/kernels/test_native_lora.py checks it). The update is summed in fp32 and added
@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -94,12 +95,31 @@ void run(at::Tensor& y, const at::Tensor& x, const std::vector<Group>& groups, c
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (group, first row)
   for (size_t g = 0; g < groups.size(); ++g)
     for (int64_t r = groups[g].r0; r < groups[g].r1; r += kMB) tasks.emplace_back(static_cast<int64_t>(g), r);
+  // threads get equal work, not equal task counts: a rank-64 adapter's task costs 8 of a rank-8 one's (and the
+  // runner orders groups by adapter, not by cost): longest first, each to the least loaded thread
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  std::vector<std::pair<double, int64_t>> by_cost;
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const Group& g = groups[tasks[t].first];
+    double cost = static_cast<double>(a_rank[g.a]) * K;
+    for (int64_t p = g.p0; p < g.p1; ++p) cost += static_cast<double>(b_rank[parts[p].b]) * b_width[parts[p].b];
+    by_cost.emplace_back(-cost * std::min(kMB, g.r1 - tasks[t].second), static_cast<int64_t>(t));
+  }
+  std::sort(by_cost.begin(), by_cost.end());
+  std::vector<double> load(nt, 0.0);
+  std::vector<std::vector<int64_t>> mine(nt);
+  for (const auto& [neg, t] : by_cost) {
+    const int64_t i = std::min_element(load.begin(), load.end()) - load.begin();
+    load[i] -= neg;
+    mine[i].push_back(t);
+  }
   const int isa = pdserve_native::current_isa();
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, nt, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> xs(kMB * K), h(kMB * r_max), acc(kMB * n_max);
     std::vector<const W*> pb;
     std::vector<int64_t> pr, pw, ph, pc;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t t : mine[i]) {
       const Group& g = groups[tasks[t].first];
       const int64_t r0 = tasks[t].second, m = std::min(kMB, g.r1 - r0), R = a_rank[g.a];
       for (int64_t r = 0; r < m; ++r)
@@ -118,6 +138,7 @@ void run(at::Tensor& y, const at::Tensor& x, const std::vector<Group>& groups, c
                   : isa == 1 ? avx2::rows_any<W, decltype(out)> : sse::rows_any<W, decltype(out)>;
       body(m, xs.data(), K, as[g.a], R, h.data(), acc.data(), np, pb.data(), pr.data(), pw.data(), ph.data(),
            pc.data(), out);
+      }
     }
   });
 }
