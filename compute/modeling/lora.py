@@ -3,22 +3,19 @@
 Layout: ``LoraWeights`` holds, per fused linear of the model, keyed ``(layer, slot)`` with slot one of ``qkv``,
 ``o``, ``gate_up``, ``down`` (the linears ``compute.modeling.model`` runs)::
 
-    A^T [K, R]           the targets' A matrices stacked (q, k, v for qkv), R = the sum of their ranks
+    A [R, K]             the targets' A matrices stacked (q, k, v for qkv), R = the sum of their ranks
     parts [(cols, hcols, B^T [r, n])]   each target's B times its scaling, the output columns it adds to and the
                                         columns of ``h = x A^T`` that are its rank
 
-kept transposed and contiguous: ``mm(x, A^T)`` on a transposed view of ``A`` took 3x as long at these sizes (16.5 vs
-5.7 us for 4 x 576 x 192, 2 threads).
-
-so a fused linear takes one matmul for ``h`` and one per target for the update, and no zeros are kept or read (the
-pairs are read every step).
+contiguous, in ``pair_dtype`` (fp32 on an fp32 base, bf16 on a quantized one); no rank is padded to the largest
+and no zeros are kept or read.
 
 A step's rows are grouped by adapter (``LoraRows``: ``[(weights, rows slice)]``; base rows are in no group; the
-runner puts each adapter's sequences next to each other). Each group costs one matmul of its own rank for ``h`` and
-one per target for the update (no rank padded to the largest in the batch), added in place into the base linear's
-output, whose kernels (int8, int4, bf16) are unchanged. The update is computed in fp32 and added in the output's
-dtype. At a few rows per adapter these small calls, not the pairs' bytes, are what adapters cost a decode step
-(docs/benchmarks.md, ``pdserve bench lora``).
+runner puts each adapter's sequences next to each other). Every group of up to ``NATIVE_MAX_ROWS`` rows goes into
+one native call per fused linear (``compute/kernels/native/lora.cpp``: a segmented shrink/expand, row-invariant);
+a larger group (a long prompt) runs GEMMs: one for ``h`` and one per target. The update is summed in fp32 and added
+in place into the base linear's output, whose kernels (int8, int4, bf16) are unchanged. What adapters cost a
+decode step is now mostly their pairs' bytes (docs/benchmarks.md, ``pdserve bench lora``).
 """
 
 from __future__ import annotations
@@ -163,9 +160,11 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 def pair_dtype(weights: str) -> torch.dtype:
     """How a base's adapters keep their pairs: fp32 on fp32 weights (the update as PEFT computes it), else bf16 (the
     base is rounded further than that: int8 / int4 / bf16; a decode step with 8 adapters of ranks 8-64 reads ~145
-    instead of ~290 MB of pairs: 15.7 vs 20.5 ms per step here, docs/benchmarks.md)."""
+    instead of ~290 MB of pairs: 11.7 vs 20.5 ms per step here, docs/benchmarks.md)."""
     return torch.float32 if weights == "fp32" else torch.bfloat16
-NATIVE_MAX_ROWS = 128  # a group of more rows (a prefill) runs GEMMs: 1,024 rows of one rank-8 adapter, every linear: 38 vs 61 ms
+
+
+NATIVE_MAX_ROWS = 128  # a group of more rows (a prefill) runs GEMMs: 1,024 rows of a rank-8 adapter: 38 vs 61 ms
 
 
 def _native() -> bool:
