@@ -10,10 +10,18 @@ Errors say what the caller should do, from the refusal's ``kind`` (never its wor
 ``RequestRejected`` (bad_request, or a 4xx without a kind): the request itself is wrong, retrying
 elsewhere will not help; ``NodeFailed`` (overloaded, model_not_loaded, transfer_failed, internal, a 5xx,
 a transport error, a stream cut short): try another node.
+
+Partitions: an unreachable node refuses nothing (no RST): a connect hangs until its 2 s timeout, and an open stream
+would sit silent until the read timeout (the gateway's ``node_timeout_s``, 60 s: a long prefill may be silent that
+long). Every connection to a node therefore runs TCP keepalive (``PARTITION_OPTIONS``): probes after 1 s of
+silence, every 1 s, and the connection fails once the peer's kernel has acknowledged nothing for 4 s (probes or
+data: ``TCP_USER_TIMEOUT``). A busy node's kernel answers probes whatever its process does: only a host or link
+that is gone trips them. A partitioned node's streams fail over in ~5 s (tests/net/test_partitions.py).
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -23,6 +31,10 @@ from compute.node import protocol as P
 from compute.node.auth import SignedAuth
 
 JSON = {"content-type": "application/json"}
+PARTITION_OPTIONS = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)] + [
+    (socket.IPPROTO_TCP, getattr(socket, name), value)
+    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 4000))
+    if hasattr(socket, name)]  # fmt: skip  (Linux has them all; elsewhere what the platform offers)
 
 
 class NodeFailed(Exception):
@@ -67,9 +79,10 @@ class AsyncNodeClient:
     """The gateway's face: one pooled connection set for every node."""
 
     def __init__(self, token: str | None, timeout_s: float, max_connections: int = 512):
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(
             auth=SignedAuth(token) if token else None, timeout=httpx.Timeout(timeout_s, connect=2.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64),
+            transport=httpx.AsyncHTTPTransport(limits=limits, socket_options=PARTITION_OPTIONS),
         )  # fmt: skip
 
     async def close(self) -> None:
@@ -168,7 +181,8 @@ class SyncNodeClient:
 
     def __init__(self, token: str | None, timeout_s: float = 5.0, auth: httpx.Auth | None = None):
         """``auth``: a ``SignedAuth`` already made (instead of ``token``)."""
-        self.client = httpx.Client(auth=auth or (SignedAuth(token) if token else None), timeout=timeout_s)
+        self.client = httpx.Client(auth=auth or (SignedAuth(token) if token else None), timeout=timeout_s,
+                                   transport=httpx.HTTPTransport(socket_options=PARTITION_OPTIONS))  # fmt: skip
 
     def close(self) -> None:
         self.client.close()

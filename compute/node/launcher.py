@@ -118,34 +118,39 @@ class Services:
         self.procs: list[ServiceProc] = []
 
     def start(self, name: str, args: list[str], env: dict | None = None, model: str | None = SAME,
-              port: int | None = None) -> ServiceProc:  # fmt: skip
-        """``model``: the Services' model by default; None: no --model (a standby node); ``port``: a free one."""
+              port: int | None = None, on=None) -> ServiceProc:  # fmt: skip
+        """``model``: the Services' model by default; None: no --model (a standby node); ``port``: a free one;
+        ``on``: a host to run on (its ``argv`` prefix and ``address``: a test's network namespace), else loopback."""
         port = port or free_port()
         model = self.model if model is SAME else model
-        cmd = [sys.executable, "-m", "autoscaler.cli", *args, "--port", str(port)]
+        host = on.address if on is not None else "127.0.0.1"
+        cmd = [*(on.argv if on is not None else []), sys.executable, "-m", "autoscaler.cli", *args, "--port", str(port)]
+        if on is not None:
+            cmd += ["--host", host]
         if model:
             cmd += ["--model", model]
         for url in self.store:
             cmd += ["--store", url]
-        p = ServiceProc(f"{name}-{port}", cmd, f"http://127.0.0.1:{port}", self.log_dir,
+        p = ServiceProc(f"{name}-{port}", cmd, f"http://{host}:{port}", self.log_dir,
                         {**self.env, **(env or {})}, self.auth)  # fmt: skip
         self.procs.append(p)
         return p
 
     def node(self, role: str, threads: int = 1, transport: str = "tcp", kv_blocks: int = 1024,
-             extra: tuple[str, ...] = (), model: str | None = SAME, port: int | None = None) -> ServiceProc:  # fmt: skip
+             extra: tuple[str, ...] = (), model: str | None = SAME, port: int | None = None, on=None
+             ) -> ServiceProc:  # fmt: skip
         """A node of ``role`` loading ``model`` at start (default: the Services' model); ``model=None``: a
         standby node (no model; loads on demand through /internal/models/load)."""
         return self.start(role, ["node", "--role", role, "--threads", str(threads), "--kv-transport", transport,
                                  "--kv-blocks", str(kv_blocks), "--log-level", "warning", *extra], model=model,
-                          port=port)  # fmt: skip
+                          port=port, on=on)  # fmt: skip
 
     def gateway(self, nodes: list[tuple[str, ServiceProc]], extra: tuple[str, ...] = (),
-                env: dict | None = None) -> ServiceProc:  # fmt: skip
+                env: dict | None = None, on=None) -> ServiceProc:  # fmt: skip
         args = ["gateway", "--log-level", "warning", *extra]
         for role, n in nodes:
             args += ["--node", f"{role}={n.url}"]
-        p = self.start("gateway", args, {"PDSERVE_ADMIN_KEY": self.admin_key, **(env or {})})
+        p = self.start("gateway", args, {"PDSERVE_ADMIN_KEY": self.admin_key, **(env or {})}, on=on)
         p.admin_headers = self.admin_headers
         return p
 

@@ -1,0 +1,117 @@
+"""Partitions between machines, not kills on loopback: the gateway and two nodes each on its own host (a network
+namespace, tests/net/lab.py), a black hole between the gateway and one node while streams run through it.
+
+Across a partition nothing is refused: a connect hangs, an open stream goes silent. What must hold:
+- every stream running on the partitioned node finishes on the other, with the answer it had begun (greedy, int8
+  weights on ``kernels = invariant``: a resumed stream continues bit for bit), in seconds, not after the
+  gateway's 60 s silence limit (detection: TCP keepalive on the gateway's node connections, compute/node/client.py);
+- the node is out of routing within a few seconds (two failed health polls of 2 s each), and every new request
+  answers from the other;
+- healed, the node answers a new challenge before anything is routed to it again, then serves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from compute.node.launcher import Services
+from tests.conftest import import_tiny_chat_models
+from tests.net.lab import NetLab
+from tests.services import TOKEN
+
+pytestmark = [pytest.mark.long, pytest.mark.skipif(NetLab.why_not() is not None, reason=str(NetLab.why_not()))]
+MODEL = "tiny-net"
+KEY = "sk-net-test"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+TOKENS = 600  # a stream long enough to be running when the partition starts (seconds on the tiny model)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory, real_model_store):
+    store = import_tiny_chat_models(tmp_path_factory, *real_model_store, (MODEL,), "net-store", context=1024)
+    lab = NetLab()
+    services = Services(store.locations, None, str(tmp_path_factory.mktemp("net")), TOKEN)
+    try:
+        g, a, b = lab.host(), lab.host(), lab.host()
+        flags = ("--step", "eager", "--kernels", "invariant")
+        na = services.node("both", kv_blocks=512, model=MODEL, extra=flags, on=a)
+        nb = services.node("both", kv_blocks=512, model=MODEL, extra=flags, on=b)
+        gw = services.gateway([("both", na), ("both", nb)], env={"PDSERVE_API_KEYS": KEY}, on=g)
+        for p in (na, nb, gw):
+            p.wait_ready()
+        yield {"lab": lab, "hosts": (g, a, b), "nodes": (na, nb), "gw": gw, "services": services}
+    finally:
+        services.stop_all()
+        lab.close()
+
+
+def _states(gw) -> dict[str, str]:
+    r = httpx.get(gw.url + "/admin/nodes", headers=gw.admin_headers, timeout=10)
+    return {n["url"]: n["state"] for n in r.json()["nodes"]}
+
+
+def _wait_state(gw, url: str, want: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if _states(gw).get(url) == want:
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not {want} in {timeout} s: {_states(gw)}")
+
+
+def _complete(gw, ids: list[int], started=None) -> tuple[str, float]:
+    """A streamed greedy completion's text and seconds; ``started`` (an Event) set at its first token."""
+    t0, text = time.monotonic(), []
+    with httpx.stream("POST", gw.url + "/v1/completions", headers=HEADERS, timeout=120,
+                      json={"model": MODEL, "prompt": ids, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+                            "stream": True}) as r:  # fmt: skip
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+                if started is not None:
+                    started.set()
+    return "".join(text), time.monotonic() - t0
+
+
+def _finished(node) -> float:
+    """Requests whose output ended on ``node`` (its metrics)."""
+    text = httpx.get(node.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve_node_requests_finished_total{"))  # fmt: skip
+
+
+def test_a_black_hole_between_the_gateway_and_a_node(pool):
+    lab, (g, a, _), (na, _), gw = pool["lab"], pool["hosts"], pool["nodes"], pool["gw"]
+    rng = random.Random(39)
+    prompts = [rng.choices(range(200, 40000), k=24) for _ in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        want = list(ex.map(lambda p: _complete(gw, p)[0], prompts))  # the answers, unpartitioned
+        started = [threading.Event() for _ in prompts]
+        running = [ex.submit(_complete, gw, p, s) for p, s in zip(prompts, started)]
+        assert all(s.wait(60) for s in started)
+        on_a = na.load()["active_requests"]
+        t_hole = time.monotonic()
+        lab.black_hole(a, g)
+        got = [f.result(timeout=120) for f in running]
+    assert on_a > 0, "no stream ran on the node partitioned"
+    assert [text for text, _ in got] == want  # the partitioned node's streams finished on the other, unchanged
+    late = time.monotonic() - t_hole  # every stream ended by now
+    print(f"partition -> every stream ended: {late:.1f} s")
+    assert late < 15, f"the streams ended {late:.1f} s after the partition: detection waited for a silence limit"
+    _wait_state(gw, na.url, "unproven", 10)  # out of routing (already, or within two polls)
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:  # new requests while partitioned: all answered by b
+        assert list(ex.map(lambda p: _complete(gw, p)[0], prompts[:4])) == want[:4]
+    lab.heal()
+    _wait_state(gw, na.url, "ready", 20)  # proven again (the registry challenges an unproven node before routing)
+    before = _finished(na)
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        assert list(ex.map(lambda p: _complete(gw, p)[0], prompts)) == want
+    assert _finished(na) > before  # it serves again
