@@ -1,10 +1,10 @@
 """A test's own network: hosts in network namespaces joined by one bridge, and the faults between them.
 
-Layout (``I``: a number unique to the lab, from the pid; every name starts with ``pd<I>``)::
+Layout (``I``: a number unique to the lab, from the pid and a count; every name starts with ``pd<I>``)::
 
     switch namespace   pd<I>sw    bridge br0; one port per host, one to the test process
-    host namespaces    pd<I>h<N>  eth0 10.211.<I % 250>.<N + 10>/24 and lo
-    root namespace     pd<I>r     10.211.<I % 250>.1/24: the test process's own way in (its clients, scrapes)
+    host namespaces    pd<I>h<N>  eth0 10.<211 + I // 250 % 40>.<I % 250>.<N + 10>/24 and lo
+    root namespace     pd<I>r     10.<...>.<...>.1/24: the test process's own way in (its clients, scrapes)
 
 A process runs on a host through ``ip netns exec`` (``Host.argv``) and binds its host's address. The switch and
 hosts have their own netfilter tables, so a rule here touches nothing outside the lab.
@@ -46,10 +46,13 @@ class Host:
 
 
 class NetLab:
+    _made = 0  # labs made by this process (two may live at once: each its own names)
+
     def __init__(self) -> None:
-        self.id = os.getpid() % 10000
+        NetLab._made += 1
+        self.id = (os.getpid() * 8 + NetLab._made) % 100000
         self.prefix = f"pd{self.id}"
-        self.subnet = f"10.211.{self.id % 250}"
+        self.subnet = f"10.{211 + self.id // 250 % 40}.{self.id % 250}"
         self.switch = f"{self.prefix}sw"
         self.hosts: list[Host] = []
         self._rules: list[tuple[str, list[str]]] = []  # (namespace, iptables rule) in force

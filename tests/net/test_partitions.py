@@ -1,13 +1,16 @@
-"""Partitions between machines, not kills on loopback: the gateway and two nodes each on its own host (a network
-namespace, tests/net/lab.py), a black hole between the gateway and one node while streams run through it.
+"""Partitions between machines, not kills on loopback: the gateway and the nodes each on its own host (a network
+namespace, tests/net/lab.py), with black holes and flapping links while requests run.
 
 Across a partition nothing is refused: a connect hangs, an open stream goes silent. What must hold:
-- every stream running on the partitioned node finishes on the other, with the answer it had begun (greedy, int8
-  weights on ``kernels = invariant``: a resumed stream continues bit for bit), in seconds, not after the
-  gateway's 60 s silence limit (detection: TCP keepalive on the gateway's node connections, compute/node/client.py);
-- the node is out of routing within a few seconds (two failed health polls of 2 s each), and every new request
-  answers from the other;
-- healed, the node answers a new challenge before anything is routed to it again, then serves.
+- a black hole between the gateway and a node: every stream running there finishes on the other node with the answer
+  it had begun (greedy, int8 weights on ``kernels = invariant``: a resumed stream continues bit for bit), in seconds,
+  not after the gateway's 60 s silence limit (detection: TCP keepalive on the gateway's node connections,
+  compute/node/client.py); the node is out of routing within two failed health polls and every new request answers
+  from the other; healed, it answers a new challenge before anything is routed to it again, then serves;
+- a black hole between a prefill node and one decode node: a request handed there cannot pull its KV (the connect
+  hangs), fails after the transfer timeout and is retried; healed and past the hold time, no KV block stays held on
+  any node (the transfer is cut before its first byte here: the tiny model's KV moves in milliseconds);
+- a link flapping every second: no request lost or changed, no block or request left on either node.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import pytest
 from compute.node.launcher import Services
 from tests.conftest import import_tiny_chat_models
 from tests.net.lab import NetLab
-from tests.services import TOKEN
+from tests.services import TOKEN, wait_blocks_free
 
 pytestmark = [pytest.mark.long, pytest.mark.skipif(NetLab.why_not() is not None, reason=str(NetLab.why_not()))]
 MODEL = "tiny-net"
@@ -115,3 +118,69 @@ def test_a_black_hole_between_the_gateway_and_a_node(pool):
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         assert list(ex.map(lambda p: _complete(gw, p)[0], prompts)) == want
     assert _finished(na) > before  # it serves again
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory, real_model_store):
+    """A prefill node and two decode nodes, each on its own host, behind a gateway on a fourth; KV held 8 s for
+    the decode side, a transfer failed after 4 s (the defaults are 30 and 10: a shorter drill, the same rule)."""
+    store = import_tiny_chat_models(tmp_path_factory, *real_model_store, (MODEL,), "net-split", context=1024)
+    lab = NetLab()
+    services = Services(store.locations, None, str(tmp_path_factory.mktemp("net-split")), TOKEN)
+    try:
+        g, p, d1, d2 = (lab.host() for _ in range(4))
+        flags = ("--step", "eager", "--kernels", "invariant", "--kv-hold-s", "8", "--kv-timeout-s", "4")
+        nodes = [services.node(role, kv_blocks=512, model=MODEL, extra=flags, on=h)
+                 for role, h in (("prefill", p), ("decode", d1), ("decode", d2))]  # fmt: skip
+        gw = services.gateway([(role, n) for role, n in zip(("prefill", "decode", "decode"), nodes)],
+                              env={"PDSERVE_API_KEYS": KEY}, on=g)  # fmt: skip
+        for n in (*nodes, gw):
+            n.wait_ready()
+        yield {"lab": lab, "hosts": (g, p, d1, d2), "nodes": nodes, "gw": gw}
+    finally:
+        services.stop_all()
+        lab.close()
+
+
+def test_a_black_hole_between_prefill_and_one_decode_node(split):
+    """Prefill reaches one decode node no more (both still reach the gateway): a request handed to that node
+    cannot pull its KV (the connect hangs), fails after the transfer timeout and is retried; every answer is the
+    unpartitioned one, and once healed and past the hold time no KV block stays held on any node."""
+    lab, (_, p, d1, _), nodes, gw = split["lab"], split["hosts"], split["nodes"], split["gw"]
+    rng = random.Random(40)
+    prompts = [rng.choices(range(200, 40000), k=300) for _ in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        want = list(ex.map(lambda q: _complete(gw, q)[0], prompts))
+        lab.black_hole(p, d1)
+        t0 = time.monotonic()
+        got = list(ex.map(lambda q: _complete(gw, q)[0], prompts))
+        took = time.monotonic() - t0
+    print(f"8 requests across the prefill/decode partition: {took:.1f} s")
+    assert got == want, [(i, a[:80], b[:80]) for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    lab.heal()
+    loads = wait_blocks_free(nodes, timeout=20)  # the prefill side's holds expire (8 s); nothing leaks either side
+    assert [ld["kv_blocks_used"] for ld in loads] == [0, 0, 0], loads
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:  # healed: both decode nodes serve again
+        assert list(ex.map(lambda q: _complete(gw, q)[0], prompts)) == want
+
+
+def test_a_flapping_link_loses_no_request_and_leaks_no_block(pool):
+    """Node a's link goes down and up every second while 8 streams run and 8 more arrive: every answer is the
+    unpartitioned one, and afterwards neither node holds a KV block or a request."""
+    lab, (_, a, _), nodes, gw = pool["lab"], pool["hosts"], pool["nodes"], pool["gw"]
+    rng = random.Random(41)
+    prompts = [rng.choices(range(200, 40000), k=24) for _ in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        want = list(ex.map(lambda q: _complete(gw, q)[0], prompts))
+        running = [ex.submit(_complete, gw, q) for q in prompts[:8]]
+        for i in range(6):
+            lab.cut(a)
+            time.sleep(1.0)
+            lab.heal()
+            time.sleep(1.0)
+            if i == 1:
+                running += [ex.submit(_complete, gw, q) for q in prompts[8:]]
+        got = [f.result(timeout=180)[0] for f in running]
+    assert got == want, [i for i, (x, y) in enumerate(zip(got, want)) if x != y]
+    _wait_state(gw, nodes[0].url, "ready", 20)
+    loads = wait_blocks_free(list(nodes), timeout=20)
+    assert [(ld["kv_blocks_used"], ld["active_requests"]) for ld in loads] == [(0, 0), (0, 0)], loads
