@@ -7,18 +7,25 @@ N+1, so two concurrent imports of one name make two versions, never a torn one.
 After the claim the manifest is copied to the other locations; a reader takes
 the first copy that passes its hash/HMAC check, so a partial copy-out is harmless
 (``repair`` completes it).
+
+Unreachable locations (a partition: calls hang until their timeouts, paramstore/locations.py): a listing waits
+for the others at most ``LISTING_GRACE_S`` after the first answer (manifests are replicated: any reachable copy
+will do; a publish that missed a version still claims exclusively on the arbiter); a location that failed lately,
+or did not answer a listing in that grace, is asked last for a copy (``locations.by_health``) and its fragments are
+read last (``reader.py``).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from .config import validate_name
 from .errors import ConflictRetry, IntegrityError, LocationUnavailable, NotFound
-from .locations import Location
+from .locations import Location, by_health, mark_failed, suspect
 from .manifest import Manifest, manifest_path, parse_manifest_path
 
 MAX_CLAIMS = 64
+LISTING_GRACE_S = 2.0  # after the first location's listing, how long the others may take to be counted
 
 
 class Catalog:
@@ -35,9 +42,17 @@ class Catalog:
             try:
                 return loc, loc.list(prefix)
             except OSError:
+                mark_failed(loc)
                 return loc, []
 
-        for loc, rels in self.pool.map(ls, self.locations):
+        asked = {self.pool.submit(ls, loc): loc for loc in self.locations}
+        done, pending = wait(asked, return_when=FIRST_COMPLETED)
+        if pending:
+            more, pending = wait(pending, timeout=LISTING_GRACE_S)
+            done |= more
+        for f in pending:  # no answer in the grace: asked last from now on, as if it had failed
+            mark_failed(asked[f])
+        for loc, rels in (f.result() for f in done):
             for rel in rels:
                 parsed = parse_manifest_path(rel)
                 if parsed:
@@ -131,14 +146,19 @@ class Catalog:
 def first_valid(locations: list[Location], rel: str, parse):
     """(the first copy of ``rel`` that ``parse(raw, loc)`` accepts, the reasons the copies before it were not);
     (None, reasons) if none is. ``parse`` raises ``IntegrityError`` for a copy it refuses; an absent copy is no
-    reason, an unreadable location is one (the object is replicated: manifests, kernel plans)."""
-    errors = []
-    for loc in locations:
+    reason, an unreadable location is one (the object is replicated: manifests, kernel plans). Locations that failed
+    lately are asked last, and not at all once another has answered (a partition would cost each its timeouts)."""
+    errors, answered = [], False  # answered: a location that has not failed lately said whether it has a copy
+    for loc in by_health(locations):
+        if answered and suspect(loc):  # the rest failed lately: a replicated object is not there alone
+            break
         try:
             raw = loc.get(rel)
         except FileNotFoundError:
+            answered = answered or not suspect(loc)
             continue
         except OSError as e:
+            mark_failed(loc)
             errors.append(f"{loc.url}: {e}")
             continue
         try:

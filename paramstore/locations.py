@@ -21,8 +21,10 @@ Backends, registered in one lazy factory (``open_location``):
 from __future__ import annotations
 
 import abc
+import functools
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -152,8 +154,62 @@ class LocalLocation(Location):
             pass
 
 
+SUSPECT_S = 30.0  # a location that failed a call is asked last for this long (by_health)
+_failed_at: dict[str, float] = {}  # location url -> monotonic time of its last failed call, in this process
+
+
+def mark_failed(loc: Location) -> None:
+    """``loc`` failed a call (unreachable, timed out): readers ask it last for ``SUSPECT_S``."""
+    _failed_at[loc.url] = time.monotonic()
+
+
+def suspect(loc: Location) -> bool:
+    return time.monotonic() - _failed_at.get(loc.url, -2 * SUSPECT_S) < SUSPECT_S
+
+
+def by_health(locations: list[Location]) -> list[Location]:
+    """``locations`` in their order, those that failed in the last ``SUSPECT_S`` moved to the end."""
+    return sorted(locations, key=suspect)
+
+
+def _transport_errors() -> tuple[type, ...]:
+    """What an fsspec backend raises for a network failure that is no OSError (botocore's ConnectTimeoutError,
+    aiohttp's errors): looked up only when something was raised."""
+    errors: list[type] = []
+    try:
+        from botocore.exceptions import BotoCoreError
+
+        errors.append(BotoCoreError)
+    except ImportError:
+        pass
+    try:
+        from aiohttp import ClientError
+
+        errors.append(ClientError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _io(fn):
+    """A location call whose network failure is ``LocationUnavailable`` (an OSError: the callers' retry-elsewhere
+    path), not a botocore error that no ``except OSError`` catches."""
+
+    @functools.wraps(fn)
+    def call(self, *args):
+        try:
+            return fn(self, *args)
+        except OSError:
+            raise
+        except _transport_errors() as e:
+            raise LocationUnavailable(f"{self.url}: {type(e).__name__}: {e}") from None
+
+    return call
+
+
 class FsspecLocation(Location):
-    """Any fsspec filesystem (s3, memory, alluxio): one PUT per object is atomic there."""
+    """Any fsspec filesystem (s3, memory, alluxio): one PUT per object is atomic there. Its calls' network failures
+    are ``LocationUnavailable`` (``_io``)."""
 
     _create_lock = threading.Lock()  # memory:// has no conditional put; one process owns it
 
@@ -165,9 +221,11 @@ class FsspecLocation(Location):
     def _p(self, rel: str) -> str:
         return f"{self.root}/{rel}"
 
+    @_io
     def put(self, rel, data):
         self.fs.pipe_file(self._p(rel), bytes(data))
 
+    @_io
     def put_exclusive(self, rel, data):
         path = self._p(rel)
         if self.fs.protocol in ("memory",) or "memory" in tuple(self.fs.protocol):
@@ -186,15 +244,18 @@ class FsspecLocation(Location):
                 return False
             raise
 
+    @_io
     def get(self, rel):
         return self.fs.cat_file(self._p(rel))
 
+    @_io
     def size(self, rel):
         try:
             return int(self.fs.info(self._p(rel))["size"])
         except FileNotFoundError:
             return None
 
+    @_io
     def mtime(self, rel):
         try:
             info = self.fs.info(self._p(rel))
@@ -205,6 +266,7 @@ class FsspecLocation(Location):
             return None
         return t.timestamp() if hasattr(t, "timestamp") else float(t)
 
+    @_io
     def list(self, prefix):
         base = self._p(prefix).rstrip("/")
         try:
@@ -214,6 +276,7 @@ class FsspecLocation(Location):
         root = self.root.lstrip("/")
         return sorted(p.lstrip("/")[len(root) + 1 :] for p in found)
 
+    @_io
     def remove(self, rel):
         try:
             self.fs.rm_file(self._p(rel))
@@ -268,10 +331,17 @@ class AlluxioLocation(FsspecLocation):
             self._call(super().remove, rel)
 
 
+# S3 calls give up in seconds, not botocore's 60 s per connect: an unreachable location (a partition: connects hang,
+# nothing is refused) is then one failed location, and the reader takes other fragments (tests/net). A read's
+# timeout is between bytes, not for the whole object. The options' own config_kwargs override these.
+S3_TIMEOUTS = {"connect_timeout": 2, "read_timeout": 20, "retries": {"max_attempts": 2, "mode": "standard"}}
+
+
 def _open_s3(url: str, options: dict) -> Location:
     import s3fs
 
     opts = {"skip_instance_cache": True, "use_listings_cache": False, **options}
+    opts["config_kwargs"] = {**S3_TIMEOUTS, **options.get("config_kwargs", {})}
     fs = s3fs.S3FileSystem(**opts)
     return FsspecLocation(url, fs, url.split("://", 1)[1])
 

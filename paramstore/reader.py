@@ -30,7 +30,7 @@ from .buffers import alloc
 from .codec import ErasureCodec
 from .errors import IntegrityError, InvalidRequest, NotEnoughFragments
 from .integrity import fragment_hash, shard_digest
-from .locations import Location
+from .locations import Location, mark_failed, suspect
 from .manifest import Manifest, ShardInfo
 from .shards import unpack, unpack_files
 
@@ -120,18 +120,21 @@ class ModelReader:
         good: dict[int, memoryview] = {}
         failed: dict[str, str] = {}
         pending: dict[Future, int] = {}
-        for i in range(k):  # data fragments land straight in their place
-            pending[self._io.submit(self._get_fragment, shard, i, view[i * frag : (i + 1) * frag])] = i
-        parity = deque(range(k, self.manifest.n))
+        # k fragments first: data on locations that answer (they land straight in their place), then parity there,
+        # then those on locations that failed lately (a partition: their calls hang until their timeouts)
+        order = sorted(range(self.manifest.n), key=lambda i: (suspect(self._location(shard, i)), i >= k))
+        parity = deque(order)
+        for _ in range(k):
+            self._submit_next(shard, parity, pending, view)
         deadline = time.monotonic() + self.config.hedge_s
         while len(good) < k:
             if not pending and not parity:
                 raise NotEnoughFragments(shard.name, k, len(good), failed)
             timeout = max(0.0, deadline - time.monotonic())
             done, _ = wait(list(pending), timeout=timeout, return_when=FIRST_COMPLETED)
-            if not done:  # slow data fragments: race them with parity
+            if not done:  # slow fragments: race them with the next in line (parity, or those of failing locations)
                 for _ in range(min(len(parity), k - len(good) - 0)):
-                    self._submit_parity(shard, parity, pending)
+                    self._submit_next(shard, parity, pending, view)
                 deadline = time.monotonic() + self.config.hedge_s
                 continue
             for fut in done:
@@ -140,11 +143,13 @@ class ModelReader:
                 if err is None:
                     good[idx] = fut.result()
                 else:
-                    loc = self.locations[shard.fragments[idx].location].url
-                    failed[loc] = str(err)
-                    metrics.FRAGMENT_ERRORS.labels(loc, type(err).__name__).inc()
+                    loc = self._location(shard, idx)
+                    if isinstance(err, OSError) and not isinstance(err, FileNotFoundError):
+                        mark_failed(loc)
+                    failed[loc.url] = str(err)
+                    metrics.FRAGMENT_ERRORS.labels(loc.url, type(err).__name__).inc()
                     if parity:
-                        self._submit_parity(shard, parity, pending)
+                        self._submit_next(shard, parity, pending, view)
         for fut in pending:
             fut.cancel()
         missing = [i for i in range(k) if i not in good]
@@ -160,9 +165,13 @@ class ModelReader:
             raise IntegrityError(f"shard {shard.name}: digest mismatch after decode")
         return ShardRead(shard, result, 0.0, degraded=len(missing), failed=failed)
 
-    def _submit_parity(self, shard: ShardInfo, parity: deque, pending: dict) -> None:
-        i = parity.popleft()
-        pending[self._io.submit(self._get_fragment, shard, i, None)] = i
+    def _location(self, shard: ShardInfo, index: int) -> Location:
+        return self.locations[shard.fragments[index].location]
+
+    def _submit_next(self, shard: ShardInfo, parity: deque, pending: dict, view: memoryview) -> None:
+        """The next fragment in line: a data fragment straight into its place in ``view``, parity into its own."""
+        i, k, frag = parity.popleft(), self.manifest.k, shard.fragment_size
+        pending[self._io.submit(self._get_fragment, shard, i, view[i * frag : (i + 1) * frag] if i < k else None)] = i
 
     def _get_fragment(self, shard: ShardInfo, index: int, into: memoryview | None) -> memoryview:
         ref = shard.fragments[index]
