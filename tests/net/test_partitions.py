@@ -27,7 +27,7 @@ import pytest
 from compute.node.launcher import Services
 from tests.conftest import import_tiny_chat_models
 from tests.net.lab import NetLab
-from tests.services import TOKEN, wait_blocks_free
+from tests.services import TOKEN, wait_blocks_free, wait_kernels_settled
 
 pytestmark = [pytest.mark.long, pytest.mark.skipif(NetLab.why_not() is not None, reason=str(NetLab.why_not()))]
 MODEL = "tiny-net"
@@ -49,6 +49,7 @@ def pool(tmp_path_factory, real_model_store):
         gw = services.gateway([("both", na), ("both", nb)], env={"PDSERVE_API_KEYS": KEY}, on=g)
         for p in (na, nb, gw):
             p.wait_ready()
+        wait_kernels_settled([na, nb])  # one plan on both, kept from the first request (tests/services.py)
         yield {"lab": lab, "hosts": (g, a, b), "nodes": (na, nb), "gw": gw, "services": services}
     finally:
         services.stop_all()
@@ -84,6 +85,16 @@ def _complete(gw, ids: list[int], started=None) -> tuple[str, float]:
     return "".join(text), time.monotonic() - t0
 
 
+def _differences(got: list[str], want: list[str]) -> list[tuple[int, int, str, str]]:
+    """(request, first differing character, what came, what was wanted there) of each answer that differs."""
+    out = []
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out.append((i, at, a[at : at + 30], b[at : at + 30]))
+    return out
+
+
 def _finished(node) -> float:
     """Requests whose output ended on ``node`` (its metrics)."""
     text = httpx.get(node.url + "/metrics", timeout=10).text
@@ -105,7 +116,7 @@ def test_a_black_hole_between_the_gateway_and_a_node(pool):
         lab.black_hole(a, g)
         got = [f.result(timeout=120) for f in running]
     assert on_a > 0, "no stream ran on the node partitioned"
-    assert [text for text, _ in got] == want  # the partitioned node's streams finished on the other, unchanged
+    assert [text for text, _ in got] == want, _differences([text for text, _ in got], want)  # finished on the other, unchanged
     late = time.monotonic() - t_hole  # every stream ended by now
     print(f"partition -> every stream ended: {late:.1f} s")
     assert late < 15, f"the streams ended {late:.1f} s after the partition: detection waited for a silence limit"
@@ -119,22 +130,31 @@ def test_a_black_hole_between_the_gateway_and_a_node(pool):
         assert list(ex.map(lambda p: _complete(gw, p)[0], prompts)) == want
     assert _finished(na) > before  # it serves again
 
-@pytest.fixture(scope="module")
-def split(tmp_path_factory, real_model_store):
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def split(request, tmp_path_factory, real_model_store):
     """A prefill node and two decode nodes, each on its own host, behind a gateway on a fourth; KV held 8 s for
-    the decode side, a transfer failed after 4 s (the defaults are 30 and 10: a shorter drill, the same rule)."""
+    the decode side, a transfer failed after 4 s (the defaults are 30 and 10: a shorter drill, the same rule). The KV
+    moves over the plain TCP transport, or NIXL with UCX on TCP over the hosts' links (UCX would otherwise read
+    another process's memory directly on one machine, which no partition cuts)."""
+    transport, env = request.param, {}
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12")
+        env = {"UCX_NET_DEVICES": "eth0", "UCX_TLS": "tcp"}
     store = import_tiny_chat_models(tmp_path_factory, *real_model_store, (MODEL,), "net-split", context=1024)
     lab = NetLab()
-    services = Services(store.locations, None, str(tmp_path_factory.mktemp("net-split")), TOKEN)
+    services = Services(store.locations, None, str(tmp_path_factory.mktemp("net-split")), TOKEN, env=env)
     try:
         g, p, d1, d2 = (lab.host() for _ in range(4))
-        flags = ("--step", "eager", "--kernels", "invariant", "--kv-hold-s", "8", "--kv-timeout-s", "4")
+        flags = ("--step", "eager", "--kernels", "invariant", "--kv-hold-s", "8", "--kv-timeout-s", "4",
+                 "--kv-transport", transport)  # fmt: skip
         nodes = [services.node(role, kv_blocks=512, model=MODEL, extra=flags, on=h)
                  for role, h in (("prefill", p), ("decode", d1), ("decode", d2))]  # fmt: skip
         gw = services.gateway([(role, n) for role, n in zip(("prefill", "decode", "decode"), nodes)],
                               env={"PDSERVE_API_KEYS": KEY}, on=g)  # fmt: skip
         for n in (*nodes, gw):
             n.wait_ready()
+        assert {n.load()["kv_transport"] for n in nodes} == {transport}  # not a fallback
+        wait_kernels_settled(nodes)
         yield {"lab": lab, "hosts": (g, p, d1, d2), "nodes": nodes, "gw": gw}
     finally:
         services.stop_all()
@@ -155,12 +175,13 @@ def test_a_black_hole_between_prefill_and_one_decode_node(split):
         got = list(ex.map(lambda q: _complete(gw, q)[0], prompts))
         took = time.monotonic() - t0
     print(f"8 requests across the prefill/decode partition: {took:.1f} s")
-    assert got == want, [(i, a[:80], b[:80]) for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    assert got == want, _differences(got, want)
     lab.heal()
     loads = wait_blocks_free(nodes, timeout=20)  # the prefill side's holds expire (8 s); nothing leaks either side
     assert [ld["kv_blocks_used"] for ld in loads] == [0, 0, 0], loads
     with concurrent.futures.ThreadPoolExecutor(8) as ex:  # healed: both decode nodes serve again
-        assert list(ex.map(lambda q: _complete(gw, q)[0], prompts)) == want
+        again = list(ex.map(lambda q: _complete(gw, q)[0], prompts))
+    assert again == want, _differences(again, want)
 
 
 def test_a_flapping_link_loses_no_request_and_leaks_no_block(pool):
