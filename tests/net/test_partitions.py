@@ -11,6 +11,10 @@ Across a partition nothing is refused: a connect hangs, an open stream goes sile
   hangs), fails after the transfer timeout and is retried; healed and past the hold time, no KV block stays held on
   any node (the transfer is cut before its first byte here: the tiny model's KV moves in milliseconds);
 - a link flapping every second: no request lost or changed, no block or request left on either node.
+
+The real model, not the tiny random one: on the tiny model one prompt's greedy answer flipped between two tokens
+from run to run, with or without a fault (reproduced on loopback with kill -9 and with no fault at all: a near-tie
+that ``kernels = invariant`` does not hold bit for bit there; left open, not a partition effect).
 """
 
 from __future__ import annotations
@@ -25,22 +29,21 @@ import httpx
 import pytest
 
 from compute.node.launcher import Services
-from tests.conftest import import_tiny_chat_models
 from tests.net.lab import NetLab
 from tests.services import TOKEN, wait_blocks_free, wait_kernels_settled
 
 pytestmark = [pytest.mark.long, pytest.mark.skipif(NetLab.why_not() is not None, reason=str(NetLab.why_not()))]
-MODEL = "tiny-net"
+MODEL = "smollm2"  # the real model (real_model_store): the tiny random one has near-ties that flip (see above)
 KEY = "sk-net-test"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
-TOKENS = 600  # a stream long enough to be running when the partition starts (seconds on the tiny model)
+TOKENS = 64  # a stream still running when the partition starts (seconds with 8 at once)
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, real_model_store):
-    store = import_tiny_chat_models(tmp_path_factory, *real_model_store, (MODEL,), "net-store", context=1024)
+    locations, _ = real_model_store
     lab = NetLab()
-    services = Services(store.locations, None, str(tmp_path_factory.mktemp("net")), TOKEN)
+    services = Services(locations, None, str(tmp_path_factory.mktemp("net")), TOKEN)
     try:
         g, a, b = lab.host(), lab.host(), lab.host()
         flags = ("--step", "eager", "--kernels", "invariant")
@@ -140,9 +143,9 @@ def split(request, tmp_path_factory, real_model_store):
     if transport == "nixl":
         pytest.importorskip("nixl_cu12")
         env = {"UCX_NET_DEVICES": "eth0", "UCX_TLS": "tcp"}
-    store = import_tiny_chat_models(tmp_path_factory, *real_model_store, (MODEL,), "net-split", context=1024)
+    locations, _ = real_model_store
     lab = NetLab()
-    services = Services(store.locations, None, str(tmp_path_factory.mktemp("net-split")), TOKEN, env=env)
+    services = Services(locations, None, str(tmp_path_factory.mktemp("net-split")), TOKEN, env=env)
     try:
         g, p, d1, d2 = (lab.host() for _ in range(4))
         flags = ("--step", "eager", "--kernels", "invariant", "--kv-hold-s", "8", "--kv-timeout-s", "4",
