@@ -19,6 +19,7 @@ holds its weights anyway: eviction only drops the cache's reference).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -57,9 +58,12 @@ class AdapterCache:
         self._kept: OrderedDict[AdapterRef, _Kept] = OrderedDict()  # least recently used first
         self._loading: dict[AdapterRef, asyncio.Future] = {}
         self._freed: asyncio.Event | None = None  # set when an adapter stops being in use (created on the loop)
+        self._tickets = itertools.count()  # a request's place in line, taken when it asks
+        self._waiting: dict[int, None] = {}  # tickets of the requests waiting for room
         self.loads, self.last_load_s = 0, 0.0
 
     async def acquire(self, ref: AdapterRef) -> LoraWeights:
+        ticket = next(self._tickets)
         kept = self._kept.get(ref)
         if kept is None:
             LOOKUPS.labels(self.model, "miss").inc()
@@ -69,7 +73,7 @@ class AdapterCache:
                 fut.add_done_callback(lambda _f, r=ref: self._loading.pop(r, None))
             weights = await asyncio.shield(fut)
             if ref not in self._kept:
-                await self._room_for(weights.nbytes)
+                await self._room_for(weights.nbytes, ticket)
             kept = self._kept.get(ref)  # another waiter for the same adapter may have kept it meanwhile
             if kept is None:
                 kept = self._kept[ref] = _Kept(weights)
@@ -98,24 +102,32 @@ class AdapterCache:
     def nbytes(self) -> int:
         return sum(k.weights.nbytes for k in self._kept.values())
 
-    async def _room_for(self, incoming: int) -> None:
+    async def _room_for(self, incoming: int, ticket: int) -> None:
         """Evict unused adapters, least recently used first, until one more of ``incoming`` bytes fits; while every
-        kept one is in use, wait for a release (up to ``WAIT_S``)."""
+        kept one is in use, wait for a release (up to ``WAIT_S``): the waiter that asked first takes the room."""
         if incoming > self.max_bytes:
             raise NodeBusy(f"adapter of {incoming} bytes exceeds max_lora_mb on this node")
+        if not self._waiting and self._evict_for(incoming):
+            return
+        if self._freed is None:
+            self._freed = asyncio.Event()
         deadline = time.monotonic() + WAIT_S
-        while not self._evict_for(incoming):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise NodeBusy(f"all {len(self._kept)} adapters kept on this node stayed in use for {WAIT_S:.0f} s "
-                               "(max_loras)")  # fmt: skip
-            if self._freed is None:
-                self._freed = asyncio.Event()
-            self._freed.clear()
-            try:
-                await asyncio.wait_for(self._freed.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+        self._waiting[ticket] = None
+        try:
+            while not (min(self._waiting) == ticket and self._evict_for(incoming)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NodeBusy(f"all {len(self._kept)} adapters kept on this node stayed in use for "
+                                   f"{WAIT_S:.0f} s (max_loras)")  # fmt: skip
+                self._freed.clear()
+                try:
+                    await asyncio.wait_for(self._freed.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            del self._waiting[ticket]
+            if self._waiting:
+                self._freed.set()  # the next in line looks again
 
     def _evict_for(self, incoming: int) -> bool:
         """Whether one more adapter of ``incoming`` bytes fits, after evicting idle ones as needed."""

@@ -5,6 +5,7 @@ refused; refused only after the wait."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -49,14 +50,16 @@ def test_a_full_cache_makes_a_request_wait_for_a_release_not_fail(store, tiny_hf
             cache = _cache(ps, tiny_hf, max_loras=1)
             first = await asyncio.gather(cache.acquire(a), cache.acquire(a))  # two misses of one adapter: one fetch
             assert first[0] is first[1] and cache.loads == 1
+            fetch = cache._fetch
+            cache._fetch = lambda r: (time.sleep(0.3) if r == b else None, fetch(r))[1]  # b asked first, fetched last
             waiting = [asyncio.ensure_future(cache.acquire(r)) for r in (b, c)]
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.8)
             assert not any(w.done() for w in waiting)  # a is in use twice: nothing may be evicted
             cache.release(a)
             await asyncio.sleep(0.1)
             assert not any(w.done() for w in waiting)  # still in use once
             cache.release(a)
-            await asyncio.wait_for(waiting[0], 10)  # b, which asked first, takes the room
+            await asyncio.wait_for(waiting[0], 10)  # b, which asked first, takes the room (though c waited first)
             assert [r.ref for r in cache._kept] == [b.ref] and not waiting[1].done()
             cache.release(b)
             await asyncio.wait_for(waiting[1], 10)
