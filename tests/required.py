@@ -36,6 +36,8 @@ REQUIRED: dict[str, str] = {  # component -> regex searched in a skip's reason (
     "alluxiofs (extra 'alluxio')": r"alluxio",
     "transformers": r"\btransformers\b|\baccelerate\b",
     "pdserve's native kernels (make venv builds them)": r"native kernels",
+    "network namespaces for tests/net (root, iproute2, iptables; .ci/run installs them)":
+        r"network namespaces need root|\bip is not installed|iptables is not installed",
     "a Python package": r"could not import",
 }
 _PATTERNS = [(name, re.compile(rx, re.IGNORECASE)) for name, rx in REQUIRED.items()]
