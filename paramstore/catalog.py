@@ -21,7 +21,8 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from .config import validate_name
 from .errors import ConflictRetry, IntegrityError, LocationUnavailable, NotFound
-from .locations import Location, by_health, mark_failed, suspect
+from .health import by_health, mark_failed, suspect
+from .locations import Location
 from .manifest import Manifest, manifest_path, parse_manifest_path
 
 MAX_CLAIMS = 64

@@ -24,7 +24,6 @@ import abc
 import functools
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable
 
@@ -152,24 +151,6 @@ class LocalLocation(Location):
             os.unlink(self._p(rel))
         except FileNotFoundError:
             pass
-
-
-SUSPECT_S = 30.0  # a location that failed a call is asked last for this long (by_health)
-_failed_at: dict[str, float] = {}  # location url -> monotonic time of its last failed call, in this process
-
-
-def mark_failed(loc: Location) -> None:
-    """``loc`` failed a call (unreachable, timed out): readers ask it last for ``SUSPECT_S``."""
-    _failed_at[loc.url] = time.monotonic()
-
-
-def suspect(loc: Location) -> bool:
-    return time.monotonic() - _failed_at.get(loc.url, -2 * SUSPECT_S) < SUSPECT_S
-
-
-def by_health(locations: list[Location]) -> list[Location]:
-    """``locations`` in their order, those that failed in the last ``SUSPECT_S`` moved to the end."""
-    return sorted(locations, key=suspect)
 
 
 def _transport_errors() -> tuple[type, ...]:

@@ -29,8 +29,9 @@ from . import metrics
 from .buffers import alloc
 from .codec import ErasureCodec
 from .errors import IntegrityError, InvalidRequest, NotEnoughFragments
+from .health import mark_failed, suspect
 from .integrity import fragment_hash, shard_digest
-from .locations import Location, mark_failed, suspect
+from .locations import Location
 from .manifest import Manifest, ShardInfo
 from .shards import unpack, unpack_files
 
