@@ -108,8 +108,9 @@ class LoraRows:
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, slot: str) -> torch.Tensor:
         """``y [T, N]`` (the base linear's output of ``x [T, K]``, written in place) plus each group's update:
         the native kernel, one call for every group of a few rows (decode); GEMMs for a group of many (prefill)."""
-        native_ok = _native() and x.dtype == y.dtype and x.dtype in NATIVE_DTYPES and x.stride(1) == 1
-        if native_ok and y.stride(1) == 1:
+        native_ok = (_native() and x.dtype == y.dtype and x.dtype in NATIVE_DTYPES and x.stride(1) == 1
+                     and y.stride(1) == 1)  # fmt: skip
+        if native_ok:
             call = self.calls.get((layer, slot))
             if call is None:
                 call = self.calls[(layer, slot)] = self._native_call(layer, slot)
@@ -117,7 +118,7 @@ class LoraRows:
                 torch.ops.pdserve.lora_add(y, x, *call)
         for w, rows in self.groups:  # groups the native call leaves out: GEMMs (a few small matmuls per group)
             pair = w.pairs.get((layer, slot))
-            if pair is None or (native_ok and y.stride(1) == 1 and self._native_rows(w, rows)):
+            if pair is None or (native_ok and self._native_rows(w, rows)):
                 continue
             a, ps = pair
             xs, ys = x[rows], y[rows]  # views: [n, K], [n, N]
