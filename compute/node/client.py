@@ -16,7 +16,8 @@ would sit silent until the read timeout (the gateway's ``node_timeout_s``, 60 s:
 long). Every connection to a node therefore runs TCP keepalive (``PARTITION_OPTIONS``): probes after 1 s of
 silence, every 1 s, and the connection fails once the peer's kernel has acknowledged nothing for 4 s (probes or
 data: ``TCP_USER_TIMEOUT``). A busy node's kernel answers probes whatever its process does: only a host or link
-that is gone trips them. A partitioned node's streams fail over in ~5 s (tests/net/test_partitions.py).
+that is gone trips them. Detected in ~5 s; the drill's streams finished on another node 7-9 s after the partition
+(tests/net/test_partitions.py).
 """
 
 from __future__ import annotations
