@@ -48,8 +48,10 @@ def test_nodes_of_one_machine_measure_once_and_a_later_node_measures_nothing(tmp
         first_plans = [tuple(_metric(n, re.escape(rule.replace("rule", src))) for src in ("rule", "local", "store"))
                        for n in first]  # fmt: skip
         # each node was ready before any measurement: on the rule, or — started after a peer had measured (tiny
-        # shapes take a second) — on the machine's cached table or the plan it published; never measured first
-        assert all(sum(p) == 1 for p in first_plans) and (1, 0, 0) in first_plans, first_plans
+        # shapes take a second) — on the machine's cached table or the plan it published; never measured first.
+        # A node loaded on the rule may already have swapped in its peer's plan by now (rule and local both 1)
+        assert all(1 <= sum(p) <= 2 and max(p) == 1 for p in first_plans), first_plans
+        assert any(p[0] == 1 for p in first_plans), first_plans
 
         def published():
             with ParamStore(int8_store) as store:
