@@ -53,6 +53,7 @@ BENCHES = {
     "prefix": ("benchmarks.prefix", "prefix cache: TTFT of a repeated prefix hit vs miss, cost at 0% hits, multi-turn TTFT"),
     "kernels": ("benchmarks.kernels", "int8 linears vs this machine's memory bandwidth: the native kernel vs ATen's"),
     "served": ("benchmarks.served", "pdserve's defaults vs llama.cpp's llama-server (Q4_1, Q8_0) on the same GGUF, served"),
+    "soak": ("benchmarks.soak", "20-30 min of mixed load, kills and a model swap: growth per hour, back to idle after"),
     "lora": ("benchmarks.lora", "1, 8 and 64 LoRA adapters mixed in one batch vs the base alone; a cold adapter's first token"),
 }
 

@@ -190,7 +190,13 @@ def main(args) -> int:
     try:
         actuator = make(s, client, args.kubeconfig)
         pool = make_pool(s, actuator)
-        loop = control_loop(s["config"], client.status, client.publish, pool, s["actuator"])
+        def observe():  # the gateways' snapshot; their node lists made to match the local nodes (a lost
+            st = client.status()  # registration sent again, a lost deregistration too)
+            if s["actuator"] == "local":
+                client.reconcile([n for ns in actuator.current().values() for n in ns])
+            return st
+
+        loop = control_loop(s["config"], observe, client.publish, pool, s["actuator"])
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: loop.stop(timeout=0))
         print(f"pdserve autoscale: {s['actuator']} actuator, observing {', '.join(s['gateways'])} every "

@@ -16,7 +16,11 @@ Publication: after every tick the loop's report (decision and why, what was aske
 the nodes per key; keys written "model/role") goes to ``POST /internal/autoscaler`` of every
 gateway — what `pdserve status` shows. `GatewayClient` also registers the nodes a local actuator starts
 (``POST /internal/nodes``, ``…/draining``, ``DELETE``), which is how a separate
-`pdserve autoscale --actuator local` feeds a separate `pdserve gateway`.
+`pdserve autoscale --actuator local` feeds a separate `pdserve gateway`; a registration lost (the gateway
+unreachable when the node became ready, or restarted since) is sent again once a snapshot shows the node
+missing, and a node the gateway still lists as the autoscaler's after it ended (its deregistration lost) is
+deregistered (``reconcile``): a partition between the two never leaves a running node unserved, nor a dead one
+listed.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import httpx
 import msgspec
@@ -184,6 +188,9 @@ def report_body(report: TickReport, nodes: Mapping[Key, list[NodeInfo]], actuato
             "nodes": {key_str(k): [dataclasses.asdict(n) for n in ns] for k, ns in nodes.items()}}  # fmt: skip
 
 
+RESEND_S = 10.0  # GatewayClient.register_missing: the least time between two re-registrations of one node
+
+
 class GatewayClient:
     """The internal API of one or more gateways, with the internal token (see gateway/routes/internal.py)."""
 
@@ -197,6 +204,8 @@ class GatewayClient:
         self._urls = urls if callable(urls) else (lambda: fixed)
         self.urls: list[str] = fixed  # as of the last status()
         self._http = httpx.Client(auth=SignedAuth(token), timeout=timeout_s)  # signed requests: the token never sent
+        self._listed: dict[str, dict[str, str]] = {}  # gateway -> {node URL: its source} in its last snapshot
+        self._resent: dict[tuple[str, str], float] = {}  # (gateway, node) -> when its registration was last sent again
 
     def status(self) -> GatewayStatus:
         """The merged snapshot of every gateway; TemporaryActuatorError if any cannot be read."""
@@ -208,7 +217,10 @@ class GatewayClient:
             try:
                 r = self._http.get(url + "/internal/status")
                 r.raise_for_status()
-                snaps.append(read_status(r.json()))
+                raw = r.json()
+                snaps.append(read_status(raw))
+                self._listed[url] = {str(n.get("url", "")).rstrip("/"): n.get("source") or ""
+                                     for n in raw.get("nodes") or []}  # fmt: skip
             except (httpx.HTTPError, ValueError) as e:
                 raise TemporaryActuatorError(f"cannot observe the gateway at {url}: {e}") from None
         return snaps[0] if len(snaps) == 1 else merge_status(snaps)
@@ -220,6 +232,37 @@ class GatewayClient:
     def register(self, node: NodeInfo) -> None:
         for url in self.urls:
             self._post(url + "/internal/nodes", {"url": node.url, "role": node.role, "source": "autoscaler"})
+
+    def reconcile(self, nodes: Iterable[NodeInfo], now: float | None = None) -> list[str]:
+        """Each gateway's last snapshot against ``nodes``, every node this autoscaler runs: a ready one it does not
+        list is registered again, one it lists as the autoscaler's that is not among ``nodes`` is deregistered (at
+        most once per ``RESEND_S`` per node and gateway: a node a gateway refuses is not asked about every tick);
+        -> the URLs sent."""
+        now = time.monotonic() if now is None else now
+        self._resent = {k: t for k, t in self._resent.items() if now - t < RESEND_S}
+        ours = {n.url.rstrip("/"): n for n in nodes}
+        sent = []
+        for url in self.urls:
+            listed = self._listed.get(url)
+            if listed is None:
+                continue
+            missing = [n for u, n in ours.items() if u not in listed and n.ready and n.state != "draining"]
+            gone = [u for u, source in listed.items() if source == "autoscaler" and u not in ours]
+            for node_url in [n.url for n in missing] + gone:
+                key = (url, node_url.rstrip("/"))
+                if now - self._resent.get(key, -RESEND_S) < RESEND_S:
+                    continue
+                self._resent[key] = now
+                sent.append(node_url)
+                if node_url in gone:
+                    log.warning("node %s ended but the gateway %s still lists it: deregistering it", node_url, url)
+                    self.deregister(NodeInfo(role="", url=node_url, ready=False))
+                    continue
+                log.warning("node %s is not registered with the gateway %s (its registration was lost): "
+                            "registering it again", node_url, url)  # fmt: skip
+                node = ours[node_url.rstrip("/")]
+                self._post(url + "/internal/nodes", {"url": node.url, "role": node.role, "source": "autoscaler"})
+        return sent
 
     def draining(self, node: NodeInfo) -> None:
         for url in self.urls:

@@ -157,3 +157,18 @@ def node_generate(node: ServiceProc, rid: str, ids: list[int], max_tokens: int, 
         for line in r.iter_lines():
             toks += json.loads(line)["token_ids"]
     return toks
+
+
+def metric(where, name: str, **labels) -> float:
+    """The sum of the samples of metric ``name`` (exactly that name; only those with every label of ``labels``) on
+    the ``/metrics`` of ``where``: a URL, or a started process (its ``url``)."""
+    import httpx
+
+    text = httpx.get((where if isinstance(where, str) else where.url) + "/metrics", timeout=10).text
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{", 1)[0] == name and all(w in head for w in want):
+            total += float(value)
+    return total

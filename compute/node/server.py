@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from compute.node import auth, peer
@@ -26,6 +26,7 @@ from compute.node.errors import BadNodeRequest, NodeBusy
 from compute.node.metrics import host_registry
 from compute.node.models import ModelHost, ModelNotHeld, ModelUnknown
 from compute.node.service import check_request, new_sequence, sampling_params
+from compute.node.streaming import ClosingStreamingResponse
 
 log = logging.getLogger("pdserve.node")
 # without credentials: what a kubelet probes (no state beyond ready/draining) and what Prometheus scrapes, open as
@@ -107,7 +108,7 @@ def create_app(host: ModelHost) -> FastAPI:
         seq = new_sequence(msg, sampling_params(msg))
         await svc.prepare(seq)
         q = await svc.add(msg.request_id, seq, "generate", peer.puller(msg.pull))
-        return StreamingResponse(svc.relay(msg.request_id, q), media_type="application/x-ndjson")
+        return ClosingStreamingResponse(svc.relay(msg.request_id, q), media_type="application/x-ndjson")
 
     async def prefill(msg: P.GenerateRequest):
         return raw(await prefill_role.prefill(host.service(msg.model), msg))
@@ -115,7 +116,7 @@ def create_app(host: ModelHost) -> FastAPI:
     async def decode(msg: P.DecodeRequest):
         svc = host.service(msg.model)
         rid, q = await decode_role.decode(svc, msg)
-        return StreamingResponse(svc.relay(rid, q), media_type="application/x-ndjson")
+        return ClosingStreamingResponse(svc.relay(rid, q), media_type="application/x-ndjson")
 
     async def export(msg: P.ExportRequest):
         return raw(await peer.export(host.service(msg.model), msg))

@@ -14,8 +14,9 @@ import json
 import time
 import uuid
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
+from compute.node.streaming import ClosingStreamingResponse
 from gateway.admission.control import Overloaded
 from gateway.api import choices, tools
 from gateway.api import logprobs as lg
@@ -63,7 +64,7 @@ class Answers:
             return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                     "model": req.model, "choices": picked, "usage": usage}  # fmt: skip
         obj = "chat.completion.chunk" if chat else "text_completion"
-        return StreamingResponse(choices.merged(parts, obj, rid, created, req.model, req.include_usage, n_prompt,
+        return ClosingStreamingResponse(choices.merged(parts, obj, rid, created, req.model, req.include_usage, n_prompt,
                                                 counts),
                                  media_type="text/event-stream")  # fmt: skip
 
@@ -110,7 +111,7 @@ class Answers:
             events = self._sse(gen, first, rid, created, req, prompt, chat, t0, echo, lp, index, counts, calls)
             if counts is not None:
                 return events
-            return StreamingResponse(events,
+            return ClosingStreamingResponse(events,
                                      media_type="text/event-stream")  # fmt: skip
         out, n, reason = echo + first.text, len(first.token_ids), first.finish_reason
         logprobs = lp.merge(lp.prompt(prompt, first) if echo else None, lp.add(first))

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import uuid
 
-import httpx
 import pytest
 
-from tests.services import running_service
+from tests.services import metric, running_service
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -45,14 +44,9 @@ def _ask(svc, messages: list[dict], **extra) -> tuple[str, int, int]:
     return r.choices[0].message.content, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
 
 
-def _metric(node, name: str) -> float:
-    text = httpx.get(node.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-
 def test_a_conversations_cached_tokens_grow_each_turn_and_a_hit_answers_as_a_miss(both):
     node = both["nodes"][0]
-    hits0 = _metric(node, "pdserve_node_prefix_cache_hits_total")
+    hits0 = metric(node, "pdserve_node_prefix_cache_hits_total")
     messages = [{"role": "system", "content": f"You are a terse assistant (session {uuid.uuid4().hex})."}]
     turns = []
     for q in QUESTIONS:
@@ -70,9 +64,9 @@ def test_a_conversations_cached_tokens_grow_each_turn_and_a_hit_answers_as_a_mis
     hit = _ask(both, last)
     miss = _ask(both, last, cache_salt=uuid.uuid4().hex)
     assert hit[2] > 0 and miss[2] == 0 and hit[0] == miss[0] == messages[-1]["content"]
-    assert _metric(node, "pdserve_node_prefix_cache_hits_total") - hits0 >= sum(c for _, c in turns) + hit[2]
-    assert _metric(node, "vllm:prefix_cache_hits_total") == _metric(node, "pdserve_node_prefix_cache_hits_total")
-    assert _metric(node, "pdserve_node_kv_blocks_cached") > 0
+    assert metric(node, "pdserve_node_prefix_cache_hits_total") - hits0 >= sum(c for _, c in turns) + hit[2]
+    assert metric(node, "vllm:prefix_cache_hits_total") == metric(node, "pdserve_node_prefix_cache_hits_total")
+    assert metric(node, "pdserve_node_kv_blocks_cached") > 0
 
 
 def test_a_salted_request_shares_only_with_its_own_salt(both):
@@ -89,7 +83,7 @@ def test_the_prefill_node_reports_its_hit_on_a_split(split):
     first, second = _ask(split, messages), _ask(split, messages)
     assert first[2] == 0 and second[2] > 0 and first[0] == second[0]
     # the prefill node's hit, or the decode node's own when it held all but a few tokens (gateway/routing/router.py)
-    assert sum(_metric(n, "pdserve_node_prefix_cache_hits_total") for n in split["nodes"]) >= second[2]
+    assert sum(metric(n, "pdserve_node_prefix_cache_hits_total") for n in split["nodes"]) >= second[2]
 
 
 def test_streamed_choices_report_their_prompts_cached_tokens_once(both):

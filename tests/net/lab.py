@@ -13,10 +13,14 @@ Faults (each healed by ``heal``):
 - ``black_hole(a, b)``: every packet between hosts ``a`` and ``b`` dropped in ``a``'s namespace (iptables DROP both
   ways): a connect hangs with no answer, an established connection stops moving; nothing is refused, as across a
   real partition (on loopback a dead peer refuses at once);
+- ``black_hole_port(a, b, port)``: the same for one TCP port of ``a`` only (one service cut off, the rest flows);
 - ``cut(a)``: ``a``'s switch port down: ``a`` reaches no one, no one (the test process included) reaches ``a``.
 
+``throttle(a, mbit)`` is not a fault: ``a``'s sends limited to a rate (a token bucket, ``tc tbf``; netem is not on
+these machines), so that a transfer lasts long enough to be cut mid-way; ``unthrottle(a)`` lifts it.
+
 ``close()`` removes every namespace and link (an atexit finalizer too); the processes on the hosts are their
-owner's to stop first (``Services.stop_all``). Needs root, ``ip`` and ``iptables``: ``NetLab.why_not()`` says why a
+owner's to stop first (``Services.stop_all``). Needs root, ``ip``, ``iptables`` and ``tc``: ``NetLab.why_not()`` says why a
 machine cannot run it.
 """
 
@@ -78,7 +82,7 @@ class NetLab:
         """Why this machine cannot run a lab (None if it can)."""
         if os.geteuid() != 0:
             return "network namespaces need root"
-        for tool in ("ip", "iptables"):
+        for tool in ("ip", "iptables", "tc"):
             if shutil.which(tool) is None:
                 return f"{tool} is not installed"
         return None
@@ -100,10 +104,26 @@ class NetLab:
         """Drop every packet between ``a`` and ``b`` (a host, or an address such as the test process's
         ``f"{lab.subnet}.1"``), in ``a``'s namespace."""
         other = b if isinstance(b, str) else b.address
-        for rule in (["INPUT", "-s", other, "-j", "DROP"], ["OUTPUT", "-d", other, "-j", "DROP"]):
+        self._drop(a, ["INPUT", "-s", other, "-j", "DROP"], ["OUTPUT", "-d", other, "-j", "DROP"])
+
+    def black_hole_port(self, a: Host, b: Host, port: int) -> None:
+        """Drop the TCP packets between ``b`` and port ``port`` of ``a`` (both ways, in ``a``'s namespace): one
+        service of ``a`` unreachable from ``b``, every other flow between them untouched."""
+        self._drop(a, ["INPUT", "-s", b.address, "-p", "tcp", "--dport", str(port), "-j", "DROP"],
+                   ["OUTPUT", "-d", b.address, "-p", "tcp", "--sport", str(port), "-j", "DROP"])  # fmt: skip
+
+    def _drop(self, a: Host, *rules: list[str]) -> None:
+        for rule in rules:
             subprocess.run(["ip", "netns", "exec", a.name, "iptables", "-I", *rule], check=True, capture_output=True,
                            timeout=10)  # fmt: skip
             self._rules.append((a.name, rule))
+
+    def throttle(self, a: Host, mbit: int) -> None:
+        subprocess.run(["tc", "-n", a.name, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{mbit}mbit",
+                        "burst", "64kb", "latency", "500ms"], check=True, capture_output=True, timeout=10)  # fmt: skip
+
+    def unthrottle(self, a: Host) -> None:
+        subprocess.run(["tc", "-n", a.name, "qdisc", "del", "dev", "eth0", "root"], capture_output=True, timeout=10)
 
     def cut(self, a: Host) -> None:
         _ip("-n", self.switch, "link", "set", a.port, "down")

@@ -10,6 +10,10 @@ Across a partition nothing is refused: a connect hangs, an open stream goes sile
 - a black hole between a prefill node and one decode node: a request handed there cannot pull its KV (the connect
   hangs), fails after the transfer timeout and is retried; healed and past the hold time, no KV block stays held on
   any node (the transfer is cut before its first byte here: the tiny model's KV moves in milliseconds);
+- two gateways over the same nodes, one of them cut from a node: two views of the pool, each answering unchanged;
+  healed, they agree again;
+- a KV transfer cut mid-way (the prefill host's link rate-limited so that it lasts seconds, then black-holed to the
+  importing decode node): retried, answered unchanged, nothing left used, held or importing on either side;
 - a link flapping every second: no request lost or changed, no block or request left on either node.
 
 The real model, not the tiny random one: on the tiny model one prompt's greedy answer flipped between two tokens
@@ -30,7 +34,7 @@ import pytest
 
 from compute.node.launcher import Services
 from tests.net.lab import NetLab
-from tests.services import TOKEN, wait_blocks_free, wait_kernels_settled
+from tests.services import TOKEN, metric, wait_blocks_free, wait_kernels_settled
 
 pytestmark = [pytest.mark.long, pytest.mark.skipif(NetLab.why_not() is not None, reason=str(NetLab.why_not()))]
 MODEL = "smollm2"  # the real model (real_model_store): the tiny random one has near-ties that flip (see above)
@@ -73,16 +77,19 @@ def _wait_state(gw, url: str, want: str, timeout: float) -> float:
     raise AssertionError(f"{url} not {want} in {timeout} s: {_states(gw)}")
 
 
-def _complete(gw, ids: list[int], started=None) -> tuple[str, float]:
-    """A streamed greedy completion's text and seconds; ``started`` (an Event) set at its first token."""
+def _complete(gw, ids: list[int], started=None, **extra) -> tuple[str, float]:
+    """A streamed greedy completion's text and seconds; ``started`` (an Event) set at its first token; ``extra``:
+    more of the request's fields."""
     t0, text = time.monotonic(), []
     with httpx.stream("POST", gw.url + "/v1/completions", headers=HEADERS, timeout=120,
                       json={"model": MODEL, "prompt": ids, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
-                            "stream": True}) as r:  # fmt: skip
+                            "stream": True, **extra}) as r:  # fmt: skip
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                text.append(json.loads(line[6:])["choices"][0]["text"])
+                msg = json.loads(line[6:])
+                assert "error" not in msg, msg["error"]
+                text.append(msg["choices"][0]["text"])
                 if started is not None:
                     started.set()
     return "".join(text), time.monotonic() - t0
@@ -100,9 +107,7 @@ def _differences(got: list[str], want: list[str]) -> list[tuple[int, int, str, s
 
 def _finished(node) -> float:
     """Requests whose output ended on ``node`` (its metrics)."""
-    text = httpx.get(node.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve_node_requests_finished_total{"))  # fmt: skip
+    return metric(node, "pdserve_node_requests_finished_total")
 
 
 def test_a_black_hole_between_the_gateway_and_a_node(pool):
@@ -185,6 +190,69 @@ def test_a_black_hole_between_prefill_and_one_decode_node(split):
     with concurrent.futures.ThreadPoolExecutor(8) as ex:  # healed: both decode nodes serve again
         again = list(ex.map(lambda q: _complete(gw, q)[0], prompts))
     assert again == want, _differences(again, want)
+
+
+def test_two_gateways_see_the_pool_differently_across_a_partition_and_agree_once_healed(pool):
+    """A second gateway on its own host over the same two nodes; node a black-holed from the first gateway only:
+    the first routes everything to b, the second still to both (two views of one pool, each answering every
+    request unchanged); healed, the first proves a again and both list both nodes ready."""
+    lab, (g, a, _), (na, nb), gw, services = pool["lab"], pool["hosts"], pool["nodes"], pool["gw"], pool["services"]
+    g2 = lab.host()
+    gw2 = services.gateway([("both", na), ("both", nb)], env={"PDSERVE_API_KEYS": KEY}, on=g2)
+    try:
+        gw2.wait_ready()
+        rng = random.Random(43)
+        prompts = [rng.choices(range(200, 40000), k=24) for _ in range(8)]
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            want = list(ex.map(lambda q: _complete(gw, q)[0], prompts))
+            lab.black_hole(a, g)
+            _wait_state(gw, na.url, "unproven", 15)
+            assert _states(gw2) == {na.url: "ready", nb.url: "ready"}  # the other view: a serves there
+            before = _finished(na), _finished(nb)
+            assert list(ex.map(lambda q: _complete(gw, q)[0], prompts)) == want  # all on b
+            assert _finished(na) == before[0] and _finished(nb) - before[1] == len(prompts)
+            assert list(ex.map(lambda q: _complete(gw2, q)[0], prompts)) == want  # both serve for the second
+            assert _finished(na) > before[0]
+            lab.heal()
+            _wait_state(gw, na.url, "ready", 20)
+        assert _states(gw) == _states(gw2) == {na.url: "ready", nb.url: "ready"}
+    finally:
+        lab.heal()
+        services.stop([gw2])
+
+
+def test_a_kv_transfer_cut_midway_is_retried_and_leaks_no_block(split):
+    """The prefill host's sends limited to 160 Mbit/s, so that a 1,500-token prompt's KV (~35 MB) takes ~2 s to
+    move (under the drill's 4 s transfer timeout: the timeout bounds a whole transfer, so a slower link fails every
+    attempt); once a decode node is importing it, the link between them is black-holed: that transfer stops
+    mid-way, fails at the transfer timeout, the request is retried and answers as unpartitioned; healed and past the
+    hold time, no block is used or held and no import or transfer is left on any node."""
+    lab, (_, p, d1, d2), nodes, gw = split["lab"], split["hosts"], split["nodes"], split["gw"]
+    prompt = random.Random(42).choices(range(200, 40000), k=1500)
+    want = _complete(gw, prompt, cache_salt="want")[0]  # salted: no node may serve the next one from its cache
+    fails = [metric(n, "pdserve_kv_transfer_failures_total") for n in nodes]
+    lab.throttle(p, 160)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            running = ex.submit(_complete, gw, prompt)
+            t0, importing = time.monotonic(), None
+            while importing is None and time.monotonic() - t0 < 60 and not running.done():
+                importing = next((i for i, n in enumerate(nodes[1:], 1) if n.load()["importing"]), None)
+                time.sleep(0.05)
+            assert importing is not None, "no decode node was seen importing the KV"
+            time.sleep(0.3)  # into the transfer: ~2 s at this rate
+            moving = nodes[importing].load()["importing"]
+            lab.black_hole(p, (d1, d2)[importing - 1])
+            got = running.result(timeout=120)[0]
+    finally:
+        lab.heal()
+        lab.unthrottle(p)
+    assert moving, "the transfer ended before the cut"
+    assert got == want, _differences([got], [want])
+    after = [metric(n, "pdserve_kv_transfer_failures_total") for n in nodes]
+    assert after[importing] > fails[importing], (fails, after)  # cut mid-way, seen failed by the receiver
+    loads = wait_blocks_free(nodes, timeout=30)
+    assert [(ld["kv_blocks_used"], ld["importing"], ld["kv_transfers_held"]) for ld in loads] == [(0, 0, 0)] * 3, loads
 
 
 def test_a_flapping_link_loses_no_request_and_leaks_no_block(pool):

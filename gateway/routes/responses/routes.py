@@ -16,9 +16,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import ValidationError
 
+from compute.node.streaming import ClosingStreamingResponse
 from gateway.api.openapi import SSE_TYPED, errors
 from gateway.api.protocol import ChatCompletionRequest, error_response
 from gateway.routes.responses import translate
@@ -40,9 +41,9 @@ def responses_router(chat: Callable[[ChatCompletionRequest], Awaitable]) -> APIR
             first = e.errors()[0] if e.errors() else {}
             return error_response(400, f"the request cannot be served as a chat request: {first.get('msg', e)}")
         reply = await chat(creq)
-        if isinstance(reply, StreamingResponse):
+        if isinstance(reply, ClosingStreamingResponse):
             events = ResponseEvents(req, rid, created).stream(reply.body_iterator)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return ClosingStreamingResponse(events, media_type="text/event-stream")
         if isinstance(reply, Response):
             return translate.error(reply)
         return translate.response(req, reply, rid, created)

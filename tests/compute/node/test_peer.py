@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from tests.services import AUTH, nodes_up, wait_blocks_free
+from tests.services import AUTH, metric, nodes_up, wait_blocks_free
 
 pytestmark = pytest.mark.slow
 BS = 16
@@ -59,13 +59,6 @@ def generate(node, rid: str, ids: list[int], pull: dict | None = None, **params)
 
 def export(node, ids: list[int]) -> httpx.Response:
     return httpx.post(node.url + "/internal/kv/export", json={"prompt_token_ids": ids}, auth=AUTH, timeout=30)
-
-
-def metric(node, name: str, **labels) -> float:
-    text = httpx.get(node.url + "/metrics", timeout=10).text
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(w in line for w in want))  # fmt: skip
 
 
 def no_leaks(*nodes) -> None:

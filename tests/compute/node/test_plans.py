@@ -5,7 +5,6 @@ started later on another, empty cache takes the store's plan and measures nothin
 from __future__ import annotations
 
 import json
-import re
 
 import httpx
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from compute.kernels import int8, plans
 from compute.node.launcher import Services
 from paramstore import ParamStore, StoreConfig
-from tests.services import TOKEN, wait_for
+from tests.services import TOKEN, metric, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -24,12 +23,6 @@ def int8_store(tmp_path_factory, tiny_hf):
     with ParamStore(cfg) as store:
         store.import_model(tiny_hf[0], "tiny", dtype="int8")
     return cfg
-
-
-def _metric(node, name: str) -> float:
-    text = httpx.get(node.url + "/metrics", auth=node.auth, timeout=10).text
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 def _kernels(node) -> dict:
@@ -44,9 +37,8 @@ def test_nodes_of_one_machine_measure_once_and_a_later_node_measures_nothing(tmp
         first = [svc.node("both", threads=1, kv_blocks=64, extra=shared) for _ in range(3)]
         for n in first:
             n.wait_ready(120)
-        rule = 'pdserve_node_kernel_plans_total{source="rule"}'
-        first_plans = [tuple(_metric(n, re.escape(rule.replace("rule", src))) for src in ("rule", "local", "store"))
-                       for n in first]  # fmt: skip
+        plans_total = "pdserve_node_kernel_plans_total"
+        first_plans = [tuple(metric(n, plans_total, source=src) for src in ("rule", "local", "store")) for n in first]
         # each node was ready before any measurement: on the rule, or — started after a peer had measured (tiny
         # shapes take a second) — on the machine's cached table or the plan it published; never measured first.
         # A node loaded on the rule may already have swapped in its peer's plan by now (rule and local both 1)
@@ -66,7 +58,7 @@ def test_nodes_of_one_machine_measure_once_and_a_later_node_measures_nothing(tmp
         wait_for(lambda: all(_kernels(n)["measure"] in ("done", "none") for n in first), 60, "all plans settled")
         states = [_kernels(n) for n in first]
         assert all(s["source"] == "store" for s in states if s["measure"] == "none"), states
-        counts = [_metric(n, "pdserve_node_kernel_shapes_measured_total") for n in first]
+        counts = [metric(n, "pdserve_node_kernel_shapes_measured_total") for n in first]
         assert sum(counts) == len(body["table"]["shapes"]) and sorted(counts)[:2] == [0, 0], counts
         sources = [s["source"] for s in states]
         assert sources.count("measured") == 1 and set(sources) <= {"measured", "local", "peer", "store"}, sources
@@ -74,8 +66,8 @@ def test_nodes_of_one_machine_measure_once_and_a_later_node_measures_nothing(tmp
         later = svc.node("both", threads=1, kv_blocks=64, extra=("--cache-dir", str(tmp_path / "fresh-cache")))
         later.wait_ready(120)
         assert _kernels(later) == {"mode": "measured", "source": "store", "measure": "none"}
-        assert _metric(later, "pdserve_node_kernel_shapes_measured_total") == 0
-        assert _metric(later, re.escape(rule)) == 0 and _metric(later, re.escape(rule.replace("rule", "store"))) == 1
+        assert metric(later, "pdserve_node_kernel_shapes_measured_total") == 0
+        assert metric(later, plans_total, source="rule") == 0 and metric(later, plans_total, source="store") == 1
         body = {"request_id": "r1", "prompt_token_ids": [1, 2, 3], "params": {"max_tokens": 4, "temperature": 0}}
         r = httpx.post(later.url + "/internal/generate", json=body, auth=later.auth, timeout=60)
         assert r.status_code == 200 and sum(len(json.loads(x)["token_ids"]) for x in r.text.splitlines()) == 4

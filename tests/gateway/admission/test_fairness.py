@@ -14,7 +14,7 @@ import pytest
 from compute.node.launcher import Services
 from gateway.admission.control import CALLER, Admission, AdmissionQueue
 from tests.conftest import import_tiny_chat_models
-from tests.services import TOKEN, wait_for
+from tests.services import TOKEN, metric, wait_for
 
 
 def test_a_slot_goes_to_each_waiting_caller_in_turn_and_in_order_within_one():
@@ -102,8 +102,3 @@ def test_through_a_live_gateway_a_second_key_is_served_between_the_firsts_reques
         assert done.index("sk-b") <= 2, done
     finally:
         services.stop_all()
-
-
-def metric(url: str, name: str) -> float:
-    line = next(x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines() if x.startswith(name + " "))
-    return float(line.rsplit(" ", 1)[1])

@@ -18,7 +18,7 @@ from compute.node.launcher import Services
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.registry import NodeRegistry
 from tests.conftest import import_tiny_chat_models
-from tests.services import AUTH, TOKEN, node_generate, until, wait_for
+from tests.services import AUTH, TOKEN, metric, node_generate, until, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-r"
@@ -46,13 +46,6 @@ def svc(tmp_path_factory, real_model_store):
         yield {"lo": lo, "hi": hi, "gw": gw, "keyed": keyed}
     finally:
         services.stop_all()
-
-
-def metric(url: str, name: str, **labels) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(w in line for w in want))  # fmt: skip
 
 
 def complete(gw, ids: list[int], key: str | None = None, **extra) -> int:

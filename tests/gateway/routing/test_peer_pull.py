@@ -16,7 +16,16 @@ import pytest
 
 from compute.node.launcher import Services
 from tests.conftest import import_tiny_chat_models
-from tests.services import AUTH, INVARIANT, TOKEN, node_generate, wait_blocks_free, wait_for, wait_kernels_settled
+from tests.services import (
+    AUTH,
+    INVARIANT,
+    TOKEN,
+    metric,
+    node_generate,
+    wait_blocks_free,
+    wait_for,
+    wait_kernels_settled,
+)
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-pull"
@@ -44,12 +53,6 @@ def svc(tmp_path_factory, real_model_store):
         yield {"holder": holder, "idle": idle, "gw": gw, "nopull": on, "services": services}
     finally:
         services.stop_all()
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith(name + "_created"))  # fmt: skip
 
 
 def complete(gw, ids: list[int], **extra) -> tuple[str, int]:
