@@ -6,7 +6,10 @@ Lifecycle of one shard read (``ModelReader.read``):
     of k * L bytes (zero-copy on local locations), and check each one's xxh3;
  3. a data fragment that is missing, corrupt, failing or slower than ``hedge_s`` is
     replaced by parity fragments (fetched only then); with fewer than k good ones:
-    ``NotEnoughFragments`` naming the shard and the failed locations;
+    ``NotEnoughFragments`` naming the shard and the failed locations. A read slower than ``hedge_s``
+    gives its slot back (``io_threads`` reads run at once, stalled ones aside: a location that hangs
+    cannot hold every slot while its calls wait out their timeouts) and its location is asked last
+    for a while (``health.mark_failed``);
  4. zfec rebuilds missing data fragments into their place (a degraded read is counted)
     and the shard's cryptographic digest is checked (``verify_digest``: after a rebuild,
     always, or never);
@@ -17,6 +20,7 @@ Lifecycle of one shard read (``ModelReader.read``):
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -31,7 +35,7 @@ from .codec import ErasureCodec
 from .errors import IntegrityError, InvalidRequest, NotEnoughFragments
 from .health import mark_failed, suspect
 from .integrity import fragment_hash, shard_digest
-from .locations import Location
+from .locations import LocalLocation, Location
 from .manifest import Manifest, ShardInfo
 from .shards import unpack, unpack_files
 
@@ -68,6 +72,42 @@ class ShardRead:
         return unpack(self.buffer)
 
 
+class _Slots:
+    """At most ``n`` fragment reads running at once; ``free`` gives a stalled read's slot back before it ends (its
+    thread waits out its own timeout aside), once per read."""
+
+    def __init__(self, n: int):
+        self._sem, self._lock, self._held = threading.Semaphore(n), threading.Lock(), set()
+
+    def take(self, token: object) -> None:
+        self._sem.acquire()
+        with self._lock:
+            self._held.add(token)
+
+    def free(self, token: object) -> None:
+        with self._lock:
+            if token not in self._held:
+                return
+            self._held.remove(token)
+        self._sem.release()
+
+
+class _Late(Exception):
+    """A fragment read that ended after its shard was finished without it: dropped, its bytes written nowhere."""
+
+
+@dataclass(slots=True)
+class _Fetch:
+    """One shard's fetch, as its fragment reads see it: once ``over``, a late read (one stalled past the hedge, on a
+    location that hung) writes nothing into the shard's buffer, which the model's tensors may view by then."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    over: bool = False
+
+
+STALLED_THREADS = 4  # threads per io slot: room for reads stalled on a hanging location beside the running ones
+
+
 class ModelReader:
     """Reads one manifest's shards from its locations (optionally through a node cache)."""
 
@@ -77,12 +117,16 @@ class ModelReader:
         self.config = config or ReaderConfig()
         self.cache = cache
         self.codec = ErasureCodec(manifest.k, manifest.m)
-        self._io = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="paramstore-io")
+        self._io = ThreadPoolExecutor(self.config.io_threads * STALLED_THREADS, thread_name_prefix="paramstore-io")
+        self._slots = _Slots(self.config.io_threads)
+        self._tokens: dict[Future, object] = {}  # a pending read -> its slot's token
         self._ahead = ThreadPoolExecutor(max(1, self.config.prefetch), thread_name_prefix="paramstore-prefetch")
 
     def close(self) -> None:
+        """Stops reading; reads stalled on a hanging location are not waited for (they end at their own timeouts and
+        write nothing: ``_Fetch``)."""
         self._ahead.shutdown(wait=True, cancel_futures=True)
-        self._io.shutdown(wait=True, cancel_futures=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self):
         return self
@@ -125,34 +169,15 @@ class ModelReader:
         # then those on locations that failed lately (a partition: their calls hang until their timeouts)
         order = sorted(range(self.manifest.n), key=lambda i: (suspect(self._location(shard, i)), i >= k))
         parity = deque(order)
-        for _ in range(k):
-            self._submit_next(shard, parity, pending, view)
-        deadline = time.monotonic() + self.config.hedge_s
-        while len(good) < k:
-            if not pending and not parity:
-                raise NotEnoughFragments(shard.name, k, len(good), failed)
-            timeout = max(0.0, deadline - time.monotonic())
-            done, _ = wait(list(pending), timeout=timeout, return_when=FIRST_COMPLETED)
-            if not done:  # slow fragments: race them with the next in line (parity, or those of failing locations)
-                for _ in range(min(len(parity), k - len(good) - 0)):
-                    self._submit_next(shard, parity, pending, view)
-                deadline = time.monotonic() + self.config.hedge_s
-                continue
-            for fut in done:
-                idx = pending.pop(fut)
-                err = fut.exception()
-                if err is None:
-                    good[idx] = fut.result()
-                else:
-                    loc = self._location(shard, idx)
-                    if isinstance(err, OSError) and not isinstance(err, FileNotFoundError):
-                        mark_failed(loc)
-                    failed[loc.url] = str(err)
-                    metrics.FRAGMENT_ERRORS.labels(loc.url, type(err).__name__).inc()
-                    if parity:
-                        self._submit_next(shard, parity, pending, view)
+        state = _Fetch()
+        try:
+            self._gather(shard, state, parity, pending, view, good, failed)
+        finally:
+            with state.lock:
+                state.over = True
         for fut in pending:
             fut.cancel()
+            self._tokens.pop(fut, None)
         missing = [i for i in range(k) if i not in good]
         if missing:
             chosen = dict(sorted(good.items())[:k])
@@ -166,19 +191,68 @@ class ModelReader:
             raise IntegrityError(f"shard {shard.name}: digest mismatch after decode")
         return ShardRead(shard, result, 0.0, degraded=len(missing), failed=failed)
 
+    def _gather(self, shard: ShardInfo, state: _Fetch, parity: deque, pending: dict, view: memoryview, good: dict,
+                failed: dict) -> None:  # fmt: skip
+        """k good fragments into ``good`` (index -> bytes), racing slow ones, replacing failed ones."""
+        k = self.manifest.k
+        for _ in range(k):
+            self._submit_next(shard, state, parity, pending, view)
+        deadline = time.monotonic() + self.config.hedge_s
+        while len(good) < k:
+            if not pending and not parity:
+                raise NotEnoughFragments(shard.name, k, len(good), failed)
+            timeout = max(0.0, deadline - time.monotonic())
+            done, _ = wait(list(pending), timeout=timeout, return_when=FIRST_COMPLETED)
+            if not done:  # slow fragments: race them with the next in line (parity, or those of failing locations)
+                for fut, idx in pending.items():  # stalled: their slots to the racers, their locations asked last
+                    self._slots.free(self._tokens.get(fut))
+                    mark_failed(self._location(shard, idx))
+                for _ in range(min(len(parity), k - len(good))):
+                    self._submit_next(shard, state, parity, pending, view)
+                deadline = time.monotonic() + self.config.hedge_s
+                continue
+            for fut in done:
+                idx = pending.pop(fut)
+                self._tokens.pop(fut, None)
+                err = fut.exception()
+                if err is None:
+                    good[idx] = fut.result()
+                else:
+                    loc = self._location(shard, idx)
+                    if isinstance(err, OSError) and not isinstance(err, FileNotFoundError):
+                        mark_failed(loc)
+                    failed[loc.url] = str(err)
+                    metrics.FRAGMENT_ERRORS.labels(loc.url, type(err).__name__).inc()
+                    if parity:
+                        self._submit_next(shard, state, parity, pending, view)
+
     def _location(self, shard: ShardInfo, index: int) -> Location:
         return self.locations[shard.fragments[index].location]
 
-    def _submit_next(self, shard: ShardInfo, parity: deque, pending: dict, view: memoryview) -> None:
+    def _submit_next(self, shard: ShardInfo, state: _Fetch, parity: deque, pending: dict, view: memoryview) -> None:
         """The next fragment in line: a data fragment straight into its place in ``view``, parity into its own."""
-        i, k, frag = parity.popleft(), self.manifest.k, shard.fragment_size
-        pending[self._io.submit(self._get_fragment, shard, i, view[i * frag : (i + 1) * frag] if i < k else None)] = i
+        i, k, frag, token = parity.popleft(), self.manifest.k, shard.fragment_size, object()
+        into = view[i * frag : (i + 1) * frag] if i < k else None
+        fut = self._io.submit(self._get_fragment, shard, state, i, into, token)
+        self._tokens[fut] = token
+        pending[fut] = i
 
-    def _get_fragment(self, shard: ShardInfo, index: int, into: memoryview | None) -> memoryview:
+    def _get_fragment(self, shard: ShardInfo, state: _Fetch, index: int, into: memoryview | None,
+                      token: object) -> memoryview:  # fmt: skip
+        self._slots.take(token)
+        try:
+            return self._read_fragment(shard, state, index, into)
+        finally:
+            self._slots.free(token)
+
+    def _read_fragment(self, shard: ShardInfo, state: _Fetch, index: int, into: memoryview | None) -> memoryview:
+        """Fragment ``index``, checked; a data fragment lands in its place ``into``: a local one read straight there,
+        a remote one (which may stall) copied there only while its shard's fetch is not over."""
         ref = shard.fragments[index]
         loc = self.locations[ref.location]
         rel = shard.fragment_path(self.manifest.k, self.manifest.n, index)
-        target = into if into is not None else memoryview(bytearray(shard.fragment_size))
+        direct = into is None or isinstance(loc, LocalLocation)
+        target = into if direct and into is not None else memoryview(bytearray(shard.fragment_size))
         try:
             n = loc.readinto(rel, target)
         except FileNotFoundError:
@@ -188,7 +262,13 @@ class ModelReader:
         if fragment_hash(target) != ref.xxh3:
             raise IntegrityError(f"fragment {index} fails its xxh3 check")
         metrics.BYTES_READ.labels(loc.url).inc(n)
-        return target
+        if direct:
+            return target
+        with state.lock:
+            if state.over:
+                raise _Late(f"fragment {index} came after its shard was read")
+            into[:] = target
+        return into
 
     # --- iteration ----------------------------------------------------------------------
     def iter_shards(self, shards: list[ShardInfo] | None = None) -> Iterator[ShardRead]:

@@ -118,9 +118,11 @@ class NetLab:
                            timeout=10)  # fmt: skip
             self._rules.append((a.name, rule))
 
-    def throttle(self, a: Host, mbit: int) -> None:
-        subprocess.run(["tc", "-n", a.name, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{mbit}mbit",
-                        "burst", "64kb", "latency", "500ms"], check=True, capture_output=True, timeout=10)  # fmt: skip
+    def throttle(self, a: Host, mbit: float, burst_kb: int = 64) -> None:
+        """``a``'s sends at ``mbit`` Mbit/s, after a first ``burst_kb`` KiB at the link's speed."""
+        subprocess.run(["tc", "-n", a.name, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate",
+                        f"{int(mbit * 1000)}kbit", "burst", f"{burst_kb}kb", "latency", "2s"], check=True,
+                       capture_output=True, timeout=10)  # fmt: skip
 
     def unthrottle(self, a: Host) -> None:
         subprocess.run(["tc", "-n", a.name, "qdisc", "del", "dev", "eth0", "root"], capture_output=True, timeout=10)

@@ -48,6 +48,31 @@ def test_slow_data_fragment_is_raced_by_parity(memory_store_config, tiny_hf):
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_a_stalled_read_neither_holds_the_close_nor_writes_after_its_shard(memory_store_config, tiny_hf):
+    """A data fragment's read stalls past the hedge (a location that hangs): the shard is rebuilt from parity, the
+    same buffer is reused for the next shard, the reader is closed without waiting for the stalled read, and when it
+    ends, late, nothing of it lands in the buffer that now holds the next shard."""
+    with ParamStore(memory_store_config) as store:
+        m = store.import_model(tiny_hf[0], "tiny", dtype="fp32").manifest
+        a, b = m.shards[1], m.shards[2]
+        with store.reader(m) as r:
+            want = bytes(r.read(b).buffer)
+        buf = bytearray(m.k * max(a.fragment_size, b.fragment_size))
+        slow = a.fragments[0].location
+        r = store.reader(m, ReaderConfig(hedge_s=0.05))
+        real = r.locations[slow]
+        r.locations[slow] = SlowTwin(real, delay=1.5)
+        t0 = time.perf_counter()
+        assert r.read(a, buf).degraded == 1
+        r.locations[slow] = real  # b reads everything, into the same buffer
+        got = bytes(r.read(b, buf).buffer)
+        r.close()
+        closed_s = time.perf_counter() - t0
+        time.sleep(2.0)  # a's stalled fragment read ends now
+        assert closed_s < 1.2, closed_s
+        assert got == want and bytes(buf[: len(want)]) == want
+
+
 def test_iter_shards_yields_load_order_with_prefetch(memory_store_config, tiny_hf):
     with ParamStore(memory_store_config) as store:
         m = store.import_model(tiny_hf[0], "tiny").manifest
