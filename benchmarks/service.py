@@ -195,18 +195,25 @@ class UpService:
         """Node url -> pid, for the node processes among this service's descendants."""
         return {url: pid for url, (pid, _) in self.nodes().items()}
 
-    def nodes(self) -> dict[str, tuple[int, str]]:
-        """Node url -> (pid, role), for the node processes among this service's descendants."""
+    def processes(self) -> list[int]:
+        """The `pdserve up` process and every process below it."""
         if self.p is None:
-            return {}
-        out, todo, seen = {}, [self.p.pid], set()
+            return []
+        out, todo, seen = [], [self.p.pid], set()
         children = _children_map()
         while todo:
             pid = todo.pop()
             if pid in seen:
                 continue
             seen.add(pid)
+            out.append(pid)
             todo += children.get(pid, [])
+        return out
+
+    def nodes(self) -> dict[str, tuple[int, str]]:
+        """Node url -> (pid, role), for the node processes among this service's descendants."""
+        out = {}
+        for pid in self.processes():
             argv = _cmdline(pid)
             if "node" in argv and "--port" in argv:
                 i, j = argv.index("--port"), argv.index("--role") if "--role" in argv else -1

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 
-from benchmarks.service import UpService, _children_map
+from benchmarks.service import UpService
 
 PROC = ("rss_mib", "fds", "threads")
 NODE = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_held", "kv_transfers_held", "active_requests", "queued")
@@ -39,13 +39,7 @@ def sample(svc: UpService, t0: float) -> dict:
         return row
     nodes = svc.nodes()
     roles = {pid: role for pid, role in nodes.values()}
-    children, todo, seen = _children_map(), [svc.p.pid], set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        todo += children.get(pid, [])
+    for pid in svc.processes():
         p = _proc(pid)
         if p is not None:
             kind = "gateway" if pid == svc.p.pid else (f"node-{roles[pid]}" if pid in roles else "other")
