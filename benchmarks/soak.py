@@ -5,9 +5,9 @@ swapped in and out; nothing may grow without bound and everything must return to
                        [--decode 2] [--kill-every-s 300] [--swap-every-s 300] [--sample-s 10]
                        [--out bench-results/soak.json]
 
-Lifecycle: two models imported once from the real SmolLM2 GGUF with the ChatML-with-tools template (``soak-a``
-served from the start, ``soak-b`` at zero) -> `pdserve up --prefill P --decode D --autoscale` (a standby runtime
-per role, ``soak-b`` scaled to zero after ``--idle-s``) -> ``--clients`` closed-loop clients send the mix of
+Lifecycle: two models imported once from the real SmolLM2 GGUF with the ChatML-with-tools template -> `pdserve up
+--model soak-a --model soak-b --prefill P --decode D --autoscale` (a standby runtime per role; ``soak-b``, asked for
+only by the swaps, scaled to zero after ``--idle-s``) -> ``--clients`` closed-loop clients send the mix of
 benchmarks/soak_requests.py (a shared long system prompt, plain chats, n = 2, JSON schema, a forced tool call,
 the Responses API, a client that hangs up mid-stream) for ``--duration-s``; every ``--swap-every-s`` a few
 requests name ``soak-b`` (the pool loads it on a standby runtime; it goes back to zero when idle); every
@@ -90,8 +90,7 @@ def _ensure(cfg, names: list[str]) -> list[str]:
 
 def _tables(args) -> dict:
     plan_max = max(args.prefill, args.decode)
-    return {"gateway": {"max_running": 64, "max_queue": 256, "queue_timeout_s": 120.0,
-                        "models": [args.model, args.swap_model]},
+    return {"gateway": {"max_running": 64, "max_queue": 256, "queue_timeout_s": 120.0},
             "node": {"threads": 1, "kv_blocks": 512},
             "autoscaler": {"tick_s": 1.0, "pool_size": 1, "scale_to_zero_after_s": args.idle_s,
                            "prefill_min_replicas": 0, "prefill_max_replicas": plan_max,
@@ -110,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
               "duration_s": args.duration_s, "warmup_s": args.warmup_s, "kill_every_s": args.kill_every_s,
               "swap_every_s": args.swap_every_s, "cpus": len(os.sched_getaffinity(0)), "cpu": cpu_model(),
               "cpu_flags": cpu_flags(), "load_avg_start": loadavg(), "log_dir": log_dir}  # fmt: skip
-    svc = UpService([args.model], locations, log_dir, _tables(args), plan, autoscale=True)
+    svc = UpService([args.model, args.swap_model], locations, log_dir, _tables(args), plan, autoscale=True)
     try:
         svc.start()
         svc.wait_ready()

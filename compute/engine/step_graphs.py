@@ -19,6 +19,7 @@ the source of ``compute/modeling/graph_step.py``: 16 hex digits. The graph only 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -103,9 +104,22 @@ def load_package(path: str, step: GraphStep) -> Callable:
     if unknown and (len(unknown) != int4s or not all(n.startswith("constant") for n in unknown)):
         raise ValueError(f"step graph package wants tensors this model does not have: {unknown[:3]}")
     group = torch.tensor(int4.GROUP, dtype=torch.int64)
-    bound = {k: consts[k] for k in wanted if k in consts} | dict.fromkeys(unknown, group)
+    bound = {k: unowned(consts[k]) for k in wanted if k in consts} | dict.fromkeys(unknown, group)
     fn.load_constants(bound, check_full_update=True, user_managed=True)
     return fn
+
+
+def unowned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep it alive. AOTInductor's loader keeps a reference to every
+    user-managed constant for the life of the process (torch 2.13: a heap copy of each handle, never deleted, even
+    once the package is dropped): bound directly, a model's weights stayed pinned after its unload (the soak: +130 to
+    150 MiB per load and unload of SmolLM2). Bound through these, the weights are freed with the model; the graphs
+    holding them are dropped first (the engine stops before its model is freed: compute/node/held.py ``free``)."""
+    st = t.untyped_storage()
+    if st.nbytes() == 0:
+        return t
+    raw = torch.frombuffer((ctypes.c_char * st.nbytes()).from_address(st.data_ptr()), dtype=torch.uint8)
+    return raw.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
 
 
 class StepGraphs:
