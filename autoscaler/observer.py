@@ -188,7 +188,7 @@ def report_body(report: TickReport, nodes: Mapping[Key, list[NodeInfo]], actuato
             "nodes": {key_str(k): [dataclasses.asdict(n) for n in ns] for k, ns in nodes.items()}}  # fmt: skip
 
 
-RESEND_S = 10.0  # GatewayClient.register_missing: the least time between two re-registrations of one node
+RESEND_S = 10.0  # GatewayClient.reconcile: the least time between two sends for one node to one gateway
 
 
 class GatewayClient:

@@ -123,8 +123,9 @@ class ModelReader:
         self._ahead = ThreadPoolExecutor(max(1, self.config.prefetch), thread_name_prefix="paramstore-prefetch")
 
     def close(self) -> None:
-        """Stops reading; reads stalled on a hanging location are not waited for (they end at their own timeouts and
-        write nothing: ``_Fetch``)."""
+        """Stops reading; reads stalled on a hanging location are not waited for (they end at their own timeouts; a
+        remote one writes nothing then: ``_Fetch``; a local one reads straight into its place, as a zero-copy read
+        must, and a local disk is not expected to hang)."""
         self._ahead.shutdown(wait=True, cancel_futures=True)
         self._io.shutdown(wait=False, cancel_futures=True)
 
@@ -252,9 +253,13 @@ class ModelReader:
         loc = self.locations[ref.location]
         rel = shard.fragment_path(self.manifest.k, self.manifest.n, index)
         direct = into is None or isinstance(loc, LocalLocation)
-        target = into if direct and into is not None else memoryview(bytearray(shard.fragment_size))
         try:
-            n = loc.readinto(rel, target)
+            if direct:
+                target = into if into is not None else memoryview(bytearray(shard.fragment_size))
+                n = loc.readinto(rel, target)
+            else:
+                target = memoryview(loc.get(rel))  # the object's own bytes: copied into place below, if in time
+                n = len(target)
         except FileNotFoundError:
             raise FileNotFoundError(f"fragment {index} missing") from None
         if n != shard.fragment_size:

@@ -64,9 +64,8 @@ class Answers:
             return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                     "model": req.model, "choices": picked, "usage": usage}  # fmt: skip
         obj = "chat.completion.chunk" if chat else "text_completion"
-        return ClosingStreamingResponse(choices.merged(parts, obj, rid, created, req.model, req.include_usage, n_prompt,
-                                                counts),
-                                 media_type="text/event-stream")  # fmt: skip
+        events = choices.merged(parts, obj, rid, created, req.model, req.include_usage, n_prompt, counts)
+        return ClosingStreamingResponse(events, media_type="text/event-stream")
 
     async def respond(self, text, req, prompt: list[int], max_tokens: int, chat: bool, index: int = 0,
                       rid: str | None = None, created: int | None = None, counts: dict | None = None,
@@ -111,8 +110,7 @@ class Answers:
             events = self._sse(gen, first, rid, created, req, prompt, chat, t0, echo, lp, index, counts, calls)
             if counts is not None:
                 return events
-            return ClosingStreamingResponse(events,
-                                     media_type="text/event-stream")  # fmt: skip
+            return ClosingStreamingResponse(events, media_type="text/event-stream")
         out, n, reason = echo + first.text, len(first.token_ids), first.finish_reason
         logprobs = lp.merge(lp.prompt(prompt, first) if echo else None, lp.add(first))
         try:
