@@ -61,7 +61,8 @@ def sample(svc: UpService, t0: float) -> dict:
 
 def _series(samples: list[dict], warmup: float) -> dict[tuple[str, str], list[tuple[float, float]]]:
     """(quantity, whose) -> [(t, value)], each series from ``warmup`` seconds after its first sample (a runtime a
-    kill replaced, or claimed for a swap, warms up as the service did)."""
+    kill replaced, or claimed for a swap, warms up as the service did). A node's series is per set of models it
+    holds: loading a model is not growth, and a node that loads one again starts a new series (warmed up again)."""
     out: dict[tuple[str, str], list[tuple[float, float]]] = {}
     born: dict[str, float] = {}
 
@@ -71,10 +72,12 @@ def _series(samples: list[dict], warmup: float) -> dict[tuple[str, str], list[tu
 
     for row in samples:
         t = row["t"]
+        held = {str(n.get("pid")): ",".join(n.get("models") or []) for n in row["nodes"].values()}
         for pid, p in row["procs"].items():
+            whose = f"{pid} [{held[pid]}]" if pid in held else pid  # a node: one series per set of models held
             for q in (*PROC, "unaccounted_mib"):
                 if q in p:
-                    add(f"{p['kind']} {q}", pid, t, p[q])
+                    add(f"{p['kind']} {q}", whose, t, p[q])
         for url, n in row["nodes"].items():
             for q in ("kv_blocks_cached", "kv_blocks_used"):
                 add(f"node {q}", url, t, n[q])
@@ -93,15 +96,15 @@ def _slope(points: list[tuple[float, float]]) -> float:
 
 
 def growth(samples: list[dict], warmup: float) -> dict[str, dict]:
-    """Per quantity, the series that grew fastest after its warm-up among those spanning at least half of the
-    window after the service's (a process that lived long enough): {"series" (how many qualified), "first",
-    "last", "per_h", "pct_per_h", "whose"}."""
+    """Per quantity, the series that grew fastest after its warm-up among those spanning at least a third of the
+    window after the service's (a process that lived long enough in one state): {"series" (how many qualified),
+    "first", "last", "per_h", "pct_per_h", "whose"}."""
     if not samples or samples[-1]["t"] <= samples[0]["t"] + warmup:
         return {}
     window = samples[-1]["t"] - samples[0]["t"] - warmup
     worst: dict[str, dict] = {}
     for (q, whose), pts in _series(samples, warmup).items():
-        if len(pts) < 5 or pts[-1][0] - pts[0][0] < window / 2:
+        if len(pts) < 5 or pts[-1][0] - pts[0][0] < window / 3:
             continue
         per_h = _slope(pts) * 3600
         mean = sum(v for _, v in pts) / len(pts)
