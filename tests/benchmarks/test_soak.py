@@ -42,7 +42,8 @@ def test_growth_finds_a_leak_and_counts_each_process_after_its_own_warm_up():
 def test_a_short_soak_passes(tmp_path, real_model_store):
     out = tmp_path / "soak.json"
     env = dict(os.environ, HOME=str(tmp_path / "home"))
-    cmd = [sys.executable, "-m", "autoscaler.cli", "bench", "soak", "--store", str(tmp_path / "store"),
+    stores = [a for loc in real_model_store[0] for a in ("--store", loc)]  # soak-a and soak-b imported beside it
+    cmd = [sys.executable, "-m", "autoscaler.cli", "bench", "soak", *stores,
            "--duration-s", "150", "--warmup-s", "60", "--kill-every-s", "80", "--swap-every-s", "60",
            "--idle-s", "20", "--sample-s", "5", "--clients", "4", "--out", str(out),
            "--log-dir", str(tmp_path / "logs")]  # fmt: skip
