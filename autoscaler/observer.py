@@ -231,7 +231,10 @@ class GatewayClient:
 
     def register(self, node: NodeInfo) -> None:
         for url in self.urls:
-            self._post(url + "/internal/nodes", {"url": node.url, "role": node.role, "source": "autoscaler"})
+            self._register(url, node)
+
+    def _register(self, url: str, node: NodeInfo) -> None:
+        self._post(url + "/internal/nodes", {"url": node.url, "role": node.role, "source": "autoscaler"})
 
     def reconcile(self, nodes: Iterable[NodeInfo], now: float | None = None) -> list[str]:
         """Each gateway's last snapshot against ``nodes``, every node this autoscaler runs: a ready one it does not
@@ -246,22 +249,21 @@ class GatewayClient:
             listed = self._listed.get(url)
             if listed is None:
                 continue
-            missing = [n for u, n in ours.items() if u not in listed and n.ready and n.state != "draining"]
+            missing = [u for u, n in ours.items() if u not in listed and n.ready and n.state != "draining"]
             gone = [u for u, source in listed.items() if source == "autoscaler" and u not in ours]
-            for node_url in [n.url for n in missing] + gone:
-                key = (url, node_url.rstrip("/"))
-                if now - self._resent.get(key, -RESEND_S) < RESEND_S:
+            for node_url in missing + gone:
+                if now - self._resent.get((url, node_url), -RESEND_S) < RESEND_S:
                     continue
-                self._resent[key] = now
+                self._resent[(url, node_url)] = now
                 sent.append(node_url)
-                if node_url in gone:
+                node = ours.get(node_url)
+                if node is None:
                     log.warning("node %s ended but the gateway %s still lists it: deregistering it", node_url, url)
                     self.deregister(NodeInfo(role="", url=node_url, ready=False))
-                    continue
-                log.warning("node %s is not registered with the gateway %s (its registration was lost): "
-                            "registering it again", node_url, url)  # fmt: skip
-                node = ours[node_url.rstrip("/")]
-                self._post(url + "/internal/nodes", {"url": node.url, "role": node.role, "source": "autoscaler"})
+                else:
+                    log.warning("node %s is not registered with the gateway %s (its registration was lost): "
+                                "registering it again", node_url, url)  # fmt: skip
+                    self._register(url, node)
         return sent
 
     def draining(self, node: NodeInfo) -> None:

@@ -104,13 +104,13 @@ def drill(svc: UpService, args, plan: dict[str, int]) -> tuple[list[dict], list]
     at = args.every_s / 2
     while at < args.duration_s:
         time.sleep(max(0.0, t0 + at - time.monotonic()))
-        kills.append(_kill_one(svc, args, plan, rng, t0))
+        kills.append(kill_one(svc, args, plan, rng, t0))
         at += args.every_s
     load.join(args.duration_s + 300)
     return kills, out.get("samples", [])
 
 
-def _kill_one(svc: UpService, args, plan, rng: random.Random, t0: float) -> dict:
+def kill_one(svc: UpService, args, plan, rng: random.Random, t0: float) -> dict:
     st = svc.status()
     pids = svc.node_pids()
     serving = [n for n in status_nodes(st) if node_model_state(n.get("load"), args.model) == "ready" and n["url"] in pids]

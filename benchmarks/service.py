@@ -226,10 +226,11 @@ class UpService:
         """"url#pid" -> {"url", "pid", "rss_bytes", "peak_rss_bytes", "first_rss_bytes" (at its first sample)}
         now; nodes that have exited keep their last sample."""
         for url, pid in self.node_pids().items():
-            m = _proc_memory(pid)
+            m = proc_status(pid)
             if m:
                 first = self._peak.get(pid, {}).get("first_rss_bytes", m["rss_bytes"])
-                self._peak[pid] = {"url": url, "pid": pid, "first_rss_bytes": first, **m}
+                self._peak[pid] = {"url": url, "pid": pid, "first_rss_bytes": first, "rss_bytes": m["rss_bytes"],
+                                   "peak_rss_bytes": m["peak_rss_bytes"]}  # fmt: skip
         return {f"{v['url']}#{pid}": v for pid, v in self._peak.items()}
 
 
@@ -256,13 +257,13 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def _proc_memory(pid: int) -> dict | None:
-    """{"rss_bytes", "peak_rss_bytes"} from /proc/PID/status (VmRSS, VmHWM), None if gone."""
+def proc_status(pid: int) -> dict | None:
+    """{"rss_bytes", "peak_rss_bytes", "threads"} from /proc/PID/status (VmRSS, VmHWM, Threads), None if gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
         kb = lambda k: int(fields[k].split()[0]) * 1024
-        return {"rss_bytes": kb("VmRSS"), "peak_rss_bytes": kb("VmHWM")}
+        return {"rss_bytes": kb("VmRSS"), "peak_rss_bytes": kb("VmHWM"), "threads": int(fields["Threads"])}
     except (OSError, KeyError, ValueError):
         return None
 

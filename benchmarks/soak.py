@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.chaos import _kill_one
+from benchmarks.chaos import kill_one
 from benchmarks.common import cpu_flags, cpu_model, loadavg
 from benchmarks.service import UpService
 from benchmarks.soak_requests import MIX, send
@@ -214,7 +214,7 @@ def _kills(svc: UpService, args, t0: float, end: float) -> list[dict]:
     at = args.kill_every_s / 2
     while args.kill_every_s > 0 and t0 + at < end - 30:
         time.sleep(max(0.0, t0 + at - time.monotonic()))
-        out.append(_kill_one(svc, args, count_ready(svc.status(), args.model), rng, t0))
+        out.append(kill_one(svc, args, count_ready(svc.status(), args.model), rng, t0))
         at += args.kill_every_s
     return out
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 
-from benchmarks.service import UpService
+from benchmarks.service import UpService, proc_status
 
 PROC = ("rss_mib", "fds", "threads")
 NODE = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_held", "kv_transfers_held", "active_requests", "queued")
@@ -24,13 +24,12 @@ IDLE_ZERO = ("kv_blocks_used", "kv_blocks_held", "kv_transfers_held", "active_re
 
 
 def _proc(pid: int) -> dict | None:
+    st = proc_status(pid)
     try:
-        with open(f"/proc/{pid}/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return {"rss_mib": round(int(fields["VmRSS"].split()[0]) / 1024, 1), "threads": int(fields["Threads"]),
-                "fds": len(os.listdir(f"/proc/{pid}/fd"))}  # fmt: skip
-    except (OSError, KeyError, ValueError):
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
         return None
+    return None if st is None else {"rss_mib": round(st["rss_bytes"] / 2**20, 1), "threads": st["threads"], "fds": fds}
 
 
 def sample(svc: UpService, t0: float) -> dict:

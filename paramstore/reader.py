@@ -84,12 +84,14 @@ class _Slots:
         with self._lock:
             self._held.add(token)
 
-    def free(self, token: object) -> None:
+    def free(self, token: object) -> bool:
+        """True if ``token`` held a slot (and gives it back now)."""
         with self._lock:
             if token not in self._held:
-                return
+                return False
             self._held.remove(token)
         self._sem.release()
+        return True
 
 
 class _Late(Exception):
@@ -119,7 +121,6 @@ class ModelReader:
         self.codec = ErasureCodec(manifest.k, manifest.m)
         self._io = ThreadPoolExecutor(self.config.io_threads * STALLED_THREADS, thread_name_prefix="paramstore-io")
         self._slots = _Slots(self.config.io_threads)
-        self._tokens: dict[Future, object] = {}  # a pending read -> its slot's token
         self._ahead = ThreadPoolExecutor(max(1, self.config.prefetch), thread_name_prefix="paramstore-prefetch")
 
     def close(self) -> None:
@@ -165,7 +166,7 @@ class ModelReader:
         view = memoryview(buf)[:need]
         good: dict[int, memoryview] = {}
         failed: dict[str, str] = {}
-        pending: dict[Future, int] = {}
+        pending: dict[Future, tuple[int, object]] = {}  # a read in flight -> (its fragment, its slot's token)
         # k fragments first: data on locations that answer (they land straight in their place), then parity there,
         # then those on locations that failed lately (a partition: their calls hang until their timeouts)
         order = sorted(range(self.manifest.n), key=lambda i: (suspect(self._location(shard, i)), i >= k))
@@ -178,7 +179,6 @@ class ModelReader:
                 state.over = True
         for fut in pending:
             fut.cancel()
-            self._tokens.pop(fut, None)
         missing = [i for i in range(k) if i not in good]
         if missing:
             chosen = dict(sorted(good.items())[:k])
@@ -205,16 +205,15 @@ class ModelReader:
             timeout = max(0.0, deadline - time.monotonic())
             done, _ = wait(list(pending), timeout=timeout, return_when=FIRST_COMPLETED)
             if not done:  # slow fragments: race them with the next in line (parity, or those of failing locations)
-                for fut, idx in pending.items():  # stalled: their slots to the racers, their locations asked last
-                    self._slots.free(self._tokens.get(fut))
-                    mark_failed(self._location(shard, idx))
+                for idx, token in pending.values():  # stalled: their slots to the racers, their locations asked
+                    if self._slots.free(token):  # last (a read still queued for a slot stalled nothing)
+                        mark_failed(self._location(shard, idx))
                 for _ in range(min(len(parity), k - len(good))):
                     self._submit_next(shard, state, parity, pending, view)
                 deadline = time.monotonic() + self.config.hedge_s
                 continue
             for fut in done:
-                idx = pending.pop(fut)
-                self._tokens.pop(fut, None)
+                idx, _ = pending.pop(fut)
                 err = fut.exception()
                 if err is None:
                     good[idx] = fut.result()
@@ -234,9 +233,7 @@ class ModelReader:
         """The next fragment in line: a data fragment straight into its place in ``view``, parity into its own."""
         i, k, frag, token = parity.popleft(), self.manifest.k, shard.fragment_size, object()
         into = view[i * frag : (i + 1) * frag] if i < k else None
-        fut = self._io.submit(self._get_fragment, shard, state, i, into, token)
-        self._tokens[fut] = token
-        pending[fut] = i
+        pending[self._io.submit(self._get_fragment, shard, state, i, into, token)] = (i, token)
 
     def _get_fragment(self, shard: ShardInfo, state: _Fetch, index: int, into: memoryview | None,
                       token: object) -> memoryview:  # fmt: skip

@@ -20,6 +20,7 @@ import pytest
 
 from compute.node.launcher import ServiceProc, Services
 from tests.net.lab import NetLab
+from tests.procs import children
 from tests.services import AUTH, TOKEN, wait_for
 
 pytestmark = [pytest.mark.long, pytest.mark.skipif(NetLab.why_not() is not None, reason=str(NetLab.why_not()))]
@@ -57,25 +58,16 @@ restart_backoff_s = 0.5
 
 
 def _runtimes(pid: int) -> dict[int, str]:
-    """pid -> role of the node processes below ``pid`` (the autoscaler's own runtimes)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
+    """pid -> role of the node processes the autoscaler ``pid`` started (its children)."""
+    out = {}
+    for child in children(pid):
         try:
-            with open(f"/proc/{d}/stat") as f:
-                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
-        except (OSError, ValueError, IndexError):
-            continue
-    out, todo = {}, list(children.get(pid, []))
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
                 argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
         if "node" in argv and "--role" in argv:
-            out[p] = argv[argv.index("--role") + 1]
+            out[child] = argv[argv.index("--role") + 1]
     return out
 
 
