@@ -102,7 +102,12 @@ def _load() -> bool:
     if os.environ.get("PDSERVE_NATIVE", "1") == "0":  # the kernels without it (a comparison, a test)
         _state["why"] = "PDSERVE_NATIVE=0"
         return False
-    path = library_path()
+    try:
+        path = library_path()
+    except OSError as e:  # a source missing from the install: the kernels run without native
+        _state["why"] = f"source missing ({e.filename}): reinstall pdserve"
+        log.warning("native kernels unavailable: %s", _state["why"])
+        return False
     if not os.path.exists(path):
         _state["why"] = f"not built ({path}): run `python -m compute.kernels.native`"
         log.warning("native kernels unavailable: %s", _state["why"])
