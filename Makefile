@@ -12,7 +12,7 @@ MODEL ?= smollm2
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt Makefile compute/kernels/native/int8_linear.cpp
+$(STAMP): pyproject.toml constraints.txt Makefile $(wildcard compute/kernels/native/*.cpp compute/kernels/native/*.inc)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first: anything that depends on torch must find the CPU wheel installed
