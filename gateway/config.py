@@ -32,6 +32,10 @@ class GatewayConfig:
     health_failures: int = 2  # consecutive failures before a node is evicted
     routing: str = "cache"  # cache: by each node's cached prefix and load (gateway/routing/router.py) | load: load only
     cache_isolation: str = "per_key"  # per_key: each API key's requests share cached KV only among themselves | shared
+    # usage.prompt_tokens_details.cached_tokens: "isolated" reports it only where each API key has a cache of its
+    # own (keys set, cache_isolation per_key): a shared cache's hit count tells a caller what others sent |
+    # "always" (one user's box, benchmarks) | "never"
+    report_cached_tokens: str = "isolated"
     prefix_ttl_s: float = 10.0  # a request sent counts as its prompt's blocks on that node this long (before its report)
     # peer pull (routing = cache): a node pulls a prompt's cached prefix from the node holding it when
     # pull_fixed_s + bytes / pull_bytes_per_s < tokens / prefill_tokens_per_s (gateway/routing/router.py PullCost;
@@ -74,6 +78,9 @@ class GatewayConfig:
             raise ValueError(f"routing must be 'cache' or 'load', not {self.routing!r}")
         if self.cache_isolation not in ("per_key", "shared"):
             raise ValueError(f"cache_isolation must be 'per_key' or 'shared', not {self.cache_isolation!r}")
+        if self.report_cached_tokens not in ("isolated", "always", "never"):
+            raise ValueError("report_cached_tokens must be 'isolated', 'always' or 'never', "
+                             f"not {self.report_cached_tokens!r}")
         if self.prefix_ttl_s < 0:
             raise ValueError("prefix_ttl_s must be >= 0")
         if self.pull_export_timeout_s <= 0 or self.prepull_chains < 0:

@@ -44,6 +44,9 @@ def add_arguments(p) -> None:
                    "(cache, the default) or by load only")  # fmt: skip
     p.add_argument("--no-peer-pull", dest="peer_pull", action="store_const", const=False, default=None,
                    help="never have a node pull a prompt's cached prefix from a peer (default: when cheaper)")
+    p.add_argument("--report-cached-tokens", choices=("isolated", "always", "never"),
+                   help="usage's cached_tokens: only where each API key has its own cache (isolated, the default), "
+                        "always (one user's box, benchmarks) or never")  # fmt: skip
     p.add_argument("--log-level", default="info")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as JSON and exit")
 
@@ -78,6 +81,7 @@ def gateway_config(args, tables: dict, path: str | None, **fixed):
              "max_queue": getattr(args, "max_queue", None), "queue_timeout_s": getattr(args, "queue_timeout", None),
              "retry_attempts": getattr(args, "retries", None), "routing": getattr(args, "routing", None),
              "peer_pull": getattr(args, "peer_pull", None),
+             "report_cached_tokens": getattr(args, "report_cached_tokens", None),
              "admin_open": True if getattr(args, "open_admin", False) else None, **fixed}  # fmt: skip
     node_flags = getattr(args, "node", None)
     flags["nodes"] = parse_nodes(node_flags, "--node") if node_flags else None

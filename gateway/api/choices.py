@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from gateway.routing.relay import Affinity
+
+# whether this request's usage may say its cached_tokens (set per request by gateway/routes/auth.py: only where
+# the cache is the caller's own, unless report_cached_tokens says otherwise)
+SHOW_CACHED: ContextVar[bool] = ContextVar("pdserve_show_cached", default=False)
 
 
 @dataclass(slots=True)
@@ -74,9 +79,10 @@ def best(parts: list[dict], n: int, best_of: int, keep_logprobs: bool) -> list[d
 
 
 def usage(n_prompt: int, n_out: int, cached: int | None) -> dict:
-    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when the node said how much its prefix cache gave."""
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when the node said how much its prefix cache gave
+    and this request may know it (``SHOW_CACHED``)."""
     got = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-    if cached is not None:
+    if cached is not None and SHOW_CACHED.get():
         got["prompt_tokens_details"] = {"cached_tokens": cached}
     return got
 

@@ -10,7 +10,9 @@ Tenants (``cache_isolation = "per_key"``, the default when API keys are set): a 
 tenant, ``TENANT`` holds that tenant's cache salt for the request (an HMAC of the key under the internal
 token: the same on every gateway of a deployment, and no key can be read back from it), and ``salted`` puts
 it in front of the request's own ``cache_salt``, so one key's requests never share cached KV with another's
-(a prefix cache shared across tenants is a timing side channel), whatever salt a client sends."""
+(a prefix cache shared across tenants is a timing side channel), whatever salt a client sends. Only then does
+usage say ``cached_tokens`` (``report_cached_tokens = "isolated"``): with a shared cache (no keys, or
+``cache_isolation = "shared"``) the count would tell one caller what another sent."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from compute.node.auth import BodyTooLarge, Identity, SignedOnly, read_body, replaying
 from gateway.admission.control import CALLER
+from gateway.api.choices import SHOW_CACHED
 from gateway.api.protocol import error_body
 
 ADMIN_KEY_HINT = ".pdserve/keys/admin-PORT.key (read by `pdserve status`)"
@@ -68,6 +71,8 @@ def install_auth(app: FastAPI, cfg, refuse: Callable) -> None:
 
     secret = (cfg.internal_token or secrets.token_hex(32)).encode()  # no token: one gateway, salts of its lifetime
     per_key = cfg.cache_isolation == "per_key"
+    show_cached = cfg.report_cached_tokens == "always" or (
+        cfg.report_cached_tokens == "isolated" and per_key and bool(cfg.api_keys))
 
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes, refusal=refuse)
     if not cfg.api_keys:  # open on loopback: a browser page on another origin (DNS rebinding) sends its own Host
@@ -76,6 +81,7 @@ def install_auth(app: FastAPI, cfg, refuse: Callable) -> None:
     @app.middleware("http")
     async def keys(request: Request, call_next):  # (added last: it runs first)
         path = request.url.path
+        SHOW_CACHED.set(show_cached)  # a shared cache's hit count would tell a caller what others sent
         if (path.startswith("/v1/") or path in KEYED) and cfg.api_keys:
             key = matching(request, cfg.api_keys)
             if key is None:

@@ -56,7 +56,8 @@ def svc(tmp_path_factory, real_model_store):
         prefill = services.node("prefill", kv_blocks=256, model=MODEL, extra=flags)
         decode = services.node("decode", kv_blocks=256, model=MODEL, extra=flags)
         conf = tmp_path_factory.mktemp("lora-conf") / "pdserve.toml"
-        conf.write_text("[gateway]\nmodels_refresh_s = 1.0\n")  # a new adapter version is seen within a second
+        conf.write_text("[gateway]\nmodels_refresh_s = 1.0\n"  # a new adapter version is seen within a second
+                        'report_cached_tokens = "always"\n')  # keyless: usage says cached_tokens when told to
         gw = services.gateway([("both", node)], env={"PDSERVE_CONFIG": str(conf)})
         split = services.gateway([("prefill", prefill), ("decode", decode)])
         for p in (node, prefill, decode, gw, split):

@@ -18,10 +18,14 @@ QUESTIONS = ["Name a primary color.", "And another one?", "Which fruit is yellow
 BS = 16  # the nodes' default block size
 
 
+SHOW = ("--report-cached-tokens", "always")  # keyless gateways: usage says cached_tokens only when told to
+
+
 @pytest.fixture(scope="module")
 def both(tmp_path_factory, real_model_store):
     locations, name = real_model_store
-    with running_service(tmp_path_factory.mktemp("both"), locations, name, ["both"], invariant=True) as svc:
+    with running_service(tmp_path_factory.mktemp("both"), locations, name, ["both"], invariant=True,
+                         extra=SHOW) as svc:
         yield svc
 
 
@@ -29,7 +33,7 @@ def both(tmp_path_factory, real_model_store):
 def split(tmp_path_factory, real_model_store):
     locations, name = real_model_store
     with running_service(tmp_path_factory.mktemp("split"), locations, name, ["prefill", "decode"],
-                         invariant=True) as svc:  # fmt: skip
+                         invariant=True, extra=SHOW) as svc:  # fmt: skip
         yield svc
 
 

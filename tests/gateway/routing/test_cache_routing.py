@@ -25,6 +25,7 @@ MODEL = "tiny-r"
 BS = 16  # the nodes' default block size
 KEYS = ("sk-tenant-a", "sk-tenant-b")  # the keyed gateway's API keys: one tenant each (cache_isolation per_key)
 FIXED = ("--kernels", "fixed")  # no background kernel measurement competing for the 2 cores
+SHOW = ("--report-cached-tokens", "always")  # a keyless gateway's usage says cached_tokens only when told to
 
 
 def prompt(seed: int, n: int = 200) -> list[int]:
@@ -38,23 +39,29 @@ def svc(tmp_path_factory, real_model_store):
     services = Services(store.locations, None, str(tmp_path_factory.mktemp("routing")), TOKEN)
     try:
         nodes = [services.node("both", kv_blocks=256, model=MODEL, extra=FIXED) for _ in range(2)]
-        gw = services.gateway([("both", n) for n in nodes])
+        gw = services.gateway([("both", n) for n in nodes], extra=SHOW)
         keyed = services.gateway([("both", n) for n in nodes], env={"PDSERVE_API_KEYS": ",".join(KEYS)})
-        for p in (*nodes, gw, keyed):
+        quiet = services.gateway([("both", n) for n in nodes])  # the defaults: no keys, so a shared cache
+        for p in (*nodes, gw, keyed, quiet):
             p.wait_ready()
         lo, hi = sorted(nodes, key=lambda n: n.url)  # with equal load the router takes `lo` (the URL breaks ties)
-        yield {"lo": lo, "hi": hi, "gw": gw, "keyed": keyed}
+        yield {"lo": lo, "hi": hi, "gw": gw, "keyed": keyed, "quiet": quiet}
     finally:
         services.stop_all()
 
 
-def complete(gw, ids: list[int], key: str | None = None, **extra) -> int:
-    """One greedy completion of token ids through the gateway (with API key `key`); -> its cached_tokens."""
+def usage(gw, ids: list[int], key: str | None = None, **extra) -> dict:
+    """The usage of one greedy completion of token ids through the gateway (with API key `key`)."""
     r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 2,
                                                      "temperature": 0, **extra},
                    headers={"Authorization": f"Bearer {key}"} if key else None, timeout=120)  # fmt: skip
     assert r.status_code == 200, r.text
-    return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return r.json()["usage"]
+
+
+def complete(gw, ids: list[int], key: str | None = None, **extra) -> int:
+    """One greedy completion of token ids through the gateway; -> its cached_tokens."""
+    return (usage(gw, ids, key, **extra).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
 def indexed(gw, node) -> int:
@@ -124,6 +131,19 @@ def test_each_api_key_shares_cached_kv_only_with_itself(svc):
     assert complete(svc["gw"], a) == 0  # the keyless gateway's requests are no tenant's
 
 
+def test_a_shared_cache_does_not_say_what_it_holds(svc):
+    """With no API keys every caller shares one cache: the defaults leave cached_tokens out of usage (it would
+    tell a caller whether someone else sent the prompt), though the node's cache hits as ever."""
+    quiet, lo, hi = svc["quiet"], svc["lo"], svc["hi"]
+    a = prompt(21)
+    first = usage(quiet, a)
+    before = hits(lo) + hits(hi)
+    again = usage(quiet, a)
+    assert hits(lo) + hits(hi) - before >= (len(a) - 2) // BS * BS - BS  # the repeat did hit
+    assert "prompt_tokens_details" not in first and "prompt_tokens_details" not in again, (first, again)
+    assert again["prompt_tokens"] == len(a) and again["completion_tokens"] == 2
+
+
 def test_the_index_folded_from_events_equals_the_nodes_snapshot(svc):
     lo = svc["lo"]
     ev0 = metric(lo.url, "pdserve_node_prefix_cache_evictions_total")
@@ -182,7 +202,7 @@ def split(tmp_path_factory, real_model_store):
     try:
         prefills = [services.node("prefill", kv_blocks=256, model=MODEL, extra=FIXED) for _ in range(2)]
         decode = services.node("decode", kv_blocks=256, model=MODEL, extra=FIXED)
-        gw = services.gateway([*(("prefill", n) for n in prefills), ("decode", decode)])
+        gw = services.gateway([*(("prefill", n) for n in prefills), ("decode", decode)], extra=SHOW)
         for p in (*prefills, decode, gw):
             p.wait_ready()
         lo, hi = sorted(prefills, key=lambda n: n.url)

@@ -45,8 +45,9 @@ def svc(tmp_path_factory, real_model_store):
         # the holder runs one sequence at a time: two long requests sent to it directly make its queue long
         holder = services.node("both", kv_blocks=256, model=MODEL, extra=(*INVARIANT, "--max-num-seqs", "1"))
         idle = services.node("both", kv_blocks=256, model=MODEL, extra=INVARIANT)
-        gw = services.gateway([("both", holder), ("both", idle)])
-        on = services.gateway([("both", holder), ("both", idle)], extra=("--no-peer-pull",))
+        show = ("--report-cached-tokens", "always")  # keyless gateways: usage says cached_tokens only when told to
+        gw = services.gateway([("both", holder), ("both", idle)], extra=show)
+        on = services.gateway([("both", holder), ("both", idle)], extra=("--no-peer-pull", *show))
         for p in (holder, idle, gw, on):
             p.wait_ready()
         wait_kernels_settled([holder, idle])
