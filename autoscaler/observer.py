@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import httpx
 import msgspec
 
-from compute.node.auth import SignedAuth
+from compute.node.auth import Prover, SignedAuth
 from gateway.api.status import GatewayStatus, ModelTraffic, NodeEntry
 from gateway.api.status import read as read_status
 
@@ -204,14 +204,22 @@ class GatewayClient:
         self._urls = urls if callable(urls) else (lambda: fixed)
         self.urls: list[str] = fixed  # as of the last status()
         self._http = httpx.Client(auth=SignedAuth(token), timeout=timeout_s)  # signed requests: the token never sent
+        self._prover = Prover(token, timeout_s=min(timeout_s, 2.0))  # a gateway proves the token before it is used
         self._listed: dict[str, dict[str, str]] = {}  # gateway -> {node URL: its source} in its last snapshot
         self._resent: dict[tuple[str, str], float] = {}  # (gateway, node) -> when its registration was last sent again
 
     def status(self) -> GatewayStatus:
-        """The merged snapshot of every gateway; TemporaryActuatorError if any cannot be read."""
-        self.urls = [u.rstrip("/") for u in self._urls()]
-        if not self.urls:
+        """The merged snapshot of every gateway that proves the internal token (one that does not is left out
+        and sent nothing: a pod wearing the gateway's labels, or whatever now answers on a dead gateway's
+        address); TemporaryActuatorError if none does or a proven one cannot be read."""
+        urls = [u.rstrip("/") for u in self._urls()]
+        if not urls:
             raise TemporaryActuatorError("no gateway to observe (no ready gateway endpoint)")
+        self.urls = [u for u in urls if self._prover.proven(u)]
+        for url in set(urls) - set(self.urls):
+            log.warning("%s did not prove the internal token: not a gateway of this deployment, not observed", url)
+        if not self.urls:
+            raise TemporaryActuatorError(f"no gateway proved the internal token (of {', '.join(urls)})")
         snaps = []
         for url in self.urls:
             try:
@@ -222,6 +230,7 @@ class GatewayClient:
                 self._listed[url] = {str(n.get("url", "")).rstrip("/"): n.get("source") or ""
                                      for n in raw.get("nodes") or []}  # fmt: skip
             except (httpx.HTTPError, ValueError) as e:
+                self._prover.forget(url)  # challenged again before its next use
                 raise TemporaryActuatorError(f"cannot observe the gateway at {url}: {e}") from None
         return snaps[0] if len(snaps) == 1 else merge_status(snaps)
 
@@ -285,6 +294,7 @@ class GatewayClient:
 
     def close(self) -> None:
         self._http.close()
+        self._prover.close()
 
 
 def control_loop(config: AutoscalerConfig, status: Status, publish: Callable[[dict], None], actuator,

@@ -64,7 +64,7 @@ class Runtime:
     name: str = ""
     up: bool = False  # its actuator saw /ready (a standby runtime is ready at once)
     reachable: bool = False  # /load answered this tick
-    state: str = "starting"  # starting | standby | loading | ready | draining | unreachable
+    state: str = "starting"  # starting | standby | loading | ready | draining | unreachable | unproven
     models: dict[str, ModelLoad] = field(default_factory=dict)  # name -> its /load.models entry
     budget: int = 0  # memory_budget_bytes
     used: int = 0  # memory_used_bytes

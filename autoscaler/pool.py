@@ -57,6 +57,7 @@ from collections.abc import Mapping
 
 import httpx
 
+from compute.node.auth import Prover
 from compute.node.client import NodeFailed, RequestRejected, SyncNodeClient
 from compute.node.protocol import ModelLoad, ModelLoadRequest, ModelUnloadRequest
 
@@ -76,6 +77,8 @@ class RuntimePool(Actuator):
         """`token`: the internal token, which signs the pool's requests to the runtimes (never sent)."""
         self.runtimes, self.config, self.roles = runtimes, config or PoolConfig(), tuple(roles)
         self._http = SyncNodeClient(token, timeout_s=self.config.http_timeout_s)
+        # a runtime proves the token at its URL before it is read or claimed (none: nothing is signed either)
+        self._prover = Prover(token, timeout_s=min(self.config.http_timeout_s, 2.0)) if token else None
         self._lock = threading.Lock()  # the records below (status() reads them from other threads)
         self.view: dict[str, Runtime] = {}  # url -> runtime, as of the last observe
         self._desired: dict[Key, int] = {}  # keys scale() was asked about
@@ -145,6 +148,8 @@ class RuntimePool(Actuator):
 
     def close(self) -> None:
         self._http.close()
+        if self._prover is not None:
+            self._prover.close()
 
     # --- observe ------------------------------------------------------------------------
     def _observe(self) -> None:
@@ -176,9 +181,15 @@ class RuntimePool(Actuator):
                     c["ready_s"] = round(now - c["t"], 3)
 
     def _read(self, rt: Runtime) -> None:
+        if self._prover is not None and not self._prover.proven(rt.url):
+            log.warning("pool: %s did not prove the internal token: not read, not claimed", rt.url)
+            rt.state = "unproven"  # as unreachable: nothing is sent to it
+            return
         try:
             body = self._http.load(rt.url)
         except (httpx.HTTPError, ValueError):
+            if self._prover is not None:
+                self._prover.forget(rt.url)  # whatever answers there next proves itself first
             rt.state = "unreachable"
             return
         rt.reachable = True
@@ -284,6 +295,8 @@ class RuntimePool(Actuator):
     def _unload_now(self, model: str, url: str) -> None:
         timeout = self.config.unload_timeout_s
         try:
+            if self._prover is not None and not self._prover.proven(url):
+                raise NodeFailed(url, "did not prove the internal token")
             r = self._http.unload_model(url, ModelUnloadRequest(model, timeout))
             log.info("pool: unloaded %s from %s (drained: %s)", model, url, r.drained)
         except (NodeFailed, RequestRejected) as e:

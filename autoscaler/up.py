@@ -77,8 +77,9 @@ def default_threads(roles: dict[str, int]) -> int:
 
 def local_service(args, token: str, admin_key: str | None = None, roles: dict[str, int] | None = None):
     """(gateway, LocalConfig, AutoscalerConfig) from flags > environment > the config file > defaults."""
+    from compute.node.config import NIXL_UNBOUNDED
     from gateway.main import gateway_config, open_gateway
-    from paramstore.config import config_path, read_config, store_config
+    from paramstore.config import ConfigError, config_path, read_config, store_config
 
     from .local import LocalConfig
     from .main import node_args, policy_config
@@ -88,8 +89,11 @@ def local_service(args, token: str, admin_key: str | None = None, roles: dict[st
     policy = policy_config(tables, path)  # every table checked before the store is opened
     store_cfg = store_config(args, tables=tables)
     admin = {"admin_key": admin_key} if admin_key else {}
-    gw = open_gateway(gateway_config(args, tables, path, store=list(store_cfg.locations), **admin), store_cfg)
     node = tables.get("node", {})
+    trusted = node.get("nixl_trusted_fabric") is True or os.environ.get("PDSERVE_NIXL_TRUSTED_FABRIC") in ("1", "true")
+    if (args.kv_transport or node.get("kv_transport")) == "nixl" and not trusted:
+        raise ConfigError(NIXL_UNBOUNDED)  # before anything starts: every node would refuse it
+    gw = open_gateway(gateway_config(args, tables, path, store=list(store_cfg.locations), **admin), store_cfg)
     local = LocalConfig(model=None, store=list(store_cfg.locations), internal_token=token, import_nice=IMPORT_NICE,
                         kv_transport=args.kv_transport or node.get("kv_transport", "tcp"),
                         threads=args.threads_per_node or node.get("threads") or default_threads(roles or {}),

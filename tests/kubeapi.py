@@ -9,7 +9,9 @@ content type, body):
   GET   /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=kubernetes.io/service-name=S
         [&watch=true&resourceVersion=RV&timeoutSeconds=T]               (autoscaler: list; gateway: list + watch)
   PATCH /api/v1/namespaces/{ns}/pods/{name}                             (autoscaler: JSON merge patch of the
-        pod's metadata.annotations — the pod-deletion-cost; a pod exists while an EndpointSlice names it)
+        pod's metadata.annotations — the pod-deletion-cost; a pod exists while an EndpointSlice names it; the
+        patch is applied to the whole pod (RFC 7386) and, given ``admission``, admitted by it first: 403 with
+        its message, as kube-apiserver answers a ValidatingAdmissionPolicy's Deny)
 
 ``put_slice`` / ``delete_slice`` change EndpointSlices as the endpoints controller would (watchers get
 ADDED / MODIFIED / DELETED events, one HTTP/1.1 chunk each); ``faults`` answers the next requests of a
@@ -18,6 +20,7 @@ method (and path) with an error status. Used by tests/autoscaler/test_kubernetes
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -43,11 +46,27 @@ def endpoint_slice(service: str, suffix: str, endpoints: list[tuple[str, bool | 
     }  # fmt: skip
 
 
+def merge_patch(target, patch):
+    """RFC 7386 JSON merge patch: objects merge key by key, null removes a key, anything else replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    target = target if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        else:
+            target[k] = merge_patch(target.get(k), v)
+    return target
+
+
 class KubeApiTwin:
     """The API surface pdserve uses, recording every request; `faults` answers the next matching ones."""
 
-    def __init__(self, namespace: str, replicas: dict[str, int] | None = None, slices: list[dict] | None = None):
-        self.namespace = namespace
+    def __init__(self, namespace: str, replicas: dict[str, int] | None = None, slices: list[dict] | None = None,
+                 admission=None):  # fmt: skip
+        """``admission(old_pod, new_pod)`` -> a denial's message or None (tests/admission.py ``Policy``)."""
+        self.namespace, self.admission = namespace, admission
+        self.pods: dict[str, dict] = {}  # pod -> the object as patched (made when first patched)
         self.requests: list[dict] = []
         self.faults: list[tuple] = []  # (method, status[, path part]) answered first, in order
         self.rv = 42  # resourceVersion of the EndpointSlice collection, bumped by every change
@@ -115,15 +134,18 @@ class KubeApiTwin:
             return self._reply(h, 404, {"kind": "Status", "code": 404, "reason": "NotFound"})
         if h.headers.get("Content-Type") != "application/merge-patch+json":
             return self._reply(h, 415, {"kind": "Status", "code": 415})
-        patch = json.loads(raw)
-        notes = self.annotations.setdefault(name, {})
-        for k, v in ((patch.get("metadata") or {}).get("annotations") or {}).items():
-            if v is None:
-                notes.pop(k, None)  # JSON merge patch: null removes the key
-            else:
-                notes[k] = str(v)
-        return self._reply(h, 200, {"apiVersion": "v1", "kind": "Pod",
-                                    "metadata": {"name": name, "namespace": self.namespace, "annotations": notes}})
+        old = self.pods.get(name) or {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": self.namespace, "labels": {"app.kubernetes.io/name": name.rsplit("-", 1)[0]}},
+            "spec": {"containers": [{"name": "node", "image": "pdserve"}]}}  # fmt: skip
+        new = merge_patch(copy.deepcopy(old), json.loads(raw))
+        why = self.admission(old, new) if self.admission is not None else None
+        if why:
+            return self._reply(h, 403, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden",
+                                        "code": 403, "message": why})  # fmt: skip
+        self.pods[name] = new
+        self.annotations[name] = dict(new["metadata"].get("annotations") or {})
+        return self._reply(h, 200, new)
 
     def _watch(self, h, selector: tuple[str, str], since: int, timeout_s: float) -> None:
         """A WATCH: newline-delimited JSON events after `since` for matching slices, until timeoutSeconds,

@@ -40,6 +40,7 @@ import hmac
 import ipaddress
 import json
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,6 +114,58 @@ def check_proof(token: str, nonce: str, url: str, proof) -> bool:
 
 def challenge() -> str:
     return secrets.token_hex(16)
+
+
+def answer_challenge(token: str, me: Identity, body, what: str = "node") -> tuple[int, dict]:
+    """A /prove route's reply to ``body`` (the parsed JSON) for the receiver ``me`` (a ``what``): (status, JSON
+    object)."""
+    nonce, url = (body.get("nonce"), body.get("url")) if isinstance(body, dict) else (None, None)
+    if not (isinstance(nonce, str) and 16 <= len(nonce) <= 128 and isinstance(url, str) and len(url) <= 2048):
+        return 400, {"detail": f"want {{\"nonce\": 16-128 characters, \"url\": this {what}'s URL}}"}
+    if not token:
+        return 503, {"detail": "no internal token set: nothing to prove"}
+    if not me.names(url):
+        return 403, {"detail": f"{url[:200]!r} does not name this {what}"}
+    return 200, {"proof": prove(token, nonce, url)}
+
+
+class Prover:
+    """Which peers a synchronous caller (the autoscaler) has seen prove the token at their URL, before it sends
+    them a signed request or believes what they say. ``proven(url)``: yes from memory for ``ttl_s`` after a
+    proof, else a challenge now; ``forget(url)`` after any failure to reach it, so whatever answers on that
+    address next (a restarted peer, or a squatter) is challenged before it is used again."""
+
+    def __init__(self, token: str, ttl_s: float = 60.0, timeout_s: float = 2.0):
+        self.token, self.ttl_s = token, ttl_s
+        self._http = httpx.Client(timeout=timeout_s)  # unsigned: a challenge carries nothing to replay
+        self._at: dict[str, float] = {}  # url -> when it last proved
+        self._lock = threading.Lock()  # the pool proves from its unload threads too
+
+    def proven(self, url: str) -> bool:
+        url, now = url.rstrip("/"), time.monotonic()
+        if now - self._at.get(url, -self.ttl_s) < self.ttl_s:
+            return True
+        nonce, proof = challenge(), None
+        try:
+            r = self._http.post(url + "/prove", json={"nonce": nonce, "url": url})
+            proof = r.json().get("proof") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        ok = check_proof(self.token, nonce, url, proof)
+        with self._lock:
+            self._at = {u: t for u, t in self._at.items() if now - t < self.ttl_s}  # bounded by a ttl's peers
+            if ok:
+                self._at[url] = now
+            else:
+                self._at.pop(url, None)
+        return ok
+
+    def forget(self, url: str) -> None:
+        with self._lock:
+            self._at.pop(url.rstrip("/"), None)
+
+    def close(self) -> None:
+        self._http.close()
 
 
 def _host_port(url: str) -> tuple[str, int] | None:

@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 ROLES = ("prefill", "decode", "both")
 
 
+NIXL_UNBOUNDED = (
+    "kv_transport = nixl lets any peer that reaches this node's UCX port READ its whole KV cache, every tenant's, "
+    "and over UCX's TCP transport any memory this node ever registered, deregistered or not: use it only on a "
+    "fabric whose peers are all trusted ($PDSERVE_NIXL_TRUSTED_FABRIC=1, [node] nixl_trusted_fabric = true or "
+    "`pdserve node --nixl-trusted-fabric`), or keep tcp (a one-time secret per transfer)")
+
 @dataclass(slots=True)
 class NodeConfig:
     """What a node serves and how."""
@@ -32,6 +38,8 @@ class NodeConfig:
     max_num_seqs: int = 64  # running sequences per step
     max_num_batched_tokens: int = 512  # tokens per step (the prefill chunk budget)
     kv_transport: str = "tcp"  # nixl | tcp | fake (prefill and decode roles)
+    # nixl only with this set: NIXL cannot bound what a peer READs (NIXL_UNBOUNDED below, docs/security.md)
+    nixl_trusted_fabric: bool = False
     kv_compression: str = "none"  # none | bf16 | fp16 | int8 on the wire (prefill side chooses)
     kv_hold_s: float = 30.0  # prefill: hold a request's KV this long for the decode side
     kv_timeout_s: float = 10.0  # decode: a transfer not done by then fails (the gateway retries)
@@ -69,6 +77,8 @@ class NodeConfig:
             raise ValueError(f"invalid role {self.role!r}: one of {', '.join(ROLES)}")
         if not self.internal_token:
             raise ValueError("an internal token is required (PDSERVE_INTERNAL_TOKEN or --token-file)")
+        if self.kv_transport == "nixl" and not self.nixl_trusted_fabric:
+            raise ValueError(NIXL_UNBOUNDED)
         if self.advertise_url is not None and not self.advertise_url.startswith(("http://", "https://")):
             raise ValueError(f"advertise_url {self.advertise_url!r} is not an http(s) URL")
         if self.weights not in ("int8", "bf16", "fp32"):

@@ -23,8 +23,10 @@ import time
 from compute.node.auth import SignedAuth
 from compute.node.lifeline import spawn_kwargs
 
+# PDSERVE_NIXL_TRUSTED_FABRIC: a test's or benchmark's nodes are one another's only NIXL peers (its own loopback or
+# test network), so --kv-transport nixl is allowed (compute/node/config.py NIXL_UNBOUNDED)
 SERVICE_ENV = {"PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN",
-               "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+               "TOKENIZERS_PARALLELISM": "false", "PDSERVE_NIXL_TRUSTED_FABRIC": "1"}  # fmt: skip
 SAME = "<the Services' model>"  # Services.node/start: the model given to Services
 _KEYS = ("PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEY", "PDSERVE_API_KEYS_FILE", "PDSERVE_ADMIN_KEY_FILE")
 

@@ -5,7 +5,8 @@ by --import-nice when the pool refills in the background), HTTP API up, the KV-t
 process-wide part (the NIXL agent) created, /ready 200 at once; models are loaded through
 /internal/models/load. With --model it loads that one at start and is ready once it is.
 
-Settings: flags > environment ($PDSERVE_INTERNAL_TOKEN[_FILE], $PDSERVE_CACHE_DIR, $PDSERVE_ADVERTISE_URL, $PDSERVE_STEP) > the config
+Settings: flags > environment ($PDSERVE_INTERNAL_TOKEN[_FILE], $PDSERVE_CACHE_DIR, $PDSERVE_ADVERTISE_URL, $PDSERVE_STEP,
+$PDSERVE_NIXL_TRUSTED_FABRIC) > the config
 file's [node] and [store] tables (--config, $PDSERVE_CONFIG) > NodeConfig's defaults. The store is
 opened with [store]'s HMAC key when one is set: a manifest with a wrong or missing signature is
 refused before the node listens (one line, exit 2), so it never becomes ready.
@@ -39,6 +40,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=int, help="running sequences per step (default 64)")
     p.add_argument("--max-batched-tokens", type=int, help="tokens per step (default 512)")
     p.add_argument("--kv-transport", choices=["nixl", "tcp", "fake"], help="default tcp")
+    p.add_argument("--nixl-trusted-fabric", action="store_const", const=True, default=None,
+                   help="allow --kv-transport nixl: every peer that can reach this node's UCX port is trusted "
+                        "(NIXL cannot bound what a peer READs; $PDSERVE_NIXL_TRUSTED_FABRIC=1)")  # fmt: skip
     p.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float32"],
                    help="KV cache dtype (default auto: bf16, fp32 for fp32 weights)")  # fmt: skip
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False, default=None,
@@ -112,10 +116,11 @@ def node_config(args):
              "import_nice": args.import_nice, "kernels": args.kernels, "device": args.device,
              "measure_share": args.measure_share, "weight_copies_gb": args.weight_copies_gb, "step": args.step,
              "advertise_url": args.advertise_url, "max_loras": args.max_loras,
-             "max_lora_mb": args.max_lora_mb}  # fmt: skip
+             "max_lora_mb": args.max_lora_mb, "nixl_trusted_fabric": args.nixl_trusted_fabric}  # fmt: skip
     token = env_secret("PDSERVE_INTERNAL_TOKEN", args.token_file)  # --token-file, else $PDSERVE_INTERNAL_TOKEN[_FILE]
     env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None, "internal_token": token or None,
-           "advertise_url": os.environ.get("PDSERVE_ADVERTISE_URL") or None, "step": os.environ.get("PDSERVE_STEP") or None}
+           "advertise_url": os.environ.get("PDSERVE_ADVERTISE_URL") or None, "step": os.environ.get("PDSERVE_STEP") or None,
+           "nixl_trusted_fabric": True if os.environ.get("PDSERVE_NIXL_TRUSTED_FABRIC") in ("1", "true") else None}
     kw = resolve(NodeConfig, "node", tables, path, flags, env, hints=_SECRETS)
     if "role" not in kw:
         raise ConfigError("no role: pass --role or set role in [node] of the config file")

@@ -70,14 +70,8 @@ def create_app(host: ModelHost) -> FastAPI:
     @app.post("/prove")
     async def prove(request: Request):
         """The challenge the gateway sends before it registers this node (compute/node/auth.py)."""
-        body = await _json_object(request)
-        nonce, url = (body.get("nonce"), body.get("url")) if isinstance(body, dict) else (None, None)
-        if not (isinstance(nonce, str) and 16 <= len(nonce) <= 128 and isinstance(url, str) and len(url) <= 2048):
-            return JSONResponse({"detail": "want {\"nonce\": 16-128 characters, \"url\": this node's URL}"},
-                                status_code=400)  # fmt: skip
-        if not me.names(url):
-            return JSONResponse({"detail": f"{url[:200]!r} does not name this node"}, status_code=403)
-        return {"proof": auth.prove(cfg.internal_token, nonce, url)}
+        status, reply = auth.answer_challenge(cfg.internal_token, me, await _json_object(request))
+        return JSONResponse(reply, status_code=status)
 
     def guard(fn, type_):
         """A route taking a ``type_`` message; every refusal a NodeError whose kind says what to do."""

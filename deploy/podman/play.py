@@ -180,7 +180,7 @@ def main() -> int:
     key = secrets.token_hex(32)
     values = {("pdserve-secrets", "api-keys"): "sk-podman-test", ("pdserve-secrets", "admin-key"): secrets.token_hex(8),
               ("pdserve-secrets", "internal-token"): secrets.token_hex(16), ("pdserve-secrets", "manifest-hmac-key"): key,
-              ("pdserve-s3", "access-key-id"): "unused", ("pdserve-s3", "secret-access-key"): "unused"}  # fmt: skip
+              ("pdserve-s3", "credentials"): "[default]\naws_access_key_id = unused\naws_secret_access_key = unused\n"}  # fmt: skip
     print("test-deploy: importing the model into the store the pods mount ...", flush=True)
     locations = import_store(work, key)
     api = kubeapi.KubeApiTwin(NS, {"pdserve-prefill": 1, "pdserve-decode": 1})

@@ -24,9 +24,10 @@ from collections.abc import Callable
 from contextvars import ContextVar
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from compute.node.auth import BodyTooLarge, Identity, SignedOnly, read_body, replaying
+from compute.node.auth import BodyTooLarge, Identity, SignedOnly, answer_challenge, read_body, replaying
 from gateway.admission.control import CALLER
 from gateway.api.choices import SHOW_CACHED
 from gateway.api.protocol import error_body
@@ -66,8 +67,20 @@ def install_auth(app: FastAPI, cfg, refuse: Callable) -> None:
     def internal_refusal(status: int, message: str) -> bytes:
         return json.dumps(error_body(message, "authentication_error", None, status)).encode()
 
+    me = Identity(cfg.host, cfg.port)
     app.add_middleware(SignedOnly, token=cfg.internal_token or "", protected=lambda path: path.startswith("/internal/"),
-                       identity=Identity(cfg.host, cfg.port), max_body=INTERNAL_MAX_BODY, refusal=internal_refusal)
+                       identity=me, max_body=INTERNAL_MAX_BODY, refusal=internal_refusal)
+
+    @app.post("/prove", include_in_schema=False)
+    async def prove(request: Request):
+        """The autoscaler's challenge before it believes this gateway's status (compute/node/auth.py ``Prover``):
+        a pod that only carries the gateway's labels cannot answer it."""
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None
+        status, reply = answer_challenge(cfg.internal_token or "", me, body, "gateway")
+        return JSONResponse(reply, status_code=status)
 
     secret = (cfg.internal_token or secrets.token_hex(32)).encode()  # no token: one gateway, salts of its lifetime
     per_key = cfg.cache_isolation == "per_key"

@@ -136,3 +136,19 @@ def test_missing_file_and_missing_settings_are_one_line(tmp_path):
     assert r.returncode == 2 and "exclude each other" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run(PDSERVE + ["autoscale", "--gateway", "http://127.0.0.1:9", "--max-ticks", "1"])
     assert r.returncode == 2 and "PDSERVE_INTERNAL_TOKEN" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_nixl_is_refused_unless_its_peers_are_trusted(tmp_path):
+    """NIXL cannot bound what a peer READs (compute/node/config.py NIXL_UNBOUNDED; a READ with a handle whose
+    memory was deregistered still lands over UCX's TCP transport): `pdserve node` and `pdserve up` refuse
+    --kv-transport nixl in one line, before anything starts, unless the operator says the fabric is trusted."""
+    env = {"PDSERVE_INTERNAL_TOKEN": "t"}
+    for cmd in (PDSERVE + ["node", "--role", "decode", "--standby", "--kv-transport", "nixl"],
+                PDSERVE + ["up", "--kv-transport", "nixl", "--port", "9"]):  # fmt: skip
+        r = run(cmd, env, cwd=tmp_path)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "nixl_trusted_fabric" in lines[0], r.stderr
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written
+    node = PDSERVE + ["node", "--role", "decode", "--standby", "--kv-transport", "nixl"]
+    assert resolved(node + ["--nixl-trusted-fabric"], env)["kv_transport"] == "nixl"
+    assert resolved(node, {**env, "PDSERVE_NIXL_TRUSTED_FABRIC": "1"})["nixl_trusted_fabric"] is True

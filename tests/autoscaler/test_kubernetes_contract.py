@@ -10,7 +10,8 @@ requests sent (method, path, query, content type, body) and the parsing of answe
   GET   /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=kubernetes.io/service-name=...
   PATCH /api/v1/namespaces/{ns}/pods/{name}                      (JSON merge patch of the pod-deletion-cost)
 
-and the gateway's node registry source (gateway/routing/discovery.py), which lists and then watches the
+every pod patch admitted by the ValidatingAdmissionPolicy beside the Role (tests/admission.py runs its CEL), as
+the autoscaler's service account; and the gateway's node registry source (gateway/routing/discovery.py), which lists and then watches the
 same EndpointSlices (list + watch: what the gateway's Role in deploy/base grants):
 
   GET   /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=...&watch=true&resourceVersion=...
@@ -24,6 +25,7 @@ import threading
 import pytest
 
 from tests import kubeapi
+from tests.admission import Policy
 from tests.services import until
 
 kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client (extra 'k8s') is not installed")
@@ -35,6 +37,7 @@ from gateway.routing.discovery import DiscoveryConfig, KubernetesSource
 from gateway.routing.registry import NodeRegistry
 
 NS = "pdserve-test"
+AUTOSCALER_SA = "system:serviceaccount:pdserve:pdserve-autoscaler"  # as deploy/ names it (namespace pdserve)
 SCALE, SLICES = kubeapi.SCALE, kubeapi.SLICES
 COST = "controller.kubernetes.io/pod-deletion-cost"
 SCALE_PATH = f"/apis/apps/v1/namespaces/{NS}/deployments/pdserve-decode/scale"
@@ -54,7 +57,8 @@ def FakeApiServer() -> kubeapi.KubeApiTwin:
                                                    ("10.0.1.8", None, False, "pdserve-decode-2"),
                                                    ("10.0.1.9", False, True, "pdserve-decode-3")]),
     ]  # fmt: skip
-    return kubeapi.KubeApiTwin(NS, replicas, slices)
+    policy = Policy(_manifest("deploy/base/autoscaler.yaml", "ValidatingAdmissionPolicy", "pdserve-autoscaler-pod-patches"))
+    return kubeapi.KubeApiTwin(NS, replicas, slices, admission=lambda old, new: policy.deny(old, new, AUTOSCALER_SA))
 
 
 @pytest.fixture
@@ -362,14 +366,39 @@ def _rbac_of(req: dict) -> tuple[str, str, str, str]:
     raise AssertionError(f"a call the twin does not serve: {req['method']} {path}")
 
 
-def _role_rules(path: str, name: str) -> list[dict]:
+def _manifest(path: str, kind: str, name: str) -> dict:
     import yaml
 
     from tests.deploy.pods import ROOT
 
     docs = yaml.safe_load_all((ROOT / path).read_text())
-    (role,) = [d for d in docs if d and d["kind"] == "Role" and d["metadata"]["name"] == name]
-    return role["rules"]
+    (doc,) = [d for d in docs if d and d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def _role_rules(path: str, name: str) -> list[dict]:
+    return _manifest(path, "Role", name)["rules"]
+
+
+def test_contract_the_admission_policy_admits_the_deletion_cost_and_nothing_else(api, actuator):
+    """The Role's pod ``patch`` would let the autoscaler's credentials swap a pod's image (and so read every secret
+    it mounts); the admission policy beside it admits only the pod-deletion-cost. The actuator's own patches
+    (mark, then unmark) pass; an image swap, a label change or another annotation, sent with the same
+    credentials, get 403 and change nothing."""
+    import httpx
+
+    actuator.scale("decode", 1, prefer_remove=("http://10.0.1.8:8001",))
+    assert api.annotations == {"pdserve-decode-2": {COST: "-1000"}}
+    actuator.scale("decode", 2)
+    assert api.annotations == {"pdserve-decode-2": {}}
+    before = api.pods["pdserve-decode-2"]
+    for patch in ({"spec": {"containers": [{"name": "node", "image": "attacker/pdserve"}]}},
+                  {"metadata": {"labels": {"app.kubernetes.io/name": "pdserve-gateway"}}},
+                  {"metadata": {"annotations": {"kubectl.kubernetes.io/restartedAt": "now"}}}):  # fmt: skip
+        r = httpx.patch(f"{api.url}/api/v1/namespaces/{NS}/pods/pdserve-decode-2", json=patch, timeout=5,
+                        headers={"Content-Type": "application/merge-patch+json"})  # fmt: skip
+        assert r.status_code == 403 and "pdserve-autoscaler-pod-patches" in r.json()["message"], (patch, r.text)
+    assert api.pods["pdserve-decode-2"] == before
 
 
 def _allowed(rule: dict, call: tuple[str, str, str, str]) -> bool:

@@ -19,12 +19,11 @@ K8S_VERSION = "1.30"  # the oldest Kubernetes these manifests promise to work on
 # Custom resources whose schemas are not among the core ones: skipped by name, every other kind must validate.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 NODE_ROLES = ("prefill", "decode")
-SECRET_ENV = {  # env var -> (Secret, key); values live in the cluster only
-    "PDSERVE_API_KEYS": ("pdserve-secrets", "api-keys"),
-    "PDSERVE_ADMIN_KEY": ("pdserve-secrets", "admin-key"),
-    "PDSERVE_INTERNAL_TOKEN": ("pdserve-secrets", "internal-token"),
-    "AWS_ACCESS_KEY_ID": ("pdserve-s3", "access-key-id"),
-    "AWS_SECRET_ACCESS_KEY": ("pdserve-s3", "secret-access-key"),
+SECRET_FILES = {  # *_FILE env var -> (Secret, key) mounted where it points; values live in the cluster only
+    "PDSERVE_API_KEYS_FILE": ("pdserve-secrets", "api-keys"),
+    "PDSERVE_ADMIN_KEY_FILE": ("pdserve-secrets", "admin-key"),
+    "PDSERVE_INTERNAL_TOKEN_FILE": ("pdserve-secrets", "internal-token"),
+    "AWS_SHARED_CREDENTIALS_FILE": ("pdserve-s3", "credentials"),
 }
 # cAdvisor's (the kubelet's), for the resource panels; every pdserve_/paramstore_ name an alert or a panel uses is
 # checked against a real Prometheus scraping `pdserve up` (tests/deploy/test_observability.py)
@@ -57,6 +56,8 @@ def test_overlays_render_the_same_set_of_objects(overlay):
         ("Role", "pdserve-gateway"), ("RoleBinding", "pdserve-autoscaler"), ("RoleBinding", "pdserve-gateway"),
         ("Service", "pdserve-decode"), ("Service", "pdserve-gateway"), ("Service", "pdserve-prefill"),
         ("ServiceAccount", "pdserve-autoscaler"), ("ServiceAccount", "pdserve-gateway"), ("ServiceMonitor", "pdserve"),
+        ("ValidatingAdmissionPolicy", "pdserve-autoscaler-pod-patches"),
+        ("ValidatingAdmissionPolicyBinding", "pdserve-autoscaler-pod-patches"),
     ])  # fmt: skip
     assert {o["metadata"].get("namespace") for o in render(overlay)} == {"pdserve"}
 
@@ -144,21 +145,31 @@ def test_every_deployment_has_resources_and_a_grace_period(overlay):
         assert pod_spec(dep)["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
 
 
-def test_secrets_are_referenced_never_inlined(overlay):
+def test_secrets_are_files_referenced_never_inlined(overlay):
+    """No secret in any container's environment (which /proc/PID/environ, crash dumps and child processes see):
+    each is a Secret's key mounted as a file, its *_FILE variable naming the path (the pods run them:
+    tests/deploy/test_pods.py, make test-deploy)."""
     assert not [o for o in render(overlay) if o["kind"] == "Secret"]
     seen = set()
     for name, dep in objects(overlay, "Deployment").items():
+        vols = {v["name"]: v for v in pod_spec(dep)["volumes"]}
         for c in pod_spec(dep)["containers"]:
             assert not any("secretRef" in e for e in c.get("envFrom", []))
+            mounts = {m["mountPath"]: vols[m["name"]] for m in c.get("volumeMounts", [])}
             for env in c.get("env", []):
-                if env["name"] in SECRET_ENV or re.search(r"KEY|TOKEN|SECRET|PASSWORD", env["name"]):
-                    assert "value" not in env, f"{name}: {env['name']} is inlined"
-                    ref = env["valueFrom"]["secretKeyRef"]
-                    assert (ref["name"], ref["key"]) == SECRET_ENV[env["name"]]
+                assert "secretKeyRef" not in env.get("valueFrom", {}), f"{name}: {env['name']} from a Secret"
+                if env["name"] in SECRET_FILES:
+                    where, _, path = env["value"].rpartition("/")
+                    secret = mounts[where]["secret"]
+                    assert mounts[where] and all(m["readOnly"] for m in c["volumeMounts"] if m["mountPath"] == where)
+                    item = next(i for i in secret["items"] if i["path"] == path)
+                    assert (secret["secretName"], item["key"]) == SECRET_FILES[env["name"]]
                     seen.add(env["name"])
-    assert seen == set(SECRET_ENV)
+                elif re.search(r"KEY|TOKEN|SECRET|PASSWORD", env["name"]):
+                    pytest.fail(f"{name}: {env['name']} looks like a secret in the environment")
+    assert seen == set(SECRET_FILES)
     env = {e["name"] for e in container(objects(overlay, "Deployment")["pdserve-gateway"])["env"]}
-    assert {"PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEY", "PDSERVE_INTERNAL_TOKEN"} <= env
+    assert {"PDSERVE_API_KEYS_FILE", "PDSERVE_ADMIN_KEY_FILE", "PDSERVE_INTERNAL_TOKEN_FILE"} <= env
     for cm in objects(overlay, "ConfigMap").values():  # knobs only
         assert not re.search(r"(?i)(secret|password|token|access_key)\s*=", "\n".join(cm["data"].values()))
 
@@ -257,3 +268,16 @@ def test_node_pods_are_standby_runtimes_within_their_memory_limit(overlay):
         c = container(objects(overlay, "Deployment")[f"pdserve-{role}"])
         assert "--model" not in c["args"]
         assert 0 < cfg["node"]["memory_gb"] * 1e9 < 0.9 * _bytes(c["resources"]["limits"]["memory"]), role
+
+
+def test_the_admission_policy_names_the_autoscaler_as_it_is_deployed(overlay):
+    """The policy narrowing the autoscaler's pod patches (run on the API twin by
+    tests/autoscaler/test_kubernetes_contract.py) matches the service account the autoscaler's pods run as, in
+    the namespace the overlay deploys to, and is bound to deny."""
+    (policy,) = objects(overlay, "ValidatingAdmissionPolicy").values()
+    (binding,) = objects(overlay, "ValidatingAdmissionPolicyBinding").values()
+    dep = objects(overlay, "Deployment")["pdserve-autoscaler"]
+    who = f"system:serviceaccount:{dep['metadata']['namespace']}:{pod_spec(dep)['serviceAccountName']}"
+    assert [c["expression"] for c in policy["spec"]["matchConditions"]] == [f"request.userInfo.username == '{who}'"]
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert policy["spec"]["failurePolicy"] == "Fail"

@@ -91,8 +91,15 @@ def _check_isolation(docs: list[dict], run: PodRunner) -> None:
         assert not allowed(policies, run.pods["pdserve-gateway"].labels, "elsewhere", dst, ns, 8001, "http")
     assert allowed(policies, {"app.kubernetes.io/name": "some-job"}, ns, run.pods["pdserve-gateway"].labels, ns,
                    8000, "http")  # the gateway is the front door: no policy selects it  # fmt: skip
-    holders = {k: {n for n, p in run.pods.items() if p.env.get(k)}
-               for k in ("PDSERVE_INTERNAL_TOKEN", "PDSERVE_ADMIN_KEY", "PDSERVE_API_KEYS")}  # fmt: skip
+    def holds(pod, var: str, key: str) -> bool:  # the secret is in the file its *_FILE names (never in its env)
+        path = pod.env.get(var + "_FILE")
+        return bool(path) and os.path.exists(path) and open(path).read().strip() == run.secret("pdserve-secrets", key)
+
+    keys = {"PDSERVE_INTERNAL_TOKEN": "internal-token", "PDSERVE_ADMIN_KEY": "admin-key",
+            "PDSERVE_API_KEYS": "api-keys"}  # fmt: skip
+    holders = {k: {n for n, p in run.pods.items() if holds(p, k, key)} for k, key in keys.items()}
+    values = {run.secret("pdserve-secrets", key) for key in keys.values()}
+    assert not [(n, k) for n, p in run.pods.items() for k, v in p.env.items() if v in values]  # not in any env
     assert holders == {"PDSERVE_INTERNAL_TOKEN": {"pdserve-gateway", "pdserve-autoscaler", *NODES},
                        "PDSERVE_ADMIN_KEY": {"pdserve-gateway"}, "PDSERVE_API_KEYS": {"pdserve-gateway"}}, holders
 
@@ -292,7 +299,7 @@ def test_a_prestop_hook_naming_a_route_the_node_lacks_fails(signed_store, tmp_pa
 
 
 # variables read by libraries, not by pdserve's own code
-LIBRARY_ENV = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "KUBECONFIG", "PATH", "PYTHONUNBUFFERED",
+LIBRARY_ENV = {"AWS_SHARED_CREDENTIALS_FILE", "KUBECONFIG", "PATH", "PYTHONUNBUFFERED",
                "PYTHONDONTWRITEBYTECODE", "TOKENIZERS_PARALLELISM"}  # fmt: skip
 
 
