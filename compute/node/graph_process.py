@@ -1,10 +1,11 @@
 """The step-graph builder process: one package compiled outside the serving process, killed as a group.
 
 Lifecycle (``GraphBuilder`` in ``compute.node.graph_builder`` runs ``build``, under its per-machine lock):
- 1. ``build`` starts ``python -m compute.node.graph_process`` in a session and process group of its own and writes
+ 1. ``build`` starts ``python -m compute.node.graph_process`` in a process group of its own (in the node's session:
+    the same scheduler autogroup, so its SCHED_IDLE holds against the serving threads) and writes
     the request on its stdin as JSON: the graph's spec (``step_graphs.spec``: kernel per linear, every bound
     tensor's name, shape and dtype, aliases, dims), the batch range, torch's threads, the output path;
- 2. the child nices itself to 19 (the compiler processes it starts inherit it), asks the kernel to SIGTERM it if
+ 2. the child runs SCHED_IDLE (``yield_cpu``; the compiler processes it starts inherit it), asks the kernel to SIGTERM it if
     its parent dies (it then kills its whole group), builds a ``GraphStep`` skeleton of random tensors with those
     shapes (``GraphStep.skeleton``: a package holds no weights, the node binds its own at load, and what inductor
     folds from them is folded at load) — traces and compiles it with AOTInductor
@@ -32,6 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
+from compute.kernels.artefacts import yield_cpu
 from compute.modeling.graph_step import GraphStep, step_inputs
 
 BUILD_LIMIT_S = 1800.0  # one package's build, at most (SmolLM2 on 2 niced cores: ~1 min)
@@ -49,8 +51,11 @@ def build(spec: dict, lo: int, hi: int, out: str, stop: threading.Event, limit_s
     ``on_start(popen)`` gets the child once started (for a caller that kills it from another thread)."""
     request = json.dumps({"spec": spec, "lo": lo, "hi": hi, "out": out, "threads": torch.get_num_threads()})
     with tempfile.TemporaryFile() as err:
+        # a process group of its own (killed as one), in the node's session: a new session is a new scheduler
+        # autogroup (sched_autogroup_enabled), weighted as much as the node's whatever its policy, and the build
+        # then took half the CPU from serving (a decode step's OpenMP barriers made that 20 -> 1-2 tok/s)
         child = subprocess.Popen([sys.executable, "-m", "compute.node.graph_process"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)  # fmt: skip
+                                 stdout=subprocess.DEVNULL, stderr=err, process_group=0)  # fmt: skip
         if on_start is not None:
             on_start(child)
         try:
@@ -131,8 +136,7 @@ def _die_with_parent() -> None:
 
 def main() -> int:
     _die_with_parent()
-    with contextlib.suppress(OSError):
-        os.nice(19)
+    yield_cpu()  # SCHED_IDLE: the compilers it starts inherit it
     try:
         req = json.loads(sys.stdin.read())
         torch.set_num_threads(int(req["threads"]))

@@ -170,8 +170,10 @@ def _descends(pid: int, root: int) -> bool:
 
 
 def test_stopping_mid_build_kills_the_builder_process_group(tmp_path):
-    """The build runs in a process of its own (compute/node/graph_process.py), niced, its own process group: a stop
-    kills the group at once, builder and compilers, and nothing half-built is installed or left under its name."""
+    """The build runs in a process of its own (compute/node/graph_process.py), its own process group in the node's
+    session (one scheduler autogroup: a session of its own would be weighted as much as the node's whatever its
+    policy), under SCHED_IDLE: a stop kills the group at once, builder and compilers, and nothing half-built is
+    installed or left under its name."""
     import time
 
     model = int8_tiny()
@@ -185,9 +187,10 @@ def test_stopping_mid_build_kills_the_builder_process_group(tmp_path):
     child = b._child
     assert child is not None, "no builder process in 120 s"
     assert os.getpgid(child.pid) == child.pid != os.getpgid(0)  # a process group of its own
+    assert os.getsid(child.pid) == os.getsid(0)  # the node's session: its autogroup
     time.sleep(3)  # into the trace / the compiler
     with open(f"/proc/{child.pid}/stat") as f:
-        assert int(f.read().rsplit(")", 1)[1].split()[16]) == 19  # niced
+        assert int(f.read().rsplit(")", 1)[1].split()[38]) == os.SCHED_IDLE  # field 41, policy
     t0 = time.monotonic()
     assert b.stop(timeout=30) and not graphs.graphs  # the thread ends; nothing half-built was installed
     assert time.monotonic() - t0 < 5 and child.poll() is not None
