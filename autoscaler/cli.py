@@ -29,6 +29,8 @@ import sys
 COMMANDS = {
     "generate": ("compute.engine.generate", "offline one-shot generation from the store"),
     "node": ("compute.node.main", "run a compute node (prefill, decode or both)"),
+    "prebuild": ("compute.node.prebuild", "build a model's kernel plan and step packages for this machine class, "
+                 "published signed (the publisher key's build job)"),
     "gateway": ("gateway.main", "run the OpenAI-compatible gateway"),
     "up": ("autoscaler.up", "start the local service: nodes + gateway"),
     "autoscale": ("autoscaler.main", "run the autoscaling loop against a gateway (local or kubernetes actuator)"),

@@ -86,8 +86,9 @@ _SECRETS = {"internal_token": "set $PDSERVE_INTERNAL_TOKEN (or --token-file)",
             "store": "set the locations in [store]"}  # fmt: skip
 
 
-def node_config(args):
-    """(NodeConfig, StoreConfig) from flags > environment > the config file's [node] and [store] > defaults."""
+def node_config(args, publisher: bool = False):
+    """(NodeConfig, StoreConfig) from flags > environment > the config file's [node] and [store] > defaults.
+    ``publisher``: keep the store's publisher key (the build job, compute/node/prebuild.py; a node drops it)."""
     from compute.node.config import NodeConfig
     from paramstore.config import (
         ConfigError,
@@ -101,7 +102,7 @@ def node_config(args):
     path = config_path(args.config)
     tables = read_config(path)
     store_cfg = store_config(args, tables=tables)
-    if store_cfg.publisher_key is not None:  # a serving process never holds what signs native code for the fleet
+    if store_cfg.publisher_key is not None and not publisher:  # a serving process never holds what signs native code
         logging.getLogger("pdserve.node").warning("publisher key ignored: a serving node never holds it "
                                                   "(paramstore/publisher.py), it checks publisher_pubkey only")
         store_cfg = dataclasses.replace(store_cfg, publisher_key=None)

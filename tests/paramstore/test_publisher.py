@@ -112,3 +112,52 @@ def test_weights_load_only_from_a_manifest_the_publisher_signed(tmp_path, keys, 
         lost.unlink()
         node.repair("tiny@v1")  # no private key here: the signed bytes are copied, not re-sealed
         assert lost.read_bytes() == (tmp_path / "loc0" / manifest_path("tiny", 1)).read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.long  # compiles the step packages: make test-long
+@pytest.mark.timeout(900)
+def test_the_build_job_publishes_signed_plans_and_packages_a_node_then_takes(tmp_path, keys, tiny_hf):
+    """`pdserve prebuild` (compute/node/prebuild.py), run as a user runs it: without the publisher key it refuses in
+    one line before loading anything; with it, it measures the kernel plan and builds every step package for
+    this machine class and publishes them signed; a node holding only the public key, on an empty machine cache,
+    then takes both from the store and builds nothing."""
+    import httpx
+
+    from compute.node.launcher import Services
+    from tests.services import wait_for
+
+    pub, pem = keys
+    locs = [str(tmp_path / f"loc{i}") for i in range(3)]
+    with ParamStore(StoreConfig(locs, k=2, m=1, publisher_pubkey=pub, publisher_key=pem)) as importer:
+        importer.import_model(tiny_hf[0], "tiny", dtype="int8")
+    store = [a for loc in locs for a in ("--store", loc)]
+    env = {**os.environ, "PDSERVE_PUBLISHER_PUBKEY": pub, "HOME": str(tmp_path / "job-home")}
+    cmd = [sys.executable, "-m", "autoscaler.cli", "prebuild", "--model", "tiny", "--max-num-seqs", "4", "--threads", "1",
+           *store]  # the nodes' threads (part of the machine class), as the node below runs
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "publisher_key_file" in r.stderr
+    env["PDSERVE_PUBLISHER_KEY_FILE"] = str(tmp_path / "publisher.pem")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=800, env=env, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "kernel plan measured" in r.stderr and "built" in r.stderr and "signed" in r.stderr, r.stderr[-1000:]
+    with ParamStore(StoreConfig(locs, k=2, m=1, publisher_pubkey=pub)) as reader:  # checks every signature
+        graphs, plans = reader.graphs.list(), reader.plans.list()
+    assert graphs and plans and all(r["valid"] and r["signed"] for r in graphs + plans), (graphs, plans)
+
+    (tmp_path / "node").mkdir()
+    services = Services(locs, "tiny", str(tmp_path / "node"), TOKEN, env={"PDSERVE_PUBLISHER_PUBKEY": pub,
+                                                                          "HOME": str(tmp_path / "node-home")})
+    try:
+        node = services.node("both", extra=("--step", "graph", "--max-num-seqs", "4")).wait_ready()
+        auth = node.auth
+
+        def model() -> dict:
+            return httpx.get(node.url + "/load", auth=auth, timeout=5).json()["models"]["tiny"]
+
+        wait_for(lambda: (model().get("graphs") or {}).get("idle"), 120, "the node's step packages taken")
+        m = model()
+        assert m["kernels"]["source"] == "store", m["kernels"]
+        assert set(m["graphs"]["sources"].values()) == {"store"}, m["graphs"]  # built nothing
+    finally:
+        services.stop_all()
