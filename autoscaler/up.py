@@ -77,7 +77,7 @@ def default_threads(roles: dict[str, int]) -> int:
 
 def local_service(args, token: str, admin_key: str | None = None, roles: dict[str, int] | None = None):
     """(gateway, LocalConfig, AutoscalerConfig) from flags > environment > the config file > defaults."""
-    from compute.node.config import NIXL_UNBOUNDED
+    from compute.node.config import NIXL_UNBOUNDED, nixl_trusted_env
     from gateway.main import gateway_config, open_gateway
     from paramstore.config import ConfigError, config_path, read_config, store_config
 
@@ -90,7 +90,7 @@ def local_service(args, token: str, admin_key: str | None = None, roles: dict[st
     store_cfg = store_config(args, tables=tables)
     admin = {"admin_key": admin_key} if admin_key else {}
     node = tables.get("node", {})
-    trusted = node.get("nixl_trusted_fabric") is True or os.environ.get("PDSERVE_NIXL_TRUSTED_FABRIC") in ("1", "true")
+    trusted = node.get("nixl_trusted_fabric") is True or nixl_trusted_env()
     if (args.kv_transport or node.get("kv_transport")) == "nixl" and not trusted:
         raise ConfigError(NIXL_UNBOUNDED)  # before anything starts: every node would refuse it
     gw = open_gateway(gateway_config(args, tables, path, store=list(store_cfg.locations), **admin), store_cfg)

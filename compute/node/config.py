@@ -6,6 +6,7 @@ empty, *standby*); models are loaded and unloaded through its API within ``memor
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 ROLES = ("prefill", "decode", "both")
@@ -16,6 +17,12 @@ NIXL_UNBOUNDED = (
     "and over UCX's TCP transport any memory this node ever registered, deregistered or not: use it only on a "
     "fabric whose peers are all trusted ($PDSERVE_NIXL_TRUSTED_FABRIC=1, [node] nixl_trusted_fabric = true or "
     "`pdserve node --nixl-trusted-fabric`), or keep tcp (a one-time secret per transfer)")
+
+
+def nixl_trusted_env() -> bool:
+    """$PDSERVE_NIXL_TRUSTED_FABRIC says the fabric's NIXL peers are all trusted (1 or true)."""
+    return os.environ.get("PDSERVE_NIXL_TRUSTED_FABRIC", "").lower() in ("1", "true")
+
 
 @dataclass(slots=True)
 class NodeConfig:

@@ -62,7 +62,7 @@ class ServiceProc:
             if self.p.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.p.returncode}: {self.log()[-2000:]}")
             try:
-                if httpx.get(self.url + path, auth=self.auth, timeout=2).status_code == 200:
+                if httpx.get(self.url + path, auth=self.auth, timeout=2).status_code == 200 and self.p.poll() is None:
                     self.ready_s = time.monotonic() - self.started
                     return self
             except httpx.HTTPError:
@@ -99,11 +99,29 @@ class ServiceProc:
         self._log.close()
 
 
+_GIVEN: dict[int, float] = {}  # port -> when free_port handed it out (its process may not have bound it yet)
+_GIVEN_LOCK = threading.Lock()
+RESERVE_S = 120.0  # a port handed out is not handed out again for this long
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now (the OS picks it; the process started next binds it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free on `host` now (the OS picks it; the process started next binds it), and not one this process
+    handed out in the last ``RESERVE_S``: until the process started with it binds it, the OS may pick it again,
+    and two services given one port left one of them unbound while its URL answered for the other (a gateway
+    "ready" because the node on its port was)."""
+    with _GIVEN_LOCK:
+        now = time.monotonic()
+        for port, at in list(_GIVEN.items()):
+            if now - at > RESERVE_S:
+                del _GIVEN[port]
+        for _ in range(64):
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _GIVEN:
+                _GIVEN[port] = now
+                return port
+    raise OSError(f"no free port on {host} outside the {len(_GIVEN)} handed out recently")
 
 
 class Services:

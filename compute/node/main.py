@@ -89,7 +89,7 @@ _SECRETS = {"internal_token": "set $PDSERVE_INTERNAL_TOKEN (or --token-file)",
 def node_config(args, publisher: bool = False):
     """(NodeConfig, StoreConfig) from flags > environment > the config file's [node] and [store] > defaults.
     ``publisher``: keep the store's publisher key (the build job, compute/node/prebuild.py; a node drops it)."""
-    from compute.node.config import NodeConfig
+    from compute.node.config import NodeConfig, nixl_trusted_env
     from paramstore.config import (
         ConfigError,
         config_path,
@@ -121,7 +121,7 @@ def node_config(args, publisher: bool = False):
     token = env_secret("PDSERVE_INTERNAL_TOKEN", args.token_file)  # --token-file, else $PDSERVE_INTERNAL_TOKEN[_FILE]
     env = {"cache_dir": os.environ.get("PDSERVE_CACHE_DIR") or None, "internal_token": token or None,
            "advertise_url": os.environ.get("PDSERVE_ADVERTISE_URL") or None, "step": os.environ.get("PDSERVE_STEP") or None,
-           "nixl_trusted_fabric": True if os.environ.get("PDSERVE_NIXL_TRUSTED_FABRIC") in ("1", "true") else None}
+           "nixl_trusted_fabric": True if nixl_trusted_env() else None}
     kw = resolve(NodeConfig, "node", tables, path, flags, env, hints=_SECRETS)
     if "role" not in kw:
         raise ConfigError("no role: pass --role or set role in [node] of the config file")
