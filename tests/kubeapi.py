@@ -15,7 +15,8 @@ content type, body):
 
 ``put_slice`` / ``delete_slice`` change EndpointSlices as the endpoints controller would (watchers get
 ADDED / MODIFIED / DELETED events, one HTTP/1.1 chunk each); ``faults`` answers the next requests of a
-method (and path) with an error status. Used by tests/autoscaler/test_kubernetes_contract.py and the pod runner.
+method (and path) with an error status. Used by tests/autoscaler/test_kubernetes_{contract,rbac}.py,
+tests/gateway/routing/test_kubernetes_source.py and the pod runner.
 """
 
 from __future__ import annotations
@@ -233,3 +234,20 @@ class KubeApiTwin:
             return self._reply(h, 200, {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
                                         "metadata": {"resourceVersion": str(self.rv)}, "items": items})  # fmt: skip
         return self._reply(h, 404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+
+
+CONTRACT_NS = "pdserve-test"
+
+
+def contract_twin(admission=None) -> KubeApiTwin:
+    """The contract tests' cluster in namespace ``CONTRACT_NS``: prefill at 1 replica (one ready pod, one starting),
+    decode at 2 (one ready, one of unknown readiness, one terminating)."""
+    replicas = {"pdserve-prefill": 1, "pdserve-decode": 2}
+    slices = [
+        endpoint_slice("pdserve-prefill", "abcde", [("10.0.0.5", True, False, "pdserve-prefill-1"),
+                                                    ("10.0.0.6", False, False, "pdserve-prefill-2")], CONTRACT_NS),
+        endpoint_slice("pdserve-decode", "fghij", [("10.0.1.7", True, False, "pdserve-decode-1"),
+                                                   ("10.0.1.8", None, False, "pdserve-decode-2"),
+                                                   ("10.0.1.9", False, True, "pdserve-decode-3")], CONTRACT_NS),
+    ]  # fmt: skip
+    return KubeApiTwin(CONTRACT_NS, replicas, slices, admission=admission)

@@ -47,3 +47,10 @@ def metric_names(expr: str) -> set[str]:
     names: set[str] = set()
     pp.walk(pp.parse(expr), lambda n: names.add(n.name) if isinstance(n, pp.VectorSelector) else None)
     return names
+
+
+def base_object(file: str, kind: str, name: str) -> dict:
+    """The object ``kind``/``name`` of deploy/base/``file`` as written (no kubectl needed)."""
+    docs = yaml.safe_load_all((DEPLOY / "base" / file).read_text())
+    (doc,) = [d for d in docs if d and d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc

@@ -88,7 +88,8 @@ def _grants(role: dict) -> set[tuple]:
 
 
 def test_rbac_grants_exactly_what_the_autoscaler_and_the_gateway_call(overlay):
-    """The calls themselves are pinned by tests/autoscaler/test_kubernetes_contract.py (the API twin)."""
+    """The calls themselves are pinned on the API twin: the autoscaler's by tests/autoscaler/test_kubernetes_contract.py
+    and test_kubernetes_rbac.py, the gateway's by tests/gateway/routing/test_kubernetes_source.py."""
     from autoscaler.kubernetes import KubernetesConfig
 
     roles = objects(overlay, "Role")
@@ -272,7 +273,7 @@ def test_node_pods_are_standby_runtimes_within_their_memory_limit(overlay):
 
 def test_the_admission_policy_names_the_autoscaler_as_it_is_deployed(overlay):
     """The policy narrowing the autoscaler's pod patches (run on the API twin by
-    tests/autoscaler/test_kubernetes_contract.py) matches the service account the autoscaler's pods run as, in
+    tests/autoscaler/test_kubernetes_rbac.py) matches the service account the autoscaler's pods run as, in
     the namespace the overlay deploys to, and is bound to deny."""
     (policy,) = objects(overlay, "ValidatingAdmissionPolicy").values()
     (binding,) = objects(overlay, "ValidatingAdmissionPolicyBinding").values()
